@@ -1,0 +1,23 @@
+"""locks-hf: Locks sparse decoding (page-local compact key summaries) for Hugging Face Transformers.
+
+Importing this package registers ``attn_implementation="locks"`` with transformers.
+"""
+
+from .attention import locks_attention_forward, register
+from .cache import LocksCache, LocksLayer
+from .config import LocksConfig, LocksConfigError
+from .models_support import UnsupportedModelError
+from .summaries import summary_bytes
+
+register()
+
+__all__ = [
+    "LocksCache",
+    "LocksConfig",
+    "LocksConfigError",
+    "LocksLayer",
+    "UnsupportedModelError",
+    "locks_attention_forward",
+    "summary_bytes",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,127 @@
+"""The ``"locks"`` attention function: dense prefill, page-selected sparse decode.
+
+Registered with transformers' `AttentionInterface` and `AttentionMaskInterface` when `locks_hf` is
+imported. The mask function is required: without one, transformers hands a custom attention
+function ``attention_mask=None`` and padded batches go silently wrong.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.utils import logging
+
+from .cache import LocksLayer, take_handoff
+from .models_support import UnsupportedModelError
+from .selectors import select_pages
+
+logger = logging.get_logger(__name__)
+
+ATTENTION_NAME = "locks"
+
+# kwargs that change the attention math in ways sparse decode does not reproduce.
+_UNSUPPORTED_KWARGS = {
+    "softcap": "attention logit soft-capping",
+    "s_aux": "attention sinks (s_aux)",
+    "position_bias": "additive position biases",
+}
+
+
+def slot_validity(attention_mask: torch.Tensor | None, query_len: int, batch: int, device) -> torch.Tensor:
+    """``[b, Tq]`` validity of the slots just written, read off the model's attention mask.
+
+    With left padding the mask is ``[b, 1, Tq, Tk]``; a key slot is real iff some query attends it.
+    """
+    if attention_mask is None:
+        return torch.ones((batch, query_len), dtype=torch.bool, device=device)
+    mask = attention_mask if attention_mask.dtype == torch.bool else attention_mask > torch.finfo(attention_mask.dtype).min / 2
+    return mask[:, 0].any(dim=1)[:, -query_len:].expand(batch, query_len)
+
+
+def sparse_decode(layer: LocksLayer, query: torch.Tensor, scale: float) -> torch.Tensor:
+    """One decode step attending only the selected pages (reference PyTorch path).
+
+    ``query [b, Hq, 1, d]`` -> output ``[b, 1, Hq, d]``.
+    """
+    cfg = layer.config
+    b, hq, _, d = query.shape
+    keys, values, valid = layer.paged()  # [b, h, P, B, d], [b, 1, P, B]
+    h, P = keys.shape[1], keys.shape[2]
+    G = hq // h
+    q = query.reshape(b, h, G, d)
+
+    scores = layer.selector.page_scores(layer.summary_view(), keys, valid, q, scale)
+    scores = torch.nn.functional.pad(scores, (0, P - scores.shape[-1]), value=float("-inf"))
+    page_real = valid[:, 0].any(-1)
+    complete = torch.arange(P, device=query.device) < layer.n_summarized
+    selected = select_pages(scores, page_real, complete, cfg.page_slots, cfg.group_combine,
+                            layer.selector.per_head)  # [b, h, P]
+    layer.last_selection = selected
+
+    width = min(P, cfg.page_slots * (G if layer.selector.per_head else 1))
+    # Selected pages first, in page order (stable sort of a 0/1 key).
+    pages = torch.sort(selected.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :width]
+    taken = selected.gather(-1, pages)  # [b, h, W]
+    index = pages[..., None, None].expand(-1, -1, -1, *keys.shape[3:])
+    k_sel = keys.gather(2, index).float()
+    v_sel = values.gather(2, pages[..., None, None].expand(-1, -1, -1, *values.shape[3:])).float()
+    tok_ok = valid.expand(-1, h, -1, -1).gather(2, pages[..., None].expand(-1, -1, -1, keys.shape[3]))
+    tok_ok = tok_ok & taken[..., None]  # [b, h, W, B]
+
+    logits = scale * torch.einsum("bhgd,bhwid->bhgwi", q.float(), k_sel)
+    logits = logits.masked_fill(~tok_ok[:, :, None], float("-inf")).flatten(-2)
+    probs = torch.softmax(logits, dim=-1)
+    out = torch.einsum("bhgn,bhnd->bhgd", probs, v_sel.flatten(2, 3))
+    layer.record_step(tok_ok.sum(), valid.sum() * h)
+    return out.reshape(b, 1, hq, -1).to(query.dtype)
+
+
+def locks_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                            scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """Attention with transformers' signature: dense unless this is a decode step of a `LocksLayer`.
+
+    Dense (exactly transformers' SDPA) are: prefill and any forward with several query tokens,
+    layers that are not `LocksLayer`s (sliding-window layers, or any cache other than `LocksCache`),
+    the ``"full"`` selector, and steps where every row has at most ``k`` pages.
+    """
+    layer = take_handoff(getattr(module, "layer_idx", None), key)
+    if layer is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    for name, what in _UNSUPPORTED_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise UnsupportedModelError(f"{type(module).__name__}: {what} is not supported by Locks sparse decode")
+    if kwargs.get("sliding_window") is not None:
+        raise UnsupportedModelError(
+            f"layer {module.layer_idx} is a LocksLayer but the model passes sliding_window="
+            f"{kwargs['sliding_window']}: its config's layer types do not match the model"
+        )
+    if scaling is None:
+        scaling = 1.0 / math.sqrt(query.shape[-1])
+
+    batch, _, q_len, _ = query.shape
+    if attention_mask is not None:
+        layer.mark_new_slots(slot_validity(attention_mask, q_len, batch, query.device))
+    layer.summarize_completed()
+
+    cfg = layer.config
+    dense = (q_len > 1 or layer.selector is None or layer.length < cfg.min_context
+             or layer.length <= cfg.page_slots * cfg.page_size)
+    if dense:
+        if q_len == 1:
+            real = layer.slot_valid[:, : layer.length].sum() * key.shape[1]
+            layer.record_step(real, real)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    return sparse_decode(layer, query, scaling), None
+
+
+def register() -> None:
+    """Register ``attn_implementation="locks"`` (attention and mask functions) with transformers."""
+    AttentionInterface.register(ATTENTION_NAME, locks_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)

@@ -1,0 +1,103 @@
+"""`LocksConfig`: every knob of the method, validated once, with labels such as ``r8i4``."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, replace
+
+SELECTORS = ("locks", "oracle", "quest", "full")
+GROUP_COMBINES = ("share_average", "group_max", "group_mass")
+BASIS_BITS = (2, 4, 8, 16)  # 16 = unquantized (stored in the K/V dtype)
+VALUE_BITS = (8, 16)  # for coefficients and centroids
+
+_LABEL = re.compile(r"^r(?P<rank>\d+)(?:i(?P<bits>\d+)|(?P<bf16>bf16))$")
+
+
+class LocksConfigError(ValueError):
+    """A `LocksConfig` field has a value the method cannot run with."""
+
+
+@dataclass(frozen=True)
+class LocksConfig:
+    """What a `LocksCache` selects and how it summarises pages.
+
+    Attributes:
+        page_size: tokens per page ``B`` (a power of two).
+        rank: rank ``r`` of each page's key basis (Locks only).
+        basis_bits: bits per basis entry: 4 (paper default), 2 or 8, or 16 for unquantized.
+        coef_bits: 8 (int8, one scale per token row) or 16 (unquantized).
+        centroid_bits: 8 (int8, one scale per page) or 16 (unquantized).
+        budget: token budget ``b`` per (layer, KV head); ``k = ceil(b / B)`` page slots.
+        selector: ``"locks"``, ``"oracle"`` (exact page LSE), ``"quest"`` or ``"full"`` (dense).
+        group_combine: how the query heads of a GQA group agree on one page set (not Quest).
+        min_context: decode steps with fewer cached tokens run dense (0 = always select).
+    """
+
+    page_size: int = 16
+    rank: int = 8
+    basis_bits: int = 4
+    coef_bits: int = 8
+    centroid_bits: int = 8
+    budget: int = 128
+    selector: str = "locks"
+    group_combine: str = "share_average"
+    min_context: int = 0
+
+    def __post_init__(self) -> None:
+        B = self.page_size
+        if not isinstance(B, int) or B < 2 or B & (B - 1):
+            raise LocksConfigError(f"page_size must be a power of two >= 2 (e.g. 16), got {B!r}")
+        if self.selector not in SELECTORS:
+            raise LocksConfigError(f"selector must be one of {SELECTORS}, got {self.selector!r}")
+        if self.group_combine not in GROUP_COMBINES:
+            raise LocksConfigError(
+                f"group_combine must be one of {GROUP_COMBINES}, got {self.group_combine!r}"
+            )
+        if not isinstance(self.rank, int) or not 1 <= self.rank <= B:
+            raise LocksConfigError(
+                f"rank must be in 1..page_size={B} (a page of {B} centered keys spans at most "
+                f"{B - 1} directions), got {self.rank!r}"
+            )
+        if self.basis_bits not in BASIS_BITS:
+            raise LocksConfigError(f"basis_bits must be one of {BASIS_BITS}, got {self.basis_bits!r}")
+        for name in ("coef_bits", "centroid_bits"):
+            if getattr(self, name) not in VALUE_BITS:
+                raise LocksConfigError(f"{name} must be one of {VALUE_BITS}, got {getattr(self, name)!r}")
+        if not isinstance(self.budget, int) or self.budget < 2 * B:
+            raise LocksConfigError(
+                f"budget must be at least two pages (2 * page_size = {2 * B} tokens) so the sink and "
+                f"most recent pages fit, got {self.budget!r}"
+            )
+        if not isinstance(self.min_context, int) or self.min_context < 0:
+            raise LocksConfigError(f"min_context must be a non-negative int, got {self.min_context!r}")
+
+    @property
+    def page_slots(self) -> int:
+        """``k = ceil(b / B)``: pages attended per (layer, KV head), sink and recent included."""
+        return math.ceil(self.budget / self.page_size)
+
+    @property
+    def label(self) -> str:
+        """Short name of the arm, e.g. ``locks-r8i4-b128`` or ``quest-b128``."""
+        if self.selector == "locks":
+            bits = "bf16" if self.basis_bits == 16 else f"i{self.basis_bits}"
+            return f"locks-r{self.rank}{bits}-b{self.budget}"
+        if self.selector == "full":
+            return "full"
+        return f"{self.selector}-b{self.budget}"
+
+    @classmethod
+    def from_label(cls, label: str, **overrides) -> "LocksConfig":
+        """Parse ``r8i4`` / ``r4i2`` / ``r8bf16`` (optionally prefixed ``locks-``) into a Locks config."""
+        match = _LABEL.match(label.removeprefix("locks-"))
+        if match is None:
+            raise LocksConfigError(
+                f"cannot parse summary label {label!r}: expected r<rank>i<bits> (e.g. r8i4) or r<rank>bf16"
+            )
+        bits = 16 if match["bf16"] else int(match["bits"])
+        return cls(rank=int(match["rank"]), basis_bits=bits, **overrides)
+
+    def replace(self, **changes) -> "LocksConfig":
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)

@@ -1,0 +1,52 @@
+"""Symmetric absmax quantization with bf16 scales, and packing of 2/4-bit codes into bytes."""
+
+from __future__ import annotations
+
+import torch
+
+# The scale is rounded *up* to bf16 so that |x| / scale never exceeds qmax: the round trip error
+# then stays within half a step, with no clamping error.
+_BF16_ROUND_UP = 1.0 + 2.0**-7
+
+
+def qmax(bits: int) -> int:
+    """Largest code magnitude of a symmetric ``bits``-bit integer (7 for int4)."""
+    return 2 ** (bits - 1) - 1
+
+
+def absmax_scale(x: torch.Tensor, bits: int, dim: int | tuple[int, ...]) -> torch.Tensor:
+    """bf16 scale per slice so that ``x / scale`` fits ``[-qmax, qmax]`` (reduced over ``dim``)."""
+    amax = x.abs().amax(dim=dim, keepdim=True).float()
+    scale = (amax * _BF16_ROUND_UP / qmax(bits)).to(torch.bfloat16)
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+def quantize(x: torch.Tensor, bits: int, dim: int | tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes (int8 tensor, values in ``[-qmax, qmax]``) and bf16 scales, keepdim over ``dim``."""
+    scale = absmax_scale(x, bits, dim)
+    codes = torch.round(x.float() / scale.float()).clamp_(-qmax(bits), qmax(bits))
+    return codes.to(torch.int8), scale
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack signed ``bits``-bit codes along the last dim into uint8 (element 0 in the low bits)."""
+    if bits == 8:
+        return codes.to(torch.int8)
+    per_byte = 8 // bits
+    if codes.shape[-1] % per_byte:
+        raise ValueError(f"last dim {codes.shape[-1]} is not a multiple of {per_byte} for {bits}-bit packing")
+    mask = (1 << bits) - 1
+    fields = (codes.to(torch.int32) & mask).unflatten(-1, (-1, per_byte))
+    shifts = torch.arange(per_byte, device=codes.device, dtype=torch.int32) * bits
+    return (fields << shifts).sum(-1).to(torch.uint8)
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of `pack`: signed codes as int8, last dim multiplied back out."""
+    if bits == 8:
+        return packed.to(torch.int8)
+    per_byte = 8 // bits
+    shifts = torch.arange(per_byte, device=packed.device, dtype=torch.int32) * bits
+    fields = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    signed = fields - ((fields >> (bits - 1)) << bits)  # two's complement sign extension
+    return signed.flatten(-2).to(torch.int8)

@@ -1,0 +1,128 @@
+"""Page-local key summaries (SPEC §1): centroid, top-r basis of the centered keys, coefficients.
+
+A summary is a dict of tensors whose leading dims are the pages' (e.g. ``[batch, kv_heads, pages]``):
+
+============  ======================================  ======================================
+name          quantized layout (i4 default)           unquantized (16 bits)
+============  ======================================  ======================================
+basis         uint8 ``[r, d*bits/8]`` (packed codes)  K/V dtype ``[r, d]``
+basis_scale   bf16 ``[r]``, one per basis column       (absent)
+coef          int8 ``[B, r]``                           K/V dtype ``[B, r]``
+coef_scale    bf16 ``[B]``, one per token row           (absent)
+mu            int8 ``[d]``                              K/V dtype ``[d]``
+mu_scale      bf16 ``[1]``                              (absent)
+============  ======================================  ======================================
+
+Basis vectors are stored as rows (``V_j^T``), so scoring reads each one contiguously.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .quant import pack, quantize, unpack
+
+
+def summary_bytes(head_dim: int, page_size: int, rank: int, basis_bits: int = 4,
+                  coef_bits: int = 8, centroid_bits: int = 8) -> int:
+    """Bytes of one page's summary for one KV head: ``d*r/2 + B*r + d + 2*(r + B + 1)`` at i4.
+
+    Unquantized (16-bit) parts count 2 bytes per entry and carry no scale.
+    """
+    d, B, r = head_dim, page_size, rank
+    basis = d * r * basis_bits // 8 + (2 * r if basis_bits < 16 else 0)
+    coef = B * r * coef_bits // 8 + (2 * B if coef_bits < 16 else 0)
+    mu = d * centroid_bits // 8 + (2 if centroid_bits < 16 else 0)
+    return basis + coef + mu
+
+
+def _compute_dtype(keys: torch.Tensor) -> torch.dtype:
+    return torch.float64 if keys.dtype == torch.float64 else torch.float32
+
+
+def fit_pages(keys: torch.Tensor, valid: torch.Tensor, rank: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Unquantized page fit: centroid ``[..., d]``, basis rows ``[..., r, d]``, coefficients ``[..., B, r]``.
+
+    ``keys`` is ``[..., B, d]``, ``valid`` ``[..., B]``; invalid (padding) slots take no part in the
+    centroid or the basis, and get zero coefficients.
+    """
+    k = keys.to(_compute_dtype(keys))
+    w = valid.to(k.dtype).unsqueeze(-1)
+    mu = (k * w).sum(-2) / w.sum(-2).clamp_min(1.0)
+    centered = (k - mu.unsqueeze(-2)) * w
+    # The top-r right singular vectors; any orthonormal basis of that subspace is equivalent.
+    _, _, vh = torch.linalg.svd(centered, full_matrices=False)
+    basis = vh[..., :rank, :]
+    if basis.shape[-2] < rank:  # rank > head_dim cannot happen (validated), but d < B can
+        basis = torch.nn.functional.pad(basis, (0, 0, 0, rank - basis.shape[-2]))
+    coef = centered @ basis.transpose(-1, -2)
+    return mu, basis, coef
+
+
+def build_summary(keys: torch.Tensor, valid: torch.Tensor, rank: int, basis_bits: int = 4,
+                  coef_bits: int = 8, centroid_bits: int = 8) -> dict[str, torch.Tensor]:
+    """Fit and store page summaries in the layout of the module docstring."""
+    mu, basis, coef = fit_pages(keys, valid, rank)
+    store = keys.dtype
+    out: dict[str, torch.Tensor] = {}
+    if basis_bits < 16:
+        codes, scale = quantize(basis, basis_bits, dim=-1)  # one scale per basis column of V_j
+        out["basis"], out["basis_scale"] = pack(codes, basis_bits), scale.squeeze(-1)
+    else:
+        out["basis"] = basis.to(store)
+    if coef_bits < 16:
+        codes, scale = quantize(coef, coef_bits, dim=-1)  # one scale per token row
+        out["coef"], out["coef_scale"] = codes, scale.squeeze(-1)
+    else:
+        out["coef"] = coef.to(store)
+    if centroid_bits < 16:
+        codes, scale = quantize(mu, centroid_bits, dim=-1)
+        out["mu"], out["mu_scale"] = codes, scale
+    else:
+        out["mu"] = mu.to(store)
+    return out
+
+
+def _dequant(summary: dict[str, torch.Tensor], name: str, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    x = summary[name]
+    if f"{name}_scale" not in summary:
+        return x.to(dtype)
+    codes = unpack(x, bits) if name == "basis" else x
+    scale = summary[f"{name}_scale"].to(dtype)
+    # basis and coef carry one scale per row ([..., r] / [..., B]); mu one per page ([..., 1]).
+    return codes.to(dtype) * (scale if name == "mu" else scale.unsqueeze(-1))
+
+
+def dequantize_summary(summary: dict[str, torch.Tensor], basis_bits: int, dtype: torch.dtype = torch.float32
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Centroid ``[..., d]``, basis rows ``[..., r, d]``, coefficients ``[..., B, r]`` in ``dtype``."""
+    mu = _dequant(summary, "mu", 8, dtype)
+    basis = _dequant(summary, "basis", basis_bits, dtype)
+    coef = _dequant(summary, "coef", 8, dtype)
+    return mu, basis, coef
+
+
+def masked_lse(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Log-sum-exp over the last dim, ignoring invalid entries (``-inf`` when none is valid)."""
+    return torch.logsumexp(logits.masked_fill(~valid, float("-inf")), dim=-1)
+
+
+def estimated_page_lse(mu: torch.Tensor, basis: torch.Tensor, coef: torch.Tensor, valid: torch.Tensor,
+                       query: torch.Tensor, scale: float) -> torch.Tensor:
+    """``s_hat_j(q) = scale * q.mu_j + LSE_i(scale * (V_j^T q) . c_i)`` over each page's real tokens.
+
+    Shapes: ``mu [b, h, P, d]``, ``basis [b, h, P, r, d]``, ``coef [b, h, P, B, r]``,
+    ``valid [b, 1|h, P, B]``, ``query [b, h, G, d]`` -> ``[b, h, G, P]``.
+    """
+    q = query.to(mu.dtype)
+    proj = torch.einsum("bhgd,bhprd->bhgpr", q, basis)
+    logits = scale * torch.einsum("bhgpr,bhpir->bhgpi", proj, coef)
+    return scale * torch.einsum("bhgd,bhpd->bhgp", q, mu) + masked_lse(logits, valid.unsqueeze(2))
+
+
+def exact_page_lse(keys: torch.Tensor, valid: torch.Tensor, query: torch.Tensor, scale: float) -> torch.Tensor:
+    """``s_j(q) = LSE_i(scale * q.k_i)`` reading every key: ``keys [b, h, P, B, d]`` -> ``[b, h, G, P]``."""
+    dtype = _compute_dtype(keys)
+    logits = scale * torch.einsum("bhgd,bhpid->bhgpi", query.to(dtype), keys.to(dtype))
+    return masked_lse(logits, valid.unsqueeze(2))
