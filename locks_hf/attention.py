@@ -47,35 +47,35 @@ def sparse_decode(layer: LocksLayer, query: torch.Tensor, scale: float) -> torch
 
     ``query [b, Hq, 1, d]`` -> output ``[b, 1, Hq, d]``.
     """
-    cfg = layer.config
+    cfg, selector = layer.config, layer.selector
     b, hq, _, d = query.shape
-    keys, values, valid = layer.paged()  # [b, h, P, B, d], [b, 1, P, B]
-    h, P = keys.shape[1], keys.shape[2]
+    h = layer.keys.shape[1]
     G = hq // h
     q = query.reshape(b, h, G, d)
 
-    scores = layer.selector.page_scores(layer.summary_view(), keys, valid, q, scale)
+    # 1. Score every page from its summary (the oracle reads the keys instead).
+    valid = layer.page_validity()  # [b, 1, P, B]
+    P = valid.shape[2]
+    keys = layer.all_page_keys() if selector.reads_keys else None
+    scores = selector.page_scores(layer.summary_view(), keys, valid, q, scale)
     scores = torch.nn.functional.pad(scores, (0, P - scores.shape[-1]), value=float("-inf"))
-    page_real = valid[:, 0].any(-1)
-    complete = torch.arange(P, device=query.device) < layer.n_summarized
-    selected = select_pages(scores, page_real, complete, cfg.page_slots, cfg.group_combine,
-                            layer.selector.per_head)  # [b, h, P]
+
+    # 2. Select: sink + most recent + best k - 2 complete pages, one set per KV head.
+    selected = select_pages(scores, valid[:, 0].any(-1), layer.complete_pages(), cfg.page_slots,
+                            cfg.group_combine, selector.per_head)  # [b, h, P]
     layer.last_selection = selected
 
-    width = min(P, cfg.page_slots * (G if layer.selector.per_head else 1))
-    # Selected pages first, in page order (stable sort of a 0/1 key).
+    # 3. Attend the selected pages with the original K/V, softmax renormalised over them.
+    width = min(P, cfg.page_slots * (G if selector.per_head else 1))
     pages = torch.sort(selected.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :width]
-    taken = selected.gather(-1, pages)  # [b, h, W]
-    index = pages[..., None, None].expand(-1, -1, -1, *keys.shape[3:])
-    k_sel = keys.gather(2, index).float()
-    v_sel = values.gather(2, pages[..., None, None].expand(-1, -1, -1, *values.shape[3:])).float()
-    tok_ok = valid.expand(-1, h, -1, -1).gather(2, pages[..., None].expand(-1, -1, -1, keys.shape[3]))
-    tok_ok = tok_ok & taken[..., None]  # [b, h, W, B]
+    taken = selected.gather(-1, pages)  # [b, h, W]: False for padding of the fixed width
+    k_sel = layer.page_keys(pages).flatten(2, 3).float()  # [b, h, W*B, d]
+    v_sel = layer.page_keys(pages, values=True).flatten(2, 3).float()
+    tok_ok = (layer.page_validity_of(pages) & taken[..., None]).flatten(2)  # [b, h, W*B]
 
-    logits = scale * torch.einsum("bhgd,bhwid->bhgwi", q.float(), k_sel)
-    logits = logits.masked_fill(~tok_ok[:, :, None], float("-inf")).flatten(-2)
-    probs = torch.softmax(logits, dim=-1)
-    out = torch.einsum("bhgn,bhnd->bhgd", probs, v_sel.flatten(2, 3))
+    logits = scale * torch.einsum("bhgd,bhnd->bhgn", q.float(), k_sel)
+    probs = torch.softmax(logits.masked_fill(~tok_ok[:, :, None], float("-inf")), dim=-1)
+    out = torch.einsum("bhgn,bhnd->bhgd", probs, v_sel)
     layer.record_step(tok_ok.sum(), valid.sum() * h)
     return out.reshape(b, 1, hq, -1).to(query.dtype)
 
@@ -105,7 +105,7 @@ def locks_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         scaling = 1.0 / math.sqrt(query.shape[-1])
 
     batch, _, q_len, _ = query.shape
-    if attention_mask is not None:
+    if attention_mask is not None and q_len > 1:
         layer.mark_new_slots(slot_validity(attention_mask, q_len, batch, query.device))
     layer.summarize_completed()
 

@@ -39,8 +39,11 @@ class LocksLayer(DynamicLayer):
 
     ``keys``/``values`` are views ``[b, h, T, d]`` into the buffers (no copy per decoded token).
     ``slot_valid [b, capacity]`` marks padding slots False; they enter no summary and no selection.
-    ``summary`` holds the selector's per-page tensors ``[b, h, page_capacity, ...]`` for the first
-    ``n_summarized`` (complete) pages.
+
+    Pages are laid out per row from the row's first real token (``row_start``): page ``j`` of row
+    ``b`` holds slots ``row_start[b] + j*B ...``. A left-padded row is thus paged exactly as if it
+    ran alone. ``summary`` holds the selector's per-page tensors ``[b, h, page_capacity, ...]``,
+    valid for the first ``n_summarized[b]`` (complete) pages of each row.
     """
 
     def __init__(self, config: LocksConfig, selector: PageSelector | None = None) -> None:
@@ -54,8 +57,9 @@ class LocksLayer(DynamicLayer):
         self.is_initialized = False
         self._kbuf = self._vbuf = self.slot_valid = None
         self.length = 0
+        self.row_start: list[int] = []
+        self.n_summarized: list[int] = []
         self.summary: dict[str, torch.Tensor] = {}
-        self.n_summarized = 0
         self.last_selection: torch.Tensor | None = None  # [b, h, P] pages attended at the last step
         self.reset_stats()
 
@@ -80,6 +84,7 @@ class LocksLayer(DynamicLayer):
         self._kbuf = key_states.new_empty((b, h, 0, d))
         self._vbuf = value_states.new_empty((b, h, 0, value_states.shape[-1]))
         self.slot_valid = torch.ones((b, 0), dtype=torch.bool, device=self.device)
+        self.row_start, self.n_summarized = [0] * b, [0] * b
         self.is_initialized = True
 
     def _grow(self, needed: int) -> None:
@@ -87,20 +92,11 @@ class LocksLayer(DynamicLayer):
         new_cap = max(needed + _MIN_HEADROOM, self.capacity + self.capacity // 4)
         new_cap = math.ceil(new_cap / B) * B
         T = self.length
-
-        self._kbuf = self._resized(self._kbuf, 2, new_cap, T)
-        self._vbuf = self._resized(self._vbuf, 2, new_cap, T)
-        self.slot_valid = self._resized(self.slot_valid, 1, new_cap, T, fill=True)
-        pages = new_cap // B
-        self.summary = {n: self._resized(t, 2, pages, self.n_summarized) for n, t in self.summary.items()}
-
-    @staticmethod
-    def _resized(buf: torch.Tensor, dim: int, size: int, keep: int, fill=None) -> torch.Tensor:
-        shape = list(buf.shape)
-        shape[dim] = size
-        out = buf.new_full(shape, fill) if fill is not None else buf.new_empty(shape)
-        out.narrow(dim, 0, keep).copy_(buf.narrow(dim, 0, keep))
-        return out
+        self._kbuf = _resized(self._kbuf, 2, new_cap, T)
+        self._vbuf = _resized(self._vbuf, 2, new_cap, T)
+        self.slot_valid = _resized(self.slot_valid, 1, new_cap, T, fill=True)
+        kept = max(self.n_summarized, default=0)
+        self.summary = {n: _resized(t, 2, new_cap // B + 1, kept) for n, t in self.summary.items()}
 
     def _refresh_views(self) -> None:
         self.keys = self._kbuf[:, :, : self.length]
@@ -128,69 +124,128 @@ class LocksLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.length
 
-    # -- padding and summaries ---------------------------------------------------------------------
+    # -- padding and pages -------------------------------------------------------------------------
     def mark_new_slots(self, valid: torch.Tensor) -> None:
-        """Record which of the last ``valid.shape[1]`` written slots hold real tokens (``[b, t]``)."""
+        """Record which of the last ``valid.shape[1]`` written slots hold real tokens (``[b, t]``).
+
+        Called for multi-token forwards (prefill); decode tokens are real by construction.
+        """
         t = valid.shape[1]
         self.slot_valid[:, self.length - t : self.length] = valid
+        T = self.length
+        slots = torch.arange(T, device=self.device)
+        starts = torch.where(self.slot_valid[:, :T], slots, T).amin(-1).tolist()
+        for row, start in enumerate(starts):
+            if start != self.row_start[row]:  # the row's page grid moved: its summaries are stale
+                self.row_start[row], self.n_summarized[row] = start, 0
 
-    def paged(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Keys and values ``[b, h, P, B, d]`` and slot validity ``[b, 1, P, B]`` over ``P = ceil(T/B)``."""
+    def _page_slots(self, pages: torch.Tensor) -> torch.Tensor:
+        """Slot index of every token of ``pages [b, ...]`` (page numbers per row): ``[b, ..., B]``."""
         B = self.config.page_size
-        P = math.ceil(self.length / B)
-        keys = self._kbuf[:, :, : P * B].unflatten(2, (P, B))
-        values = self._vbuf[:, :, : P * B].unflatten(2, (P, B))
-        written = torch.arange(P * B, device=self.device) < self.length
-        valid = (self.slot_valid[:, : P * B] & written).unflatten(1, (P, B)).unsqueeze(1)
-        return keys, values, valid
+        start = torch.tensor(self.row_start, device=self.device).view(-1, *([1] * pages.dim()))
+        return start + pages.unsqueeze(-1) * B + torch.arange(B, device=self.device)
+
+    def _gather_slots(self, buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """``buf [b, h, cap, d]`` at ``slots [b, h, n]`` -> ``[b, h, n, d]`` (clamped in range)."""
+        index = slots.clamp(0, self.capacity - 1).unsqueeze(-1).expand(-1, -1, -1, buf.shape[-1])
+        return buf.gather(2, index)
+
+    def _slot_ok(self, slots: torch.Tensor) -> torch.Tensor:
+        """Real, written slots among ``slots [b, ...]``."""
+        flat = slots.flatten(1).clamp(0, self.capacity - 1)
+        real = self.slot_valid.gather(1, flat).view_as(slots)
+        return real & (slots >= 0) & (slots < self.length)
+
+    @property
+    def num_pages(self) -> int:
+        """Pages of the longest row (``P``): every row's page axis has this length."""
+        return math.ceil((self.length - min(self.row_start)) / self.config.page_size)
+
+    def page_validity(self) -> torch.Tensor:
+        """``[b, 1, P, B]``: which slots of each row's pages hold real tokens."""
+        pages = torch.arange(self.num_pages, device=self.device).expand(len(self.row_start), -1)
+        return self._slot_ok(self._page_slots(pages)).unsqueeze(1)
+
+    def page_validity_of(self, pages: torch.Tensor) -> torch.Tensor:
+        """``[b, h, n, B]``: real slots of the pages ``pages [b, h, n]``."""
+        return self._slot_ok(self._page_slots(pages))
+
+    def page_keys(self, pages: torch.Tensor, values: bool = False) -> torch.Tensor:
+        """Keys (or values) ``[b, h, n, B, d]`` of the pages ``pages [b, h, n]``."""
+        slots = self._page_slots(pages)  # [b, h, n, B]
+        out = self._gather_slots(self._vbuf if values else self._kbuf, slots.flatten(2))
+        return out.unflatten(2, slots.shape[2:])
+
+    def all_page_keys(self) -> torch.Tensor:
+        """Keys ``[b, h, P, B, d]`` of every page (a view when no row is padded, else a gather)."""
+        B, P = self.config.page_size, self.num_pages
+        if not any(self.row_start) and P * B <= self.capacity:
+            return self._kbuf[:, :, : P * B].unflatten(2, (P, B))
+        b, h = self._kbuf.shape[:2]
+        return self.page_keys(torch.arange(P, device=self.device).expand(b, h, -1))
+
+    def complete_pages(self) -> torch.Tensor:
+        """``[b, P]``: pages summarized (complete) per row."""
+        done = torch.tensor(self.n_summarized, device=self.device)
+        return torch.arange(self.num_pages, device=self.device) < done[:, None]
 
     def summarize_completed(self) -> None:
-        """Summarize every complete page not summarized yet, in one batched pass."""
+        """Summarize every complete page not summarized yet, in one batched pass over the rows."""
         if self.selector is None:
             return
         B = self.config.page_size
-        start, stop = self.n_summarized, self.length // B
-        if stop <= start:
+        target = [max(self.length - s, 0) // B for s in self.row_start]
+        lo = min(self.n_summarized)
+        hi = max(target)
+        if hi <= lo or all(n >= t for n, t in zip(self.n_summarized, target)):
             return
-        keys = self._kbuf[:, :, start * B : stop * B].unflatten(2, (stop - start, B))
-        valid = self.slot_valid[:, start * B : stop * B].unflatten(1, (stop - start, B))
-        new = self.selector.summarize(keys, valid.unsqueeze(1).expand(-1, keys.shape[1], -1, -1))
+        b, h = self._kbuf.shape[:2]
+        pages = torch.arange(lo, hi, device=self.device).expand(b, h, -1)
+        keys = self.page_keys(pages)  # [b, h, n, B, d]
+        valid = self._slot_ok(self._page_slots(pages[:, 0])).unsqueeze(1).expand(-1, h, -1, -1)
+        new = self.selector.summarize(keys, valid)
         if not self.summary:
-            pages = self.capacity // B
-            self.summary = {n: t.new_empty((*t.shape[:2], pages, *t.shape[3:])) for n, t in new.items()}
+            cap = self.capacity // B + 1
+            self.summary = {n: t.new_empty((*t.shape[:2], cap, *t.shape[3:])) for n, t in new.items()}
+        # Pages past a row's target are incomplete there: written now, summarized again once complete.
         for name, tensor in new.items():
-            self.summary[name][:, :, start:stop] = tensor
-        self.n_summarized = stop
+            self.summary[name][:, :, lo:hi] = tensor
+        self.n_summarized = target
 
     def summary_view(self) -> dict[str, torch.Tensor]:
-        """The summaries of the complete pages, ``[b, h, n_summarized, ...]``."""
-        return {n: t[:, :, : self.n_summarized] for n, t in self.summary.items()}
+        """The summaries of the summarized pages, ``[b, h, max(n_summarized), ...]``."""
+        n = max(self.n_summarized, default=0)
+        return {name: t[:, :, :n] for name, t in self.summary.items()}
 
     def set_config(self, config: LocksConfig) -> None:
         """Switch selector settings; summaries are rebuilt (lazily) when their layout changes."""
         if _summary_fields(config) != _summary_fields(self.config):
-            self.summary, self.n_summarized = {}, 0
+            self.summary, self.n_summarized = {}, [0] * len(self.row_start)
         self.config = config
         self.selector = make_selector(config)
 
     # -- state hooks used by generate() -----------------------------------------------------------
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Apply a batch-dim transform to every stored tensor (K/V, validity, summaries)."""
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], rows: list[int]) -> None:
+        """Apply a batch-dim transform to every stored tensor; ``rows`` says where each new row came from."""
         if not self.is_initialized:
             return
         self._kbuf, self._vbuf, self.slot_valid = fn(self._kbuf), fn(self._vbuf), fn(self.slot_valid)
         self.summary = {n: fn(t) for n, t in self.summary.items()}
+        self.row_start = [self.row_start[r] for r in rows]
+        self.n_summarized = [self.n_summarized[r] for r in rows]
         self.last_selection = None
         self._refresh_views()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)), beam_idx.tolist())
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._apply(lambda t: t[indices.to(t.device) if torch.is_tensor(indices) else indices])
+        rows = indices.tolist() if torch.is_tensor(indices) else list(indices)
+        self._apply(lambda t: t[torch.as_tensor(rows, device=t.device)], rows)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._apply(lambda t: t.repeat_interleave(repeats, dim=0))
+        rows = [r for r in range(len(self.row_start)) for _ in range(repeats)]
+        self._apply(lambda t: t.repeat_interleave(repeats, dim=0), rows)
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
@@ -202,7 +257,9 @@ class LocksLayer(DynamicLayer):
         self.length = max(self.length + tokens_to_remove, 0)
         # A page that lost its last slot is no longer complete: its summary is dropped, and it is
         # summarized again once decode completes it.
-        self.n_summarized = min(self.n_summarized, self.length // self.config.page_size)
+        B = self.config.page_size
+        self.n_summarized = [min(n, max(self.length - s, 0) // B)
+                             for n, s in zip(self.n_summarized, self.row_start)]
         self._refresh_views()
 
     def reset(self) -> None:
@@ -212,6 +269,15 @@ class LocksLayer(DynamicLayer):
         raise ValueError("LocksCache does not support offloading: create it with offloading=False")
 
     prefetch = offload
+
+
+def _resized(buf: torch.Tensor, dim: int, size: int, keep: int, fill=None) -> torch.Tensor:
+    """A copy of ``buf`` with ``dim`` resized to ``size``, keeping the first ``keep`` entries."""
+    shape = list(buf.shape)
+    shape[dim] = size
+    out = buf.new_full(shape, fill) if fill is not None else buf.new_empty(shape)
+    out.narrow(dim, 0, keep).copy_(buf.narrow(dim, 0, keep))
+    return out
 
 
 class LocksCache(DynamicCache):
@@ -265,7 +331,7 @@ class LocksCache(DynamicCache):
         for layer in self.layers:
             new = copy.copy(layer)
             if isinstance(layer, LocksLayer):
-                new._apply(lambda t: t.clone())
+                new._apply(lambda t: t.clone(), list(range(len(layer.row_start))))
             else:
                 new = copy.deepcopy(layer)
             clone.layers.append(new)

@@ -2,7 +2,8 @@
 
 A selector sees one layer's paged cache at a decode step:
 
-* ``keys``   ``[b, h, P, B, d]`` cached post-RoPE keys, split into pages (the last may be partial);
+* ``keys``   ``[b, h, P, B, d]`` cached post-RoPE keys, split into pages (the last may be partial),
+  given only to selectors that set ``reads_keys`` (the oracle); ``None`` for the others;
 * ``valid``  ``[b, 1, P, B]`` which slots hold real tokens (False for padding and unwritten slots);
 * ``summary`` its own per-page tensors ``[b, h, P, ...]`` built by `summarize` (complete pages only);
 * ``query``  ``[b, h, G, d]`` the step's query heads grouped by KV head.
@@ -28,6 +29,8 @@ class PageSelector(ABC):
 
     #: Each query head picks its own pages and the group attends their union (Quest's GQA port).
     per_head: bool = False
+    #: Scoring reads every cached key (the exact oracle) rather than summaries only.
+    reads_keys: bool = False
 
     def __init__(self, config: LocksConfig) -> None:
         self.config = config
@@ -58,6 +61,8 @@ class LocksSelector(PageSelector):
 
 class OracleSelector(PageSelector):
     """Exact page LSE, reading every key (an upper reference, not a fast method)."""
+
+    reads_keys = True
 
     def page_scores(self, summary, keys, valid, query, scale):
         return exact_page_lse(keys, valid, query, scale)
@@ -124,25 +129,28 @@ def _top_pages(scores: torch.Tensor, candidates: torch.Tensor, slots: int) -> to
     return chosen & candidates
 
 
-def forced_pages(page_real: torch.Tensor, recent: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masks ``[b, P]`` of the sink page (first page with a real token, per row) and the recent page."""
+def forced_pages(page_real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masks ``[b, P]`` of the sink page (first page with a real token) and the most recent page
+    (the last one with a real token: decode tokens are real, so it holds the newest token)."""
     P = page_real.shape[-1]
     idx = torch.arange(P, device=page_real.device)
     first = torch.where(page_real, idx, P).amin(-1, keepdim=True)
-    return idx == first, (idx == recent).expand_as(page_real)
+    last = torch.where(page_real, idx, -1).amax(-1, keepdim=True)
+    return idx == first, idx == last
 
 
 def select_pages(scores: torch.Tensor, page_real: torch.Tensor, page_complete: torch.Tensor,
                  slots: int, rule: str, per_head: bool) -> torch.Tensor:
     """Boolean page set ``[b, h, P]`` under SPEC §1.
 
-    ``scores [b, h, G, P]``; ``page_real [b, P]`` pages holding a real token; ``page_complete [P]``.
-    The sink and the most recent page (the last one) are always kept; the other ``slots - 2`` slots
+    ``scores [b, h, G, P]``; ``page_real [b, P]`` pages holding a real token; ``page_complete``
+    ``[b, P]`` or ``[P]`` pages whose last slot is written.
+    The sink and the most recent page are always kept; the other ``slots - 2`` slots
     take the best remaining complete pages. With ``per_head`` every query head selects on its own
     and the group attends the union.
     """
     P = scores.shape[-1]
-    sink, recent = forced_pages(page_real, P - 1)
+    sink, recent = forced_pages(page_real)
     forced = ((sink | recent) & page_real)[:, None]  # [b, 1, P]
     candidates = (page_real & page_complete)[:, None] & ~forced  # [b, 1, P]
     if per_head:

@@ -1,0 +1,194 @@
+"""LocksCache + attn_implementation="locks" inside generate(), on tiny models of each architecture."""
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicSlidingWindowLayer
+
+from locks_hf import LocksCache, LocksConfig, LocksLayer
+from locks_hf.attention import sparse_decode
+
+from conftest import tiny
+
+PROMPT = 300
+
+
+def _ids(n=PROMPT, b=1, seed=1):
+    return torch.randint(3, 256, (b, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("selector", ["locks", "oracle", "quest", "full"])
+def test_covering_budget_gives_dense_tokens(arch, selector):
+    ids = _ids()
+    ref = tiny(arch, "sdpa").generate(ids, max_new_tokens=8, do_sample=False)
+    model = tiny(arch)
+    cache = LocksCache(model.config, LocksConfig(budget=1024, selector=selector))
+    out = model.generate(ids, max_new_tokens=8, do_sample=False, past_key_values=cache)
+    assert torch.equal(out, ref)
+    assert cache.attended_fraction() == 1.0
+
+
+def test_sparse_path_with_every_page_equals_dense():
+    """The gather-and-attend path itself (not the dense shortcut) reproduces dense attention."""
+    model = tiny("llama")
+    cache = LocksCache(model.config, LocksConfig(budget=32))
+    model(_ids(100), past_key_values=cache)
+    layer = cache.layers[0]
+    layer.config = layer.config.replace(budget=2048)  # k > pages: selection takes every page
+    q = torch.randn(1, 4, 1, 16, dtype=torch.float64)
+    out = sparse_decode(layer, q, 0.25)
+    k = layer.keys.repeat_interleave(2, dim=1)
+    v = layer.values.repeat_interleave(2, dim=1)
+    want = torch.softmax(0.25 * q @ k.transpose(-1, -2), -1) @ v
+    assert torch.allclose(out, want.transpose(1, 2), atol=1e-6)
+
+
+@pytest.mark.parametrize("selector", ["locks", "oracle", "quest"])
+def test_small_budget_attends_at_most_k_pages_each_step(arch, selector):
+    model = tiny(arch)
+    cfg = LocksConfig(budget=64, selector=selector)  # k = 4 pages of 16
+    cache = LocksCache(model.config, cfg)
+    out = model(_ids(), past_key_values=cache)
+    token = out.logits[:, -1:].argmax(-1)
+    G = model.config.num_attention_heads // model.config.num_key_value_heads
+    limit = cfg.page_slots * (G if selector == "quest" else 1)
+    for _ in range(6):
+        out = model(token, past_key_values=cache)
+        token = out.logits[:, -1:].argmax(-1)
+        for layer in cache.locks_layers:
+            counts = layer.last_selection.sum(-1)
+            assert (counts <= limit).all() and (counts >= 2).all()
+            if selector != "quest":
+                assert (counts == cfg.page_slots).all()
+    assert 0 < cache.attended_fraction() < 0.5
+
+
+def _brute_sparse_output(layer, q, scale):
+    """Attention over exactly the tokens of ``layer.last_selection``, written directly (float64)."""
+    b, hq, _, d = q.shape
+    h = layer.keys.shape[1]
+    B = layer.config.page_size
+    out = torch.zeros(b, 1, hq, d, dtype=torch.float64)
+    for i in range(b):
+        for head in range(hq):
+            j = head // (hq // h)
+            slots = [s for s in range(layer.length)
+                     if layer.last_selection[i, j, s // B] and layer.slot_valid[i, s]]
+            k, v = layer.keys[i, j, slots].double(), layer.values[i, j, slots].double()
+            out[i, 0, head] = torch.softmax(scale * k @ q[i, head, 0].double(), 0) @ v
+    return out
+
+
+@pytest.mark.parametrize("selector", ["locks", "quest"])
+def test_sparse_output_equals_attention_over_selected_tokens(selector):
+    model = tiny("llama")
+    cache = LocksCache(model.config, LocksConfig(budget=64, selector=selector))
+    model(_ids(250), past_key_values=cache)
+    layer = cache.layers[1]
+    q = torch.randn(1, 4, 1, 16, dtype=torch.float64)
+    out = sparse_decode(layer, q, 0.25)
+    assert torch.allclose(out, _brute_sparse_output(layer, q, 0.25), atol=1e-10)
+
+
+@pytest.mark.parametrize("budget,selector", [(64, "locks"), (64, "oracle"), (64, "quest"), (1024, "locks")])
+def test_left_padded_batch_equals_rows_run_alone(budget, selector):
+    model = tiny("llama")
+    a, b = _ids(260, seed=2)[0], _ids(190, seed=3)[0]
+    batch = torch.stack([a, torch.cat([torch.zeros(70, dtype=torch.long), b])])
+    mask = (torch.arange(260)[None] >= torch.tensor([[0], [70]])).long()
+    cfg = LocksConfig(budget=budget, selector=selector)
+    out = model.generate(batch, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                         past_key_values=LocksCache(model.config, cfg))
+    for row, ids in enumerate([a, b]):
+        alone = model.generate(ids[None], max_new_tokens=8, do_sample=False,
+                               past_key_values=LocksCache(model.config, cfg))
+        assert torch.equal(out[row, -8:], alone[0, -8:])
+
+
+def test_padding_never_selected_and_not_summarized():
+    model = tiny("llama")
+    cache = LocksCache(model.config, LocksConfig(budget=64))
+    ids = torch.cat([torch.zeros(1, 40, dtype=torch.long), _ids(220)], 1)
+    mask = (torch.arange(260) >= 40).long()[None]
+    model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, past_key_values=cache)
+    layer = cache.layers[0]
+    assert not layer.slot_valid[0, :40].any() and layer.slot_valid[0, 40:layer.length].all()
+    assert layer.row_start == [40]  # pages start at the first real token, as if run alone
+    assert layer.last_selection[0, :, 0].all()  # the sink
+    assert layer.page_validity().sum() == layer.length - 40  # no pad slot in any page
+    slots = layer._page_slots(torch.arange(layer.num_pages)[None])
+    assert slots[layer.page_validity()[:, 0]].min() == 40
+
+
+def test_beam_search_and_sampling_run():
+    ids = _ids()
+    model = tiny("qwen3")
+    ref = tiny("qwen3", "sdpa").generate(ids, max_new_tokens=6, num_beams=3, do_sample=False)
+    out = model.generate(ids, max_new_tokens=6, num_beams=3, do_sample=False,
+                         past_key_values=LocksCache(model.config, LocksConfig(budget=1024)))
+    assert torch.equal(out, ref)
+    sparse = model.generate(ids, max_new_tokens=6, num_beams=3, do_sample=False,
+                            past_key_values=LocksCache(model.config, LocksConfig(budget=64)))
+    assert sparse.shape == ref.shape
+    torch.manual_seed(0)
+    sampled = model.generate(ids, max_new_tokens=6, do_sample=True, top_k=20,
+                             past_key_values=LocksCache(model.config, LocksConfig(budget=64)))
+    assert sampled.shape == (1, PROMPT + 6)
+
+
+def test_reorder_keeps_summaries_in_sync():
+    model = tiny("llama")
+    cache = LocksCache(model.config, LocksConfig(budget=64))
+    model(_ids(200, b=3), past_key_values=cache)
+    model(torch.ones(3, 1, dtype=torch.long), past_key_values=cache)  # builds summaries
+    layer = cache.layers[0]
+    before = {n: t.clone() for n, t in layer.summary_view().items()}
+    beam_idx = torch.tensor([2, 0, 0])
+    cache.reorder_cache(beam_idx)
+    for name, t in layer.summary_view().items():
+        assert torch.equal(t, before[name][beam_idx])
+    rebuilt = layer.selector.summarize(*_pages_of(layer))
+    for name, t in layer.summary_view().items():
+        assert torch.equal(t, rebuilt[name])
+
+
+def _pages_of(layer):
+    n, B = max(layer.n_summarized), layer.config.page_size
+    keys = layer.keys[:, :, : n * B].unflatten(2, (n, B))
+    valid = layer.slot_valid[:, : n * B].unflatten(1, (n, B))[:, None].expand(-1, keys.shape[1], -1, -1)
+    return keys, valid
+
+
+def test_crop_and_assisted_decoding():
+    ids = _ids(200)
+    ref = tiny("llama", "sdpa").generate(ids, max_new_tokens=10, do_sample=False, prompt_lookup_num_tokens=3)
+    model = tiny("llama")
+    cache = LocksCache(model.config, LocksConfig(budget=1024))
+    out = model.generate(ids, max_new_tokens=10, do_sample=False, prompt_lookup_num_tokens=3, past_key_values=cache)
+    assert torch.equal(out, ref)
+    layer = cache.layers[0]
+    layer.crop(-(layer.length - 150))
+    assert layer.length == 150 and layer.n_summarized == [150 // 16] and layer.keys.shape[2] == 150
+
+
+def test_gemma3_only_global_layers_select():
+    model = tiny("gemma3")
+    cache = LocksCache(model.config, LocksConfig(budget=64))
+    model.generate(_ids(), max_new_tokens=4, do_sample=False, past_key_values=cache)
+    kinds = [type(layer) for layer in cache.layers]
+    assert kinds == [DynamicSlidingWindowLayer, LocksLayer, DynamicSlidingWindowLayer, LocksLayer]
+    for layer in cache.locks_layers:
+        assert layer.last_selection is not None and layer.n_summarized == [layer.length // 16]
+    assert cache.layers[0].keys.shape[2] < cache.layers[1].keys.shape[2]  # the window is untouched
+
+
+def test_fork_decodes_like_a_fresh_cache():
+    model = tiny("llama")
+    ids = _ids(240)
+    cfg = LocksConfig(budget=64, selector="quest")
+    fresh = model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=LocksCache(model.config, cfg))
+    base = LocksCache(model.config, LocksConfig(budget=64))
+    first = model(ids, past_key_values=base).logits[:, -1:].argmax(-1)
+    fork = base.fork(cfg)
+    out = model.generate(torch.cat([ids, first], 1), max_new_tokens=5, do_sample=False, past_key_values=fork)
+    assert torch.equal(out, fresh)
+    assert base.layers[0].length == 240  # the original is untouched
