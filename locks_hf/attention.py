@@ -66,14 +66,15 @@ def sparse_decode(layer: LocksLayer, query: torch.Tensor, scale: float) -> torch
     layer.last_selection = selected
 
     # 3. Attend the selected pages with the original K/V, softmax renormalised over them.
+    acc = torch.promote_types(query.dtype, torch.float32)  # fp32 accumulation (fp64 stays fp64)
     width = min(P, cfg.page_slots * (G if selector.per_head else 1))
     pages = torch.sort(selected.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :width]
     taken = selected.gather(-1, pages)  # [b, h, W]: False for padding of the fixed width
-    k_sel = layer.page_keys(pages).flatten(2, 3).float()  # [b, h, W*B, d]
-    v_sel = layer.page_keys(pages, values=True).flatten(2, 3).float()
+    k_sel = layer.page_keys(pages).flatten(2, 3).to(acc)  # [b, h, W*B, d]
+    v_sel = layer.page_keys(pages, values=True).flatten(2, 3).to(acc)
     tok_ok = (layer.page_validity_of(pages) & taken[..., None]).flatten(2)  # [b, h, W*B]
 
-    logits = scale * torch.einsum("bhgd,bhnd->bhgn", q.float(), k_sel)
+    logits = scale * torch.einsum("bhgd,bhnd->bhgn", q.to(acc), k_sel)
     probs = torch.softmax(logits.masked_fill(~tok_ok[:, :, None], float("-inf")), dim=-1)
     out = torch.einsum("bhgn,bhnd->bhgd", probs, v_sel)
     layer.record_step(tok_ok.sum(), valid.sum() * h)
