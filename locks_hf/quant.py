@@ -45,8 +45,7 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of `pack`: signed codes as int8, last dim multiplied back out."""
     if bits == 8:
         return packed.to(torch.int8)
-    per_byte = 8 // bits
-    shifts = torch.arange(per_byte, device=packed.device, dtype=torch.int32) * bits
-    fields = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    signed = fields - ((fields >> (bits - 1)) << bits)  # two's complement sign extension
-    return signed.flatten(-2).to(torch.int8)
+    x = packed.view(torch.int8)
+    # Shift field i to the top of the byte, then an arithmetic right shift sign-extends it.
+    fields = [(x << (8 - bits * (i + 1))) >> (8 - bits) for i in range(8 // bits)]
+    return torch.stack(fields, dim=-1).flatten(-2)

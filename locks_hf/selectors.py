@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from .config import LocksConfig
-from .summaries import build_summary, dequantize_summary, estimated_page_lse, exact_page_lse
+from .summaries import build_summary, estimated_page_lse, exact_page_lse, summary_factors
 
 NEG_INF = float("-inf")
 
@@ -54,9 +54,9 @@ class LocksSelector(PageSelector):
 
     def page_scores(self, summary, keys, valid, query, scale):
         dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-        mu, basis, coef = dequantize_summary(summary, self.config.basis_bits, dtype)
-        P = mu.shape[2]
-        return estimated_page_lse(mu, basis, coef, valid[:, :, :P], query, scale)
+        factors = summary_factors(summary, self.config.basis_bits, dtype)
+        P = factors["mu"].shape[2]
+        return estimated_page_lse(valid=valid[:, :, :P], query=query, scale=scale, **factors)
 
 
 class OracleSelector(PageSelector):

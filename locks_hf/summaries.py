@@ -84,22 +84,29 @@ def build_summary(keys: torch.Tensor, valid: torch.Tensor, rank: int, basis_bits
     return out
 
 
-def _dequant(summary: dict[str, torch.Tensor], name: str, bits: int, dtype: torch.dtype) -> torch.Tensor:
-    x = summary[name]
-    if f"{name}_scale" not in summary:
-        return x.to(dtype)
-    codes = unpack(x, bits) if name == "basis" else x
-    scale = summary[f"{name}_scale"].to(dtype)
-    # basis and coef carry one scale per row ([..., r] / [..., B]); mu one per page ([..., 1]).
-    return codes.to(dtype) * (scale if name == "mu" else scale.unsqueeze(-1))
+def summary_factors(summary: dict[str, torch.Tensor], basis_bits: int, dtype: torch.dtype = torch.float32
+                    ) -> dict[str, torch.Tensor | None]:
+    """Codes (or raw values) of ``mu``, ``basis``, ``coef`` in ``dtype`` and their scales (``None``
+    when unquantized): the arguments of `estimated_page_lse`, with no dequantized copy made."""
+    basis = summary["basis"]
+    if "basis_scale" in summary:
+        basis = unpack(basis, basis_bits)
+    out: dict[str, torch.Tensor | None] = {}
+    for name, tensor in (("mu", summary["mu"]), ("basis", basis), ("coef", summary["coef"])):
+        out[name] = tensor.to(dtype)
+        scale = summary.get(f"{name}_scale")
+        out[f"{name}_scale"] = None if scale is None else scale.to(dtype)
+    return out
 
 
 def dequantize_summary(summary: dict[str, torch.Tensor], basis_bits: int, dtype: torch.dtype = torch.float32
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Centroid ``[..., d]``, basis rows ``[..., r, d]``, coefficients ``[..., B, r]`` in ``dtype``."""
-    mu = _dequant(summary, "mu", 8, dtype)
-    basis = _dequant(summary, "basis", basis_bits, dtype)
-    coef = _dequant(summary, "coef", 8, dtype)
+    f = summary_factors(summary, basis_bits, dtype)
+    # basis and coef carry one scale per row ([..., r] / [..., B]); mu one per page ([..., 1]).
+    mu = f["mu"] if f["mu_scale"] is None else f["mu"] * f["mu_scale"]
+    basis = f["basis"] if f["basis_scale"] is None else f["basis"] * f["basis_scale"].unsqueeze(-1)
+    coef = f["coef"] if f["coef_scale"] is None else f["coef"] * f["coef_scale"].unsqueeze(-1)
     return mu, basis, coef
 
 
@@ -109,16 +116,27 @@ def masked_lse(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 
 def estimated_page_lse(mu: torch.Tensor, basis: torch.Tensor, coef: torch.Tensor, valid: torch.Tensor,
-                       query: torch.Tensor, scale: float) -> torch.Tensor:
+                       query: torch.Tensor, scale: float, mu_scale: torch.Tensor | None = None,
+                       basis_scale: torch.Tensor | None = None, coef_scale: torch.Tensor | None = None
+                       ) -> torch.Tensor:
     """``s_hat_j(q) = scale * q.mu_j + LSE_i(scale * (V_j^T q) . c_i)`` over each page's real tokens.
 
     Shapes: ``mu [b, h, P, d]``, ``basis [b, h, P, r, d]``, ``coef [b, h, P, B, r]``,
-    ``valid [b, 1|h, P, B]``, ``query [b, h, G, d]`` -> ``[b, h, G, P]``.
+    ``valid [b, 1|h, P, B]``, ``query [b, h, G, d]`` -> ``[b, h, G, P]``. Quantized summaries pass
+    their codes with the scales (``mu_scale [b, h, P, 1]``, ``basis_scale [b, h, P, r]``,
+    ``coef_scale [b, h, P, B]``), which are applied to the small projected tensors, not the codes.
     """
     q = query.to(mu.dtype)
-    proj = torch.einsum("bhgd,bhprd->bhgpr", q, basis)
-    logits = scale * torch.einsum("bhgpr,bhpir->bhgpi", proj, coef)
-    return scale * torch.einsum("bhgd,bhpd->bhgp", q, mu) + masked_lse(logits, valid.unsqueeze(2))
+    proj = torch.einsum("bhgd,bhprd->bhgpr", q, basis)  # V_j^T q
+    if basis_scale is not None:
+        proj = proj * basis_scale.unsqueeze(2)
+    logits = torch.einsum("bhgpr,bhpir->bhgpi", proj, coef)
+    if coef_scale is not None:
+        logits = logits * coef_scale.unsqueeze(2)
+    centroid = torch.einsum("bhgd,bhpd->bhgp", q, mu)
+    if mu_scale is not None:
+        centroid = centroid * mu_scale.squeeze(-1).unsqueeze(2)
+    return scale * centroid + masked_lse(scale * logits, valid.unsqueeze(2))
 
 
 def exact_page_lse(keys: torch.Tensor, valid: torch.Tensor, query: torch.Tensor, scale: float) -> torch.Tensor:

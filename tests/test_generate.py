@@ -192,3 +192,26 @@ def test_fork_decodes_like_a_fresh_cache():
     out = model.generate(torch.cat([ids, first], 1), max_new_tokens=5, do_sample=False, past_key_values=fork)
     assert torch.equal(out, fresh)
     assert base.layers[0].length == 240  # the original is untouched
+
+
+def test_batch_repeat_and_select_keep_rows_consistent():
+    model = tiny("llama")
+    cache = LocksCache(model.config, LocksConfig(budget=64))
+    ids = torch.cat([torch.zeros(1, 21, dtype=torch.long), _ids(200)], 1)
+    ids = torch.cat([ids, _ids(221, seed=7)])
+    mask = torch.ones_like(ids)
+    mask[0, :21] = 0
+    model(ids, attention_mask=mask, past_key_values=cache)
+    model(torch.ones(2, 1, dtype=torch.long), attention_mask=torch.ones(2, 222, dtype=torch.long), past_key_values=cache)
+    layer = cache.layers[0]
+    assert layer.row_start == [21, 0]
+    summary = {n: t.clone() for n, t in layer.summary_view().items()}
+    cache.batch_repeat_interleave(2)
+    assert layer.row_start == [21, 21, 0, 0] and layer.keys.shape[0] == 4
+    cache.batch_select_indices(torch.tensor([3, 0]))
+    assert layer.row_start == [0, 21]
+    for name, t in layer.summary_view().items():
+        assert torch.equal(t, summary[name][[1, 0]])
+    # decoding continues with the reordered rows
+    model(torch.ones(2, 1, dtype=torch.long), attention_mask=torch.ones(2, 223, dtype=torch.long), past_key_values=cache)
+    assert layer.last_selection.shape[0] == 2

@@ -119,3 +119,17 @@ def test_quantized_summary_scores_close_to_unquantized(label):
     exact_fit = estimated_page_lse(mu, basis, coef, valid, query, 0.125)
     tol = {2: 3.0, 4: 0.6, 8: 0.05, 16: 0.05}[cfg.basis_bits]
     assert (approx.double() - exact_fit).abs().max() < tol
+
+
+@pytest.mark.parametrize("label", ["r8i4", "r4i2", "r2i8"])
+def test_factored_scores_equal_scores_of_dequantized_summary(label):
+    """Scales applied after projection (the fast path) = scoring the dequantized summary."""
+    cfg = LocksConfig.from_label(label)
+    keys, query = _random_pages(seed=4, d=64)
+    b, h, P, B, d = keys.shape
+    valid = torch.ones(b, 1, P, B, dtype=torch.bool)
+    summary = LocksSelector(cfg).summarize(keys.float(), valid.expand(-1, h, -1, -1))
+    fast = LocksSelector(cfg).page_scores(summary, None, valid, query, 0.2)
+    mu, basis, coef = dequantize_summary(summary, cfg.basis_bits, torch.float64)
+    slow = estimated_page_lse(mu, basis, coef, valid, query, 0.2)
+    assert torch.allclose(fast, slow, atol=1e-9, rtol=1e-9)
