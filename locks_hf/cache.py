@@ -9,6 +9,7 @@ where the decode query exists.
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections.abc import Callable
 
@@ -60,6 +61,7 @@ class LocksLayer(DynamicLayer):
         self.row_start: list[int] = []
         self.n_summarized: list[int] = []
         self.summary: dict[str, torch.Tensor] = {}
+        self.shared: dict[str, torch.Tensor] = {}  # sequence-level selector state [b, h, ...]
         self.last_selection: torch.Tensor | None = None  # [b, h, P] pages attended at the last step
         self.reset_stats()
 
@@ -203,7 +205,11 @@ class LocksLayer(DynamicLayer):
         pages = torch.arange(lo, hi, device=self.device).expand(b, h, -1)
         keys = self.page_keys(pages)  # [b, h, n, B, d]
         valid = self._slot_ok(self._page_slots(pages[:, 0])).unsqueeze(1).expand(-1, h, -1, -1)
-        new = self.selector.summarize(keys, valid)
+        if not self.shared:  # the first pass (after prefill) fits any sequence-level state, frozen after
+            self.shared = self.selector.fit_sequence(keys, valid)
+        new = _kernel_summary(self, keys, valid)  # [locks_hf.kernels dispatch] GPU build for CUDA keys
+        if new is None:
+            new = self.selector.summarize(keys, valid, self.shared)
         if not self.summary:
             cap = self.capacity // B + 1
             self.summary = {n: t.new_empty((*t.shape[:2], cap, *t.shape[3:])) for n, t in new.items()}
@@ -213,14 +219,15 @@ class LocksLayer(DynamicLayer):
         self.n_summarized = target
 
     def summary_view(self) -> dict[str, torch.Tensor]:
-        """The summaries of the summarized pages, ``[b, h, max(n_summarized), ...]``."""
+        """The summaries of the summarized pages, ``[b, h, max(n_summarized), ...]``, and the
+        sequence-level selector state."""
         n = max(self.n_summarized, default=0)
-        return {name: t[:, :, :n] for name, t in self.summary.items()}
+        return {**{name: t[:, :, :n] for name, t in self.summary.items()}, **self.shared}
 
     def set_config(self, config: LocksConfig) -> None:
         """Switch selector settings; summaries are rebuilt (lazily) when their layout changes."""
         if _summary_fields(config) != _summary_fields(self.config):
-            self.summary, self.n_summarized = {}, [0] * len(self.row_start)
+            self.summary, self.shared, self.n_summarized = {}, {}, [0] * len(self.row_start)
         self.config = config
         self.selector = make_selector(config)
 
@@ -231,6 +238,7 @@ class LocksLayer(DynamicLayer):
             return
         self._kbuf, self._vbuf, self.slot_valid = fn(self._kbuf), fn(self._vbuf), fn(self.slot_valid)
         self.summary = {n: fn(t) for n, t in self.summary.items()}
+        self.shared = {n: fn(t) for n, t in self.shared.items()}
         self.row_start = [self.row_start[r] for r in rows]
         self.n_summarized = [self.n_summarized[r] for r in rows]
         self.last_selection = None
@@ -269,6 +277,17 @@ class LocksLayer(DynamicLayer):
         raise ValueError("LocksCache does not support offloading: create it with offloading=False")
 
     prefetch = offload
+
+
+def _kernel_summary(layer: "LocksLayer", keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """[locks_hf.kernels dispatch] Summaries built by the GPU kernels for CUDA keys, else ``None``."""
+    if not keys.is_cuda or os.environ.get("LOCKS_HF_KERNELS", "1") == "0":
+        return None
+    try:
+        from . import kernels
+    except ImportError:
+        return None
+    return kernels.summarize(layer, keys, valid) if kernels.HAVE_TRITON else None
 
 
 def _resized(buf: torch.Tensor, dim: int, size: int, keep: int, fill=None) -> torch.Tensor:

@@ -6,7 +6,7 @@ import math
 import re
 from dataclasses import dataclass, replace
 
-SELECTORS = ("locks", "oracle", "quest", "full")
+SELECTORS = ("locks", "oracle", "quest", "full", "shared_basis", "shared_all")
 GROUP_COMBINES = ("share_average", "group_max", "group_mass")
 BASIS_BITS = (2, 4, 8, 16)  # 16 = unquantized (stored in the K/V dtype)
 VALUE_BITS = (8, 16)  # for coefficients and centroids
@@ -29,7 +29,10 @@ class LocksConfig:
         coef_bits: 8 (int8, one scale per token row) or 16 (unquantized).
         centroid_bits: 8 (int8, one scale per page) or 16 (unquantized).
         budget: token budget ``b`` per (layer, KV head); ``k = ceil(b / B)`` page slots.
-        selector: ``"locks"``, ``"oracle"`` (exact page LSE), ``"quest"`` or ``"full"`` (dense).
+        selector: ``"locks"``, ``"oracle"`` (exact page LSE), ``"quest"``, ``"full"`` (dense), or the
+            shared-basis controls of the paper's Table 1: ``"shared_basis"`` (page centroid + one
+            rank-r basis fitted on the prompt, frozen after prefill; paper ranks 20 / 40) and
+            ``"shared_all"`` (centroid and basis both fitted on the prompt; ranks 28 / 48).
         group_combine: how the query heads of a GQA group agree on one page set (not Quest).
         min_context: decode steps with fewer cached tokens run dense (0 = always select).
     """
@@ -54,7 +57,9 @@ class LocksConfig:
             raise LocksConfigError(
                 f"group_combine must be one of {GROUP_COMBINES}, got {self.group_combine!r}"
             )
-        if not isinstance(self.rank, int) or not 1 <= self.rank <= B:
+        if not isinstance(self.rank, int) or self.rank < 1:
+            raise LocksConfigError(f"rank must be a positive int, got {self.rank!r}")
+        if self.selector == "locks" and self.rank > B:
             raise LocksConfigError(
                 f"rank must be in 1..page_size={B} (a page of {B} centered keys spans at most "
                 f"{B - 1} directions), got {self.rank!r}"
@@ -85,6 +90,8 @@ class LocksConfig:
             return f"locks-r{self.rank}{bits}-b{self.budget}"
         if self.selector == "full":
             return "full"
+        if self.selector.startswith("shared"):
+            return f"{self.selector}-r{self.rank}-b{self.budget}"
         return f"{self.selector}-b{self.budget}"
 
     @classmethod

@@ -19,6 +19,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from .config import LocksConfig
+from .quant import pack, quantize, unpack
 from .summaries import build_summary, estimated_page_lse, exact_page_lse, summary_factors
 
 NEG_INF = float("-inf")
@@ -35,20 +36,30 @@ class PageSelector(ABC):
     def __init__(self, config: LocksConfig) -> None:
         self.config = config
 
-    def summarize(self, keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Per-page state from ``keys [..., B, d]`` and ``valid [..., B]`` (complete pages only)."""
+    def fit_sequence(self, keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Sequence-level state ``[b, h, ...]`` fitted once on the prompt's pages, then frozen.
+
+        ``keys [b, h, n, B, d]``, ``valid [b, h, n, B]``. Only the shared-basis controls use it.
+        """
+        return {}
+
+    def summarize(self, keys: torch.Tensor, valid: torch.Tensor,
+                  shared: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Per-page state from ``keys [b, h, n, B, d]`` and ``valid [b, h, n, B]`` (complete pages),
+        given the sequence-level state ``shared`` from `fit_sequence`."""
         return {}
 
     @abstractmethod
-    def page_scores(self, summary: dict[str, torch.Tensor], keys: torch.Tensor, valid: torch.Tensor,
+    def page_scores(self, summary: dict[str, torch.Tensor], keys: torch.Tensor | None, valid: torch.Tensor,
                     query: torch.Tensor, scale: float) -> torch.Tensor:
-        """Scores ``[b, h, G, P]``; larger means the page should be kept."""
+        """Scores ``[b, h, G, P]``; larger means the page should be kept. ``summary`` holds the
+        per-page tensors and the sequence-level ones of `fit_sequence`."""
 
 
 class LocksSelector(PageSelector):
     """Estimated page LSE from the rank-r summary (the paper's method)."""
 
-    def summarize(self, keys, valid):
+    def summarize(self, keys, valid, shared=None):
         c = self.config
         return build_summary(keys, valid, c.rank, c.basis_bits, c.coef_bits, c.centroid_bits)
 
@@ -73,7 +84,7 @@ class QuestSelector(PageSelector):
 
     per_head = True
 
-    def summarize(self, keys, valid):
+    def summarize(self, keys, valid, shared=None):
         v = valid.unsqueeze(-1)
         upper = keys.masked_fill(~v, NEG_INF).amax(-2)
         lower = keys.masked_fill(~v, float("inf")).amin(-2)
@@ -85,10 +96,84 @@ class QuestSelector(PageSelector):
         return torch.maximum(q * upper, q * lower).sum(-1).float()
 
 
+class SharedBasisSelector(PageSelector):
+    """Control of the paper's Table 1: page centroids, one rank-r basis per (row, KV head) fitted on
+    the prompt's page-centered keys and frozen after prefill. Scored like Locks."""
+
+    #: Center on the sequence's mean key instead of each page's centroid (the "fully shared" row).
+    shared_centroid = False
+
+    def fit_sequence(self, keys, valid):
+        c = self.config
+        k, w = keys.float(), valid.float().unsqueeze(-1)
+        if self.shared_centroid:
+            mu = (k * w).sum((2, 3)) / w.sum((2, 3)).clamp_min(1.0)  # [b, h, d]
+            centered = (k - mu[:, :, None, None]) * w
+        else:
+            mu = None
+            centered = (k - ((k * w).sum(3, keepdim=True) / w.sum(3, keepdim=True).clamp_min(1.0))) * w
+        _, _, vh = torch.linalg.svd(centered.flatten(2, 3), full_matrices=False)
+        out = {}
+        basis = vh[..., : c.rank, :]
+        out.update(_quantized("seq_basis", basis, c.basis_bits, packed=True))
+        if mu is not None:
+            out.update(_quantized("seq_mu", mu, c.centroid_bits))
+        return out
+
+    def summarize(self, keys, valid, shared=None):
+        c = self.config
+        basis = _dequantized(shared, "seq_basis", c.basis_bits)  # [b, h, r, d]
+        k, w = keys.float(), valid.float().unsqueeze(-1)
+        if self.shared_centroid:
+            center = _dequantized(shared, "seq_mu", c.centroid_bits)[:, :, None, None]
+            out = {}
+        else:
+            center = ((k * w).sum(3) / w.sum(3).clamp_min(1.0)).unsqueeze(3)
+            out = _quantized("mu", center.squeeze(3), c.centroid_bits)
+        coef = ((k - center) * w) @ basis.transpose(-1, -2)[:, :, None]  # [b, h, n, B, r]
+        out.update(_quantized("coef", coef, c.coef_bits))
+        return out
+
+    def page_scores(self, summary, keys, valid, query, scale):
+        c = self.config
+        n = summary["coef"].shape[2]
+        basis = _dequantized(summary, "seq_basis", c.basis_bits)[:, :, None].expand(-1, -1, n, -1, -1)
+        if self.shared_centroid:
+            mu = _dequantized(summary, "seq_mu", c.centroid_bits)[:, :, None].expand(-1, -1, n, -1)
+        else:
+            mu = _dequantized(summary, "mu", c.centroid_bits)
+        coef = _dequantized(summary, "coef", c.coef_bits)
+        return estimated_page_lse(mu, basis, coef, valid[:, :, :n], query.float(), scale)
+
+
+class SharedAllSelector(SharedBasisSelector):
+    """Control of the paper's Table 1: centroid and basis both fitted on the prompt (fully shared)."""
+
+    shared_centroid = True
+
+
+def _quantized(name: str, x: torch.Tensor, bits: int, packed: bool = False) -> dict[str, torch.Tensor]:
+    """``{name: codes, name_scale: scales}`` (one scale per last-dim row), or ``{name: x}`` at 16 bits."""
+    if bits >= 16:
+        return {name: x.to(torch.bfloat16)}
+    codes, scale = quantize(x, bits, dim=-1)
+    return {name: pack(codes, bits) if packed else codes, f"{name}_scale": scale.squeeze(-1)}
+
+
+def _dequantized(tensors: dict[str, torch.Tensor], name: str, bits: int) -> torch.Tensor:
+    x = tensors[name]
+    if f"{name}_scale" not in tensors:
+        return x.float()
+    codes = unpack(x, bits) if name == "seq_basis" else x
+    return codes.float() * tensors[f"{name}_scale"].float().unsqueeze(-1)
+
+
 _SELECTORS: dict[str, type[PageSelector]] = {
     "locks": LocksSelector,
     "oracle": OracleSelector,
     "quest": QuestSelector,
+    "shared_basis": SharedBasisSelector,
+    "shared_all": SharedAllSelector,
 }
 
 

@@ -11,7 +11,7 @@ from conftest import tiny
 
 
 @pytest.mark.parametrize("kwargs,needle", [
-    (dict(rank=0), "rank must be in"),
+    (dict(rank=0), "rank must be a positive int"),
     (dict(rank=17), "rank must be in"),
     (dict(budget=16), "budget must be at least two pages"),
     (dict(page_size=12), "power of two"),

@@ -215,3 +215,15 @@ def test_batch_repeat_and_select_keep_rows_consistent():
     # decoding continues with the reordered rows
     model(torch.ones(2, 1, dtype=torch.long), attention_mask=torch.ones(2, 223, dtype=torch.long), past_key_values=cache)
     assert layer.last_selection.shape[0] == 2
+
+
+@pytest.mark.parametrize("selector", ["shared_basis", "shared_all"])
+def test_shared_basis_controls_decode(selector):
+    model = tiny("qwen3")
+    cfg = LocksConfig(budget=64, selector=selector, rank=12)
+    cache = LocksCache(model.config, cfg)
+    model.generate(_ids(), max_new_tokens=20, do_sample=False, past_key_values=cache)
+    for layer in cache.locks_layers:
+        assert (layer.last_selection.sum(-1) == cfg.page_slots).all()
+        assert layer.shared["seq_basis"].shape[:3] == (1, 2, 12)  # frozen after prefill, rank 12
+        assert layer.n_summarized == [(PROMPT + 19) // 16]  # decode pages summarized with it

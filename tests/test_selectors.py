@@ -117,3 +117,27 @@ def test_quest_scores_match_brute_force():
             for gq in range(3):
                 want = torch.maximum(q[0, j, gq] * u, q[0, j, gq] * l).sum()
                 assert torch.isclose(got[0, j, gq, p].double(), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("selector", ["shared_basis", "shared_all"])
+def test_shared_basis_controls_exact_at_full_rank_and_frozen(selector):
+    """A full-rank unquantized shared basis reconstructs every key: exact page LSE."""
+    from locks_hf.selectors import make_selector
+    from locks_hf.summaries import exact_page_lse
+
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(2, 2, 6, 16, 8, generator=g, dtype=torch.float64)
+    valid = torch.ones(2, 2, 6, 16, dtype=torch.bool)
+    q = torch.randn(2, 2, 3, 8, generator=g, dtype=torch.float64)
+    cfg = LocksConfig(selector=selector, rank=8, basis_bits=16, coef_bits=16, centroid_bits=16)
+    sel = make_selector(cfg)
+    shared = sel.fit_sequence(keys[:, :, :4], valid[:, :, :4])  # fitted on the "prompt" pages
+    summary = {**sel.summarize(keys, valid, shared), **shared}
+    got = sel.page_scores(summary, None, valid[:, :1], q, 0.3)
+    assert torch.allclose(got.double(), exact_page_lse(keys, valid[:, :1], q, 0.3), atol=2e-2)
+    # int8 storage: page centroid (d + 2 bytes, not for shared_all) + coefficients (B*r + 2B bytes)
+    qcfg = LocksConfig(selector=selector, rank=4)
+    qsel = make_selector(qcfg)
+    page_state = qsel.summarize(keys.float(), valid, qsel.fit_sequence(keys.float(), valid))
+    per_page = sum(t.nbytes for t in page_state.values()) // (2 * 2 * 6)
+    assert per_page == 16 * 4 + 2 * 16 + (0 if selector == "shared_all" else 8 + 2)
