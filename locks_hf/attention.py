@@ -8,6 +8,7 @@ function ``attention_mask=None`` and padded batches go silently wrong.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from transformers import AttentionInterface
@@ -42,11 +43,29 @@ def slot_validity(attention_mask: torch.Tensor | None, query_len: int, batch: in
     return mask[:, 0].any(dim=1)[:, -query_len:].expand(batch, query_len)
 
 
+def _kernel_path(layer: LocksLayer, query: torch.Tensor):
+    """[locks_hf.kernels dispatch] The kernels module when this step can run there, else ``None``.
+
+    CUDA tensors of a supported configuration go to the Triton kernels; CPU tensors, settings the
+    kernels do not implement, a missing Triton, or ``LOCKS_HF_KERNELS=0`` keep the reference path.
+    """
+    if not query.is_cuda or os.environ.get("LOCKS_HF_KERNELS", "1") == "0":
+        return None
+    try:
+        from . import kernels
+    except ImportError:
+        return None
+    return kernels if kernels.HAVE_TRITON and kernels.supports(layer, query) else None
+
+
 def sparse_decode(layer: LocksLayer, query: torch.Tensor, scale: float) -> torch.Tensor:
     """One decode step attending only the selected pages (reference PyTorch path).
 
     ``query [b, Hq, 1, d]`` -> output ``[b, 1, Hq, d]``.
     """
+    kernels = _kernel_path(layer, query)  # [locks_hf.kernels dispatch] CUDA -> Triton kernels
+    if kernels is not None:
+        return kernels.sparse_decode(layer, query, scale)
     cfg, selector = layer.config, layer.selector
     b, hq, _, d = query.shape
     h = layer.keys.shape[1]
@@ -74,6 +93,8 @@ def sparse_decode(layer: LocksLayer, query: torch.Tensor, scale: float) -> torch
     v_sel = layer.page_keys(pages, values=True).flatten(2, 3).to(acc)
     tok_ok = (layer.page_validity_of(pages) & taken[..., None]).flatten(2)  # [b, h, W*B]
 
+    # Unwritten slots of the last page may hold anything, NaN included (0 * NaN = NaN): mask V too.
+    v_sel = v_sel.masked_fill(~tok_ok[..., None], 0.0)
     logits = scale * torch.einsum("bhgd,bhnd->bhgn", q.to(acc), k_sel)
     probs = torch.softmax(logits.masked_fill(~tok_ok[:, :, None], float("-inf")), dim=-1)
     out = torch.einsum("bhgn,bhnd->bhgd", probs, v_sel)

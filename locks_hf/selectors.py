@@ -105,13 +105,14 @@ class SharedBasisSelector(PageSelector):
 
     def fit_sequence(self, keys, valid):
         c = self.config
-        k, w = keys.float(), valid.float().unsqueeze(-1)
+        real = valid.unsqueeze(-1)
+        k, w = torch.where(real, keys.float(), 0.0), real.float()
         if self.shared_centroid:
-            mu = (k * w).sum((2, 3)) / w.sum((2, 3)).clamp_min(1.0)  # [b, h, d]
-            centered = (k - mu[:, :, None, None]) * w
+            mu = k.sum((2, 3)) / w.sum((2, 3)).clamp_min(1.0)  # [b, h, d]
+            centered = torch.where(real, k - mu[:, :, None, None], 0.0)
         else:
             mu = None
-            centered = (k - ((k * w).sum(3, keepdim=True) / w.sum(3, keepdim=True).clamp_min(1.0))) * w
+            centered = torch.where(real, k - k.sum(3, keepdim=True) / w.sum(3, keepdim=True).clamp_min(1.0), 0.0)
         _, _, vh = torch.linalg.svd(centered.flatten(2, 3), full_matrices=False)
         out = {}
         basis = vh[..., : c.rank, :]
@@ -123,14 +124,15 @@ class SharedBasisSelector(PageSelector):
     def summarize(self, keys, valid, shared=None):
         c = self.config
         basis = _dequantized(shared, "seq_basis", c.basis_bits)  # [b, h, r, d]
-        k, w = keys.float(), valid.float().unsqueeze(-1)
+        real = valid.unsqueeze(-1)
+        k, w = torch.where(real, keys.float(), 0.0), real.float()
         if self.shared_centroid:
             center = _dequantized(shared, "seq_mu", c.centroid_bits)[:, :, None, None]
             out = {}
         else:
-            center = ((k * w).sum(3) / w.sum(3).clamp_min(1.0)).unsqueeze(3)
+            center = (k.sum(3) / w.sum(3).clamp_min(1.0)).unsqueeze(3)
             out = _quantized("mu", center.squeeze(3), c.centroid_bits)
-        coef = ((k - center) * w) @ basis.transpose(-1, -2)[:, :, None]  # [b, h, n, B, r]
+        coef = torch.where(real, k - center, 0.0) @ basis.transpose(-1, -2)[:, :, None]  # [b, h, n, B, r]
         out.update(_quantized("coef", coef, c.coef_bits))
         return out
 

@@ -47,10 +47,12 @@ def fit_pages(keys: torch.Tensor, valid: torch.Tensor, rank: int
     ``keys`` is ``[..., B, d]``, ``valid`` ``[..., B]``; invalid (padding) slots take no part in the
     centroid or the basis, and get zero coefficients.
     """
-    k = keys.to(_compute_dtype(keys))
-    w = valid.to(k.dtype).unsqueeze(-1)
-    mu = (k * w).sum(-2) / w.sum(-2).clamp_min(1.0)
-    centered = (k - mu.unsqueeze(-2)) * w
+    # torch.where, not a multiply by the mask: unwritten slots may hold NaN, and NaN * 0 is NaN.
+    real = valid.unsqueeze(-1)
+    k = torch.where(real, keys.to(_compute_dtype(keys)), 0.0)
+    w = real.to(k.dtype)
+    mu = k.sum(-2) / w.sum(-2).clamp_min(1.0)
+    centered = torch.where(real, k - mu.unsqueeze(-2), 0.0)
     # The top-r right singular vectors; any orthonormal basis of that subspace is equivalent.
     _, _, vh = torch.linalg.svd(centered, full_matrices=False)
     basis = vh[..., :rank, :]

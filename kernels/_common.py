@@ -1,0 +1,92 @@
+"""Helpers shared by the Triton kernels (jit functions and launch-side utilities)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+#: "no page" in selection outputs (fixed-width lists are padded with it).
+SENTINEL = -1
+# Constants read inside kernels must be ``tl.constexpr`` globals.
+SENTINEL_C = tl.constexpr(SENTINEL)
+#: "no page found" inside kernels (larger than any page index).
+BIG_PAGE = tl.constexpr(2**30)
+#: key of a non-candidate page in the selection kernels (below every finite score's key).
+NO_KEY = tl.constexpr(-(2**31))
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """Exact float32 products when the query is float32 (CPU tests); bf16/fp16 go to tensor cores."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def take_rows(x, G: tl.constexpr, GP: tl.constexpr):
+    """First ``G`` rows of ``x [GP, N]`` whose rows ``>= G`` are zero (a dot with a zero-padded query).
+
+    ``tl.dot`` needs at least 16 rows; a GQA group of 4 heads is padded to 16 and folded back here.
+    """
+    if G == GP:
+        y = x
+    else:
+        y = tl.sum(tl.reshape(x, [GP // G, G, x.shape[1]]), axis=0)
+    return y
+
+
+@triton.jit
+def scalar_at(v, i, N: tl.constexpr):
+    """``v[i]`` of a 1-D tensor ``v [N]`` as a scalar (finite entries only)."""
+    return tl.sum(tl.where(tl.arange(0, N) == i, v, 0.0), axis=0)
+
+
+@triton.jit
+def slot_ok(valid_ptr, slot, length):
+    """Real, written cache slots: ``0 <= slot < length`` and ``slot_valid[slot]`` (uint8 view)."""
+    inside = (slot >= 0) & (slot < length)
+    return inside & (tl.load(valid_ptr + slot, mask=inside, other=0) != 0)
+
+
+@triton.jit
+def score_key(x):
+    """Signed int32 key with the order of the float32 ``x`` (larger score -> larger key)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def top_keys(key, K):
+    """Mask of the ``K`` largest keys of ``key [N]`` (ties: earlier position first).
+
+    Entries equal to ``NO_KEY`` are never selected; with fewer than ``K`` other entries all of them
+    are. A 16-way search on the key value (each round counts the keys above 16 thresholds in one
+    block-wide reduction; at most 8 rounds for 32-bit keys), then a prefix count of the ties at the
+    threshold. No sort, no host sync.
+    """
+    cand = key != NO_KEY
+    lo = tl.min(tl.where(cand, key, 2147483647), axis=0).to(tl.int64)
+    hi = tl.max(key, axis=0).to(tl.int64)
+    n_cand = tl.sum(cand.to(tl.int32), axis=0)
+    if n_cand <= K:  # keep every candidate: threshold just under the smallest key
+        lo = lo - 1
+        hi = lo
+    k16 = tl.arange(0, 16).to(tl.int64)
+    # Invariant: count(key >= lo) >= K and the answer (the largest such value) lies in [lo, hi].
+    while lo < hi:
+        step = (hi - lo + 16) >> 4  # ceil((hi - lo + 1) / 16) >= 1
+        th = tl.minimum(lo + k16 * step, hi)  # th[0] = lo
+        cnt = tl.sum((key[:, None] >= th.to(tl.int32)[None, :]).to(tl.int32), axis=0)
+        best = tl.max(tl.where(cnt >= K, th, lo), axis=0)
+        hi = tl.minimum(hi, best + step - 1)
+        lo = best
+    thr = lo
+    above = cand & (key.to(tl.int64) > thr)
+    tie = cand & (key.to(tl.int64) == thr)
+    room = K - tl.sum(above.to(tl.int32), axis=0)
+    rank = tl.cumsum(tie.to(tl.int32), axis=0)
+    return above | (tie & (rank <= room))

@@ -1,0 +1,157 @@
+"""Sparse decode attention (kernel 3): split-K flash-decoding over the selected pages.
+
+``_sparse_attn_kernel`` (grid: rows x splits) walks its share of a row's page list ``TP`` pages at a
+time: each K/V page is loaded once for all G query heads of the KV head (the group is the M side of
+the tensor-core products, padded to 16), online softmax in float32, padding slots and ``SENTINEL``
+entries masked. With one split it writes the output; otherwise each split writes its normalised
+partial output and base-2 LSE and ``_combine_kernel`` merges them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import LOG2E, dot_precision, next_pow2, slot_ok
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+@triton.jit
+def _sparse_attn_kernel(q_ptr, q_sb, q_sh, k_ptr, k_sb, k_sh, k_st, v_ptr, v_sb, v_sh, v_st,
+                        sel_ptr, W, valid_ptr, valid_sb, row_start_ptr, length, H, scale,
+                        part_o_ptr, part_l_ptr, out_ptr, out_sb, out_sh, pages_per_split, n_split,
+                        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
+                        TP: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    bb = (row // H).to(tl.int64)  # 64-bit offsets: a batch of long caches passes 2**31 elements
+    hh = row % H
+    rs = tl.load(row_start_ptr + bb)
+    g = tl.arange(0, GP)
+    c = tl.arange(0, D)
+    t = tl.arange(0, B)
+    q = tl.load(q_ptr + bb * q_sb + (hh * G + g[:, None]) * q_sh + c[None, :], mask=g[:, None] < G, other=0.0)
+    kb = k_ptr + bb * k_sb + hh * k_sh
+    vb = v_ptr + bb * v_sb + hh * v_sh
+    vrow = valid_ptr + bb * valid_sb
+    qk_scale = scale * LOG2E
+
+    m = tl.full([GP], float("-inf"), tl.float32)
+    l = tl.zeros([GP], dtype=tl.float32)
+    acc = tl.zeros([GP, D], dtype=tl.float32)
+    start = split * pages_per_split
+    end = tl.minimum(start + pages_per_split, W)
+    for w0 in range(start, end, TP):
+        w = w0 + tl.arange(0, TP)
+        pg = tl.load(sel_ptr + row * W + w, mask=w < end, other=-1)
+        slot = rs + pg[:, None] * B + t[None, :]
+        ok = (pg >= 0)[:, None] & slot_ok(vrow, slot, length)
+        slot = tl.reshape(slot, [TP * B])
+        ok = tl.reshape(ok, [TP * B])
+        k = tl.load(kb + slot[:, None] * k_st + c[None, :], mask=ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [GP, TP*B], base 2
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - safe[:, None])
+        alpha = tl.exp2(m - safe)
+        l = l * alpha + tl.sum(p, axis=1)
+        v = tl.load(vb + slot[:, None] * v_st + c[None, :], mask=ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m = m_new
+
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    gm = g[:, None] < G
+    if SPLIT:
+        base = (row * n_split + split) * G
+        tl.store(part_o_ptr + (base + g[:, None]) * D + c[None, :], o, mask=gm)
+        lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
+        tl.store(part_l_ptr + base + g, lse, mask=g < G)
+    else:
+        tl.store(out_ptr + bb * out_sb + (hh * G + g[:, None]) * out_sh + c[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=gm)
+
+
+@triton.jit
+def _combine_kernel(part_o_ptr, part_l_ptr, out_ptr, out_sb, out_sh, H, n_split,
+                    G: tl.constexpr, GG: tl.constexpr, D: tl.constexpr):
+    row = tl.program_id(0)
+    bb = row // H
+    hh = row % H
+    g = tl.arange(0, GG)
+    gm = g < G
+    c = tl.arange(0, D)
+    m = tl.full([GG], float("-inf"), tl.float32)
+    l = tl.zeros([GG], dtype=tl.float32)
+    acc = tl.zeros([GG, D], dtype=tl.float32)
+    for s in range(n_split):
+        base = (row * n_split + s) * G
+        lse = tl.load(part_l_ptr + base + g, mask=gm, other=float("-inf"))
+        o = tl.load(part_o_ptr + (base + g[:, None]) * D + c[None, :], mask=gm[:, None], other=0.0)
+        m_new = tl.maximum(m, lse)
+        safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - safe)
+        wgt = tl.exp2(lse - safe)
+        l = l * alpha + wgt
+        acc = acc * alpha[:, None] + wgt[:, None] * o
+        m = m_new
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(out_ptr + bb * out_sb + (hh * G + g[:, None]) * out_sh + c[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=gm[:, None])
+
+
+def sparse_attention(query: torch.Tensor, key_buf: torch.Tensor, value_buf: torch.Tensor, pages: torch.Tensor, *,
+                     slot_valid: torch.Tensor, row_start: torch.Tensor, length: int, scale: float, page_size: int,
+                     out: torch.Tensor | None = None, splits: int | None = None, tile_pages: int | None = None,
+                     num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """Attention of one decode query over the listed pages of each (row, KV head).
+
+    ``query [b, Hq, 1, d]``; ``key_buf``/``value_buf`` ``[b, h, cap, d]`` (the cache buffers);
+    ``pages [b*h, W]`` int32 page numbers (``SENTINEL`` = none; page ``p`` of row ``i`` holds slots
+    ``row_start[i] + p*B ...``). Returns ``[b, 1, Hq, d]`` in the query dtype.
+    """
+    b, hq, d = query.shape[0], query.shape[1], query.shape[-1]
+    q = query.reshape(b, hq, d)
+    h = key_buf.shape[1]
+    G = hq // h
+    rows, W = pages.shape
+    B = page_size
+    TP = tile_pages or (4 if B <= 16 else max(1, 64 // B))
+    if out is None:
+        out = torch.empty((b, 1, hq, d), dtype=query.dtype, device=query.device)
+    o3 = out.view(b, hq, d)
+    if splits is None:
+        want = triton.cdiv(2 * _sm_count(query.device), rows)
+        splits = max(1, min(want, triton.cdiv(W, TP)))
+    pps = triton.cdiv(triton.cdiv(W, splits), TP) * TP
+    splits = triton.cdiv(W, pps)
+    GP = max(16, next_pow2(G))
+    dev = query.device
+    if splits > 1:
+        part_o = torch.empty((rows, splits, G, d), dtype=torch.float32, device=dev)
+        part_l = torch.empty((rows, splits, G), dtype=torch.float32, device=dev)
+    else:
+        part_o = part_l = o3
+    _sparse_attn_kernel[(rows, splits)](
+        q, q.stride(0), q.stride(1), key_buf, key_buf.stride(0), key_buf.stride(1), key_buf.stride(2),
+        value_buf, value_buf.stride(0), value_buf.stride(1), value_buf.stride(2),
+        pages, W, slot_valid.view(torch.uint8) if slot_valid.dtype == torch.bool else slot_valid,
+        slot_valid.stride(0), row_start, length, h, float(scale),
+        part_o, part_l, o3, o3.stride(0), o3.stride(1), pps, splits,
+        G=G, GP=GP, D=d, B=B, TP=TP, SPLIT=splits > 1, DOT_PREC=dot_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages)
+    if splits > 1:
+        _combine_kernel[(rows,)](part_o, part_l, o3, o3.stride(0), o3.stride(1), h, splits, G=G, GG=next_pow2(G), D=d,
+                                 num_warps=4)
+    return out

@@ -1,0 +1,172 @@
+"""Summary build on the GPU (kernel 4): top-r page basis from the 16x16 Gram matrix.
+
+For a page's centered keys ``D`` (``B x d``), the top-r right singular vectors are
+``V = D^T U / sigma`` where ``U, sigma^2`` are the top-r eigenpairs of the small Gram matrix
+``D D^T`` (``B x B``), and the coefficients are ``C = D V = U sigma``. One batched matrix product
+builds all Gram matrices, ``torch.linalg.eigh`` diagonalises them in one batched call (Jacobi on
+CUDA for such small matrices), and ``_quantize_kernel`` writes the quantized layout of
+``locks_hf.summaries`` (int4/int2/int8 basis packed with one bf16 scale per basis row, int8
+coefficients with one bf16 scale per token row, int8 centroid with one bf16 scale) in one pass.
+
+Directions with ``sigma <= 1e-3 * sigma_max`` (rank-deficient pages, e.g. a page of few real
+tokens) get a zero basis row and zero coefficients: they carry no score.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import next_pow2
+
+_BF16_ROUND_UP = 1.0 + 2.0**-7  # as locks_hf.quant: scales rounded up so |x|/scale <= qmax
+
+
+#: matrices per ``torch.linalg.eigh`` call: cuSOLVER's batched solver failed with an internal error on
+#: 65536 16x16 matrices in one call (torch 2.11, H200), so large batches go in chunks.
+EIGH_CHUNK = 8192
+
+
+def _batched_eigh(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    lead, n = gram.shape[:-2], gram.shape[-1]
+    flat = gram.reshape(-1, n, n)
+    if flat.shape[0] <= EIGH_CHUNK:
+        return torch.linalg.eigh(gram)
+    vals, vecs = zip(*(torch.linalg.eigh(part) for part in flat.split(EIGH_CHUNK)))
+    return torch.cat(vals).view(*lead, n), torch.cat(vecs).view(*lead, n, n)
+
+
+def fit_pages_eigh(keys: torch.Tensor, valid: torch.Tensor, rank: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float32 centroid ``[..., d]``, basis rows ``[..., r, d]`` and coefficients ``[..., B, r]``."""
+    k = keys.float()
+    w = valid.to(k.dtype).unsqueeze(-1)
+    mu = (k * w).sum(-2) / w.sum(-2).clamp_min(1.0)
+    centered = (k - mu.unsqueeze(-2)) * w
+    gram = centered @ centered.transpose(-1, -2)
+    evals, evecs = _batched_eigh(gram)  # ascending
+    B = keys.shape[-2]
+    r = min(rank, B)
+    lam = evals[..., B - r:].flip(-1).clamp_min(0.0)
+    u = evecs[..., B - r:].flip(-1)  # [..., B, r]
+    sig = lam.sqrt()
+    keep = sig > 1e-3 * sig[..., :1]
+    inv = torch.where(keep, 1.0 / torch.where(keep, sig, 1.0), 0.0)
+    basis = (u.transpose(-1, -2) @ centered) * inv.unsqueeze(-1)  # [..., r, d]
+    coef = u * torch.where(keep, sig, 0.0).unsqueeze(-2)  # [..., B, r]
+    if r < rank:
+        basis = torch.nn.functional.pad(basis, (0, 0, 0, rank - r))
+        coef = torch.nn.functional.pad(coef, (0, rank - r))
+    return mu, basis, coef
+
+
+@triton.jit
+def _rint(x):
+    """Round half to even (as ``torch.round``)."""
+    r = tl.floor(x + 0.5)
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0
+    return tl.where(((r - x) == 0.5) & odd, r - 1.0, r)
+
+
+@triton.jit
+def _bf16_value(x):
+    """``x`` (finite, >= 0) rounded to the nearest bf16 (ties to even), as float32.
+
+    Written with integer ops so that the interpreter (which truncates on conversion) and the GPU agree.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scale_of(amax, QMAX: tl.constexpr):
+    """bf16 quantization scale for a slice of absmax ``amax`` (as locks_hf.quant), as float32."""
+    sc = _bf16_value(amax * 1.0078125 / QMAX)
+    return tl.where(sc > 0, sc, 1.0)
+
+
+@triton.jit
+def _quantize_kernel(mu_ptr, basis_ptr, coef_ptr, o_basis, o_bscale, o_coef, o_cscale, o_mu, o_mscale,
+                     n_pages, D: tl.constexpr, B: tl.constexpr, R: tl.constexpr, RP: tl.constexpr,
+                     BITS: tl.constexpr, BPG: tl.constexpr):
+    """Quantize ``BPG`` pages per program: rows of ``basis [n, R, D]``, ``coef [n, B, R]``, ``mu [n, D]``."""
+    PER: tl.constexpr = 8 // BITS
+    DP: tl.constexpr = D // PER
+    QB: tl.constexpr = (1 << (BITS - 1)) - 1
+    pg = tl.program_id(0) * BPG + tl.arange(0, BPG)
+    pm = pg < n_pages
+    r = tl.arange(0, RP)
+    rm = r < R
+    c = tl.arange(0, D)
+    t = tl.arange(0, B)
+
+    # centroid: int8, one scale per page
+    mu = tl.load(mu_ptr + pg[:, None] * D + c[None, :], mask=pm[:, None], other=0.0)
+    ms = _scale_of(tl.max(tl.abs(mu), axis=1), 127)
+    mq = _rint(mu / ms[:, None])
+    tl.store(o_mu + pg[:, None] * D + c[None, :], tl.clamp(mq, -127.0, 127.0).to(tl.int8), mask=pm[:, None])
+    tl.store(o_mscale + pg, ms.to(tl.bfloat16), mask=pm)
+
+    # coefficients: int8, one scale per token row
+    cf = tl.load(coef_ptr + pg[:, None, None] * (B * R) + t[None, :, None] * R + r[None, None, :],
+                 mask=pm[:, None, None] & rm[None, None, :], other=0.0)  # [BPG, B, RP]
+    cs = _scale_of(tl.max(tl.abs(cf), axis=2), 127)
+    cq = tl.clamp(_rint(cf / cs[:, :, None]), -127.0, 127.0).to(tl.int8)
+    tl.store(o_coef + pg[:, None, None] * (B * R) + t[None, :, None] * R + r[None, None, :], cq,
+             mask=pm[:, None, None] & rm[None, None, :])
+    tl.store(o_cscale + pg[:, None] * B + t[None, :], cs.to(tl.bfloat16), mask=pm[:, None])
+
+    # basis rows: BITS-bit codes packed PER to a byte (element 0 in the low bits), one scale per row
+    j = tl.arange(0, DP)
+    bm = pm[:, None] & rm[None, :]
+    amax = tl.zeros([BPG, RP], dtype=tl.float32)
+    for s in tl.static_range(PER):
+        x = tl.load(basis_ptr + pg[:, None, None] * (R * D) + r[None, :, None] * D + (j * PER + s)[None, None, :],
+                    mask=bm[:, :, None], other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=2))
+    bs = _scale_of(amax, QB)
+    packed = tl.zeros([BPG, RP, DP], dtype=tl.int32)
+    for s in tl.static_range(PER):
+        x = tl.load(basis_ptr + pg[:, None, None] * (R * D) + r[None, :, None] * D + (j * PER + s)[None, None, :],
+                    mask=bm[:, :, None], other=0.0)
+        code = tl.clamp(_rint(x / bs[:, :, None]), -QB * 1.0, QB * 1.0).to(tl.int32)
+        packed = packed | ((code & ((1 << BITS) - 1)) << (BITS * s))
+    tl.store(o_basis + pg[:, None, None] * (R * DP) + r[None, :, None] * DP + j[None, None, :],
+             packed.to(tl.int8 if BITS == 8 else tl.uint8), mask=bm[:, :, None])
+    tl.store(o_bscale + pg[:, None] * R + r[None, :], bs.to(tl.bfloat16), mask=bm)
+
+
+def quantize_summary(mu: torch.Tensor, basis: torch.Tensor, coef: torch.Tensor, basis_bits: int = 4
+                     ) -> dict[str, torch.Tensor]:
+    """The quantized summary layout of ``locks_hf.summaries`` from float32 parts (one Triton pass)."""
+    lead = mu.shape[:-1]
+    d = mu.shape[-1]
+    R, B = basis.shape[-2], coef.shape[-2]
+    n = mu.numel() // d
+    dev = mu.device
+    per = 8 // basis_bits
+    out = {
+        "basis": torch.empty((*lead, R, d // per), dtype=torch.int8 if basis_bits == 8 else torch.uint8, device=dev),
+        "basis_scale": torch.empty((*lead, R), dtype=torch.bfloat16, device=dev),
+        "coef": torch.empty((*lead, B, R), dtype=torch.int8, device=dev),
+        "coef_scale": torch.empty((*lead, B), dtype=torch.bfloat16, device=dev),
+        "mu": torch.empty((*lead, d), dtype=torch.int8, device=dev),
+        "mu_scale": torch.empty((*lead, 1), dtype=torch.bfloat16, device=dev),
+    }
+    if n == 0:
+        return out
+    BPG = 8
+    _quantize_kernel[(triton.cdiv(n, BPG),)](
+        mu.float().contiguous(), basis.float().contiguous(), coef.float().contiguous(),
+        out["basis"], out["basis_scale"], out["coef"], out["coef_scale"], out["mu"], out["mu_scale"],
+        n, D=d, B=B, R=R, RP=next_pow2(R), BITS=basis_bits, BPG=BPG, num_warps=4)
+    return out
+
+
+def build_summary(keys: torch.Tensor, valid: torch.Tensor, rank: int, basis_bits: int = 4
+                  ) -> dict[str, torch.Tensor]:
+    """Page summaries of ``keys [..., B, d]`` (``valid [..., B]``), quantized (i2/i4/i8 basis)."""
+    mu, basis, coef = fit_pages_eigh(keys, valid, rank)
+    return quantize_summary(mu, basis, coef, basis_bits)

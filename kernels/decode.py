@@ -1,0 +1,103 @@
+"""The kernel path of a Locks decode step, and the glue that `locks_hf` dispatches CUDA tensors to.
+
+`decode_step` chains the three kernels (score -> select -> attend) on explicit tensors; the
+`sparse_decode` / `summarize` functions read a `LocksLayer`'s buffers and keep its bookkeeping
+(``last_selection``, attended-token statistics) identical to the reference path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attend import sparse_attention
+from .build import build_summary
+from .score import score_pages
+from .select import select_pages
+
+_QUANTIZED = (2, 4, 8)
+
+
+def decode_step(method: str, query: torch.Tensor, *, key_buf: torch.Tensor, value_buf: torch.Tensor,
+                slot_valid: torch.Tensor, row_start: torch.Tensor, n_complete: torch.Tensor, length: int,
+                n_pages: int, slots: int, scale: float, page_size: int,
+                summary: dict[str, torch.Tensor] | None = None, basis_bits: int = 4
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sparse decode step on explicit tensors: ``(output [b, 1, Hq, d], pages [b*h, W])``.
+
+    ``method`` is ``"locks"``, ``"quest"`` or ``"oracle"`` (see `score_pages` for the inputs).
+    """
+    h = key_buf.shape[1]
+    scores, partials = score_pages(method, query, slot_valid=slot_valid, row_start=row_start,
+                                   n_complete=n_complete, length=length, n_pages=n_pages, scale=scale,
+                                   page_size=page_size, summary=summary, keys=key_buf, basis_bits=basis_bits)
+    pages = select_pages(scores, partials, slots=slots, per_head=method == "quest", row_start=row_start,
+                         length=length, heads=h, page_size=page_size)
+    out = sparse_attention(query, key_buf, value_buf, pages, slot_valid=slot_valid, row_start=row_start,
+                           length=length, scale=scale, page_size=page_size)
+    return out, pages
+
+
+def supports(layer, query: torch.Tensor | None = None) -> bool:
+    """Whether the kernels implement this layer's settings (else the reference path runs)."""
+    cfg = layer.config
+    if cfg.selector not in ("locks", "quest", "oracle"):
+        return False
+    if cfg.selector != "quest" and cfg.group_combine != "share_average":
+        return False
+    if cfg.selector == "locks" and (cfg.basis_bits not in _QUANTIZED or cfg.coef_bits != 8 or cfg.centroid_bits != 8):
+        return False
+    kbuf = layer._kbuf
+    if kbuf is None or not kbuf.is_cuda or kbuf.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    d = kbuf.shape[-1]
+    per = 8 // cfg.basis_bits if cfg.selector == "locks" else 1
+    if d & (d - 1) or d // per < 16 or cfg.page_size < 4:
+        return False
+    return query is None or (query.is_cuda and query.dtype == kbuf.dtype)
+
+
+def _row_tensors(layer, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``row_start`` and ``n_summarized`` as int32 device tensors, re-sent only when they change."""
+    key = (tuple(layer.row_start), tuple(layer.n_summarized))
+    cached = getattr(layer, "_locks_kernel_rows", None)
+    if cached is None or cached[0] != key:
+        host = torch.tensor([layer.row_start, layer.n_summarized], dtype=torch.int32)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(device, non_blocking=True)
+        cached = (key, dev[0], dev[1])
+        layer._locks_kernel_rows = cached
+    return cached[1], cached[2]
+
+
+def sparse_decode(layer, query: torch.Tensor, scale: float) -> torch.Tensor:
+    """Kernel twin of `locks_hf.attention.sparse_decode`: ``query [b, Hq, 1, d]`` -> ``[b, 1, Hq, d]``."""
+    cfg = layer.config
+    b = query.shape[0]
+    h = layer._kbuf.shape[1]
+    B = cfg.page_size
+    row_start, n_complete = _row_tensors(layer, query.device)
+    P = layer.num_pages
+    out, pages = decode_step(cfg.selector, query, key_buf=layer._kbuf, value_buf=layer._vbuf,
+                             slot_valid=layer.slot_valid, row_start=row_start, n_complete=n_complete,
+                             length=layer.length, n_pages=P, slots=cfg.page_slots, scale=scale, page_size=B,
+                             summary=layer.summary, basis_bits=cfg.basis_bits)
+    # bookkeeping, as the reference path: the page set and the attended / cached real tokens
+    ok = pages >= 0
+    idx = torch.where(ok, pages, P).long()
+    sel = torch.zeros((b * h, P + 1), dtype=torch.bool, device=query.device).scatter_(1, idx, True)
+    layer.last_selection = sel[:, :P].view(b, h, P)
+    rows = torch.arange(b, device=query.device).repeat_interleave(h)[:, None, None]
+    slots = row_start[rows] + idx[..., None] * B + torch.arange(B, device=query.device)
+    inside = ok[..., None] & (slots < layer.length)
+    real = layer.slot_valid[rows, slots * inside] & inside
+    layer.record_step(real.sum(), layer.slot_valid[:, : layer.length].sum() * h)
+    return out
+
+
+def summarize(layer, keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """GPU summary build for `LocksLayer.summarize_completed`; ``None`` when the reference must run."""
+    cfg = layer.config
+    if not keys.is_cuda or cfg.selector != "locks" or not supports(layer):
+        return None
+    return build_summary(keys, valid, cfg.rank, cfg.basis_bits)

@@ -1,0 +1,208 @@
+"""Page selection (kernel 2): top-(k-2) pages per row with the forced sink and recent pages.
+
+Two launches, no host sync, fixed-width outputs padded with ``SENTINEL``:
+
+1. ``_select_chunk_kernel`` (grid: chunks x rows) folds the scoring partials into the sink page and,
+   for the shared rule, each query head's LSE over the candidate pages; computes one key per page
+   of its chunk (the share-average ``mean_g exp(s_g - LSE_g)``, or a head's own score for Quest)
+   and keeps the chunk's best ``k-2`` by a threshold search (``top_keys``), in page order.
+2. ``_select_merge_kernel`` (grid: rows) takes the best ``k-2`` of the chunk winners the same way
+   and writes ``[sink, recent, winners..., SENTINEL...]``; for Quest it writes each head's list and
+   ``_union_kernel`` merges the G lists of a KV head (sort, drop duplicates).
+
+Ties break towards the earlier page, as in the reference (a stable descending sort).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import BIG_PAGE, NO_KEY, SENTINEL_C as SENTINEL, next_pow2, scalar_at, score_key, top_keys
+
+
+@triton.jit
+def _sink_and_lse(part_ptr, row, n_blk, last_page, GG: tl.constexpr, NBP: tl.constexpr, WITH_LSE: tl.constexpr):
+    """Fold the scoring partials of ``row``: the sink page and each head's LSE over the candidates."""
+    gi = tl.arange(0, GG)
+    a = tl.arange(0, NBP)
+    base = part_ptr + row * n_blk * 4 * GG
+    sink = tl.full([], BIG_PAGE, tl.int32)
+    for i in range(0, n_blk, NBP):
+        f = tl.load(base + (i + a) * 4 * GG + 3 * GG, mask=(i + a) < n_blk, other=BIG_PAGE)
+        sink = tl.minimum(sink, tl.min(f.to(tl.int32), axis=0))
+    sink = tl.where(sink == BIG_PAGE, last_page, sink)
+    lse = tl.full([GG], float("-inf"), tl.float32)
+    if WITH_LSE:
+        run_m = tl.full([GG], float("-inf"), tl.float32)
+        run_l = tl.zeros([GG], dtype=tl.float32)
+        for i in range(0, n_blk, NBP):
+            ok = ((i + a) < n_blk)[:, None]
+            ptr = base + (i + a)[:, None] * 4 * GG + gi[None, :]
+            m = tl.load(ptr, mask=ok, other=float("-inf"))
+            l = tl.load(ptr + GG, mask=ok, other=0.0)
+            fs = tl.load(ptr + 2 * GG, mask=ok, other=float("-inf"))
+            f = tl.load(ptr + 3 * GG, mask=ok, other=BIG_PAGE).to(tl.int32)
+            # a program's first real page is a candidate unless it is the sink or the recent page
+            add = (f != sink) & (f != last_page) & (f != BIG_PAGE)
+            fs = tl.where(add, fs, float("-inf"))
+            new_m = tl.maximum(run_m, tl.maximum(tl.max(m, axis=0), tl.max(fs, axis=0)))
+            safe = tl.where(new_m == float("-inf"), 0.0, new_m)
+            run_l = run_l * tl.exp(run_m - safe) + tl.sum(l * tl.exp(m - safe[None, :]), axis=0) \
+                + tl.sum(tl.exp(fs - safe[None, :]), axis=0)
+            run_m = new_m
+        lse = tl.where(run_l > 0, run_m + tl.log(run_l), float("-inf"))
+    return sink, lse
+
+
+@triton.jit
+def _select_chunk_kernel(score_ptr, part_ptr, n_blk, row_start_ptr, length, H, P, K,
+                         key_ptr, page_ptr, sink_ptr, n_chunk,
+                         PER_HEAD: tl.constexpr, G: tl.constexpr, GG: tl.constexpr, B: tl.constexpr, CH: tl.constexpr,
+                         KP: tl.constexpr, NBP: tl.constexpr):
+    chunk = tl.program_id(0)
+    vrow = tl.program_id(1)
+    if PER_HEAD:
+        row = vrow // G
+        head = vrow % G
+    else:
+        row = vrow
+        head = 0
+    rs = tl.load(row_start_ptr + row // H)
+    last_page = (length - 1 - rs) // B
+    sink, lse = _sink_and_lse(part_ptr, row, n_blk, last_page, GG, NBP, not PER_HEAD)
+    if PER_HEAD:
+        first_prog = (chunk == 0) & (head == 0)
+    else:
+        first_prog = chunk == 0
+    if first_prog:
+        tl.store(sink_ptr + row, sink)
+
+    p = chunk * CH + tl.arange(0, CH)
+    srow = score_ptr + row * G * P
+    if PER_HEAD:
+        s = tl.load(srow + head * P + p, mask=p < P, other=float("-inf"))
+        real = s > float("-inf")
+        key = score_key(s)
+    else:
+        real = tl.load(srow + p, mask=p < P, other=float("-inf")) > float("-inf")
+        comb = tl.zeros([CH], dtype=tl.float32)
+        for g in tl.static_range(G):
+            s = tl.load(srow + g * P + p, mask=p < P, other=float("-inf"))
+            lg = scalar_at(tl.where(lse == float("-inf"), 0.0, lse), g, GG)
+            comb += tl.exp(s - lg)
+        key = score_key(comb / G)
+    cand = real & (p != sink) & (p != last_page)
+    key = tl.where(cand, key, NO_KEY)
+    keep = top_keys(key, K)
+
+    n = tl.sum(keep.to(tl.int32), axis=0)
+    pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    out = (vrow * n_chunk + chunk) * KP
+    tl.store(key_ptr + out + pos, key, mask=keep)
+    tl.store(page_ptr + out + pos, p, mask=keep)
+    e = tl.arange(0, KP)
+    tl.store(key_ptr + out + e, tl.full([KP], NO_KEY, tl.int32), mask=e >= n)
+
+
+@triton.jit
+def _select_merge_kernel(key_ptr, page_ptr, sink_ptr, row_start_ptr, length, H, K, n_chunk,
+                         out_ptr, W, PER_HEAD: tl.constexpr, G: tl.constexpr, B: tl.constexpr,
+                         KP: tl.constexpr, M: tl.constexpr):
+    vrow = tl.program_id(0)
+    e = tl.arange(0, M)
+    inb = e < n_chunk * KP
+    key = tl.load(key_ptr + vrow * n_chunk * KP + e, mask=inb, other=NO_KEY)
+    page = tl.load(page_ptr + vrow * n_chunk * KP + e, mask=inb, other=SENTINEL)
+    keep = top_keys(key, K)
+    n = tl.sum(keep.to(tl.int32), axis=0)
+    pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    if PER_HEAD:
+        tl.store(out_ptr + vrow * KP + pos, page, mask=keep)
+        w = tl.arange(0, KP)
+        tl.store(out_ptr + vrow * KP + w, tl.full([KP], SENTINEL, tl.int32), mask=w >= n)
+    else:
+        row = vrow
+        rs = tl.load(row_start_ptr + row // H)
+        last_page = (length - 1 - rs) // B
+        sink = tl.load(sink_ptr + row)
+        base = out_ptr + row * W
+        tl.store(base, sink)
+        tl.store(base + 1, tl.where(last_page != sink, last_page, SENTINEL))
+        tl.store(base + 2 + pos, page, mask=keep)
+        for w0 in range(0, W, KP):
+            w = w0 + tl.arange(0, KP)
+            tl.store(base + w, tl.full([KP], SENTINEL, tl.int32), mask=(w >= 2 + n) & (w < W))
+
+
+@triton.jit
+def _union_kernel(list_ptr, n_list, sink_ptr, row_start_ptr, length, H, out_ptr, W,
+                  B: tl.constexpr, N: tl.constexpr):
+    """Union of the G per-head lists of a KV head (``n_list = G*KP <= N`` entries): sort, drop repeats."""
+    row = tl.program_id(0)
+    e = tl.arange(0, N)
+    x = tl.load(list_ptr + row * n_list + e, mask=e < n_list, other=SENTINEL)
+    x = tl.where(x == SENTINEL, BIG_PAGE, x)
+    x = tl.sort(x)
+    prev = tl.gather(x, tl.maximum(e - 1, 0), 0)
+    uniq = (x != BIG_PAGE) & ((e == 0) | (x != prev))
+    n = tl.sum(uniq.to(tl.int32), axis=0)
+    pos = tl.cumsum(uniq.to(tl.int32), axis=0) - 1
+    rs = tl.load(row_start_ptr + row // H)
+    last_page = (length - 1 - rs) // B
+    sink = tl.load(sink_ptr + row)
+    base = out_ptr + row * W
+    tl.store(base, sink)
+    tl.store(base + 1, tl.where(last_page != sink, last_page, SENTINEL))
+    tl.store(base + 2 + pos, x, mask=uniq)
+    for w0 in range(0, W, N):
+        w = w0 + e
+        tl.store(base + w, tl.full([N], SENTINEL, tl.int32), mask=(w >= 2 + n) & (w < W))
+
+
+def chunk_size(n_pages: int, kp: int, max_chunks: int = 16) -> int:
+    """Pages per first-stage program: at most ``max_chunks`` chunks per row, at least ``kp`` pages."""
+    return max(256, kp, next_pow2(triton.cdiv(n_pages, max_chunks)))
+
+
+def select_pages(scores: torch.Tensor, partials: torch.Tensor, *, slots: int, per_head: bool,
+                 row_start: torch.Tensor, length: int, heads: int, page_size: int,
+                 out: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
+    """Page lists ``[b*h, W]`` int32 (``SENTINEL``-padded) from ``score_pages``' outputs.
+
+    ``slots`` is ``k = ceil(b / B)``; ``W = k`` for the shared rule and ``G*(k-2) + 2`` for Quest's
+    per-head union. Entry 0 is the sink page, entry 1 the most recent page (``SENTINEL`` when it
+    is the sink), then the selected pages (page order for the shared rule, ascending for Quest).
+    """
+    rows, G, P = scores.shape
+    K = max(slots - 2, 0)
+    KP = next_pow2(max(K, 1))
+    CH = chunk or chunk_size(P, KP)
+    n_chunk = max(1, triton.cdiv(P, CH))
+    M = next_pow2(n_chunk) * KP
+    vrows = rows * G if per_head else rows
+    dev = scores.device
+    keys = torch.empty((vrows, n_chunk, KP), dtype=torch.int32, device=dev)
+    pages = torch.empty((vrows, n_chunk, KP), dtype=torch.int32, device=dev)
+    sink = torch.empty((rows,), dtype=torch.int32, device=dev)
+    n_blk = partials.shape[1]
+    _select_chunk_kernel[(n_chunk, vrows)](
+        scores, partials, n_blk, row_start, length, heads, P, K, keys, pages, sink, n_chunk,
+        PER_HEAD=per_head, G=G, GG=partials.shape[-1], B=page_size, CH=CH, KP=KP, NBP=64, num_warps=4 if CH <= 1024 else 8)
+    W = G * K + 2 if per_head else slots
+    if out is None:
+        out = torch.empty((rows, W), dtype=torch.int32, device=dev)
+    if per_head:
+        lists = torch.empty((vrows, KP), dtype=torch.int32, device=dev)
+        _select_merge_kernel[(vrows,)](keys, pages, sink, row_start, length, heads, K, n_chunk, lists, KP,
+                                       PER_HEAD=True, G=G, B=page_size, KP=KP, M=M,
+                                       num_warps=4 if M <= 1024 else 8)
+        N = next_pow2(G * KP)
+        _union_kernel[(rows,)](lists, G * KP, sink, row_start, length, heads, out, W, B=page_size, N=N,
+                               num_warps=4 if N <= 1024 else 8)
+    else:
+        _select_merge_kernel[(vrows,)](keys, pages, sink, row_start, length, heads, K, n_chunk, out, W,
+                                       PER_HEAD=False, G=G, B=page_size, KP=KP, M=M,
+                                       num_warps=4 if M <= 1024 else 8)
+    return out
