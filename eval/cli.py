@@ -1,0 +1,307 @@
+"""``locks-hf-eval``: sweep / merge / report / fidelity / ruler-generate / infinitebench-score.
+
+Examples::
+
+    locks-hf-eval sweep --benchmark ruler --model gemma3-270m --tasks niah_single_1,vt --lengths 4096 \\
+        --num-samples 10 --arms full,oracle,locks-r8i4,locks-r4i4,quest --budgets 64,128,256,512 --out runs/ruler4k
+    locks-hf-eval sweep ... --shard 0/2          # this process does shard 0 of 2; then `merge`
+    accelerate launch -m locks_hf.eval.cli sweep ...   # one shard per process, rank 0 merges
+    locks-hf-eval report --run runs/ruler4k --out docs/eval
+    locks-hf-eval fidelity --model gemma3-270m --records-from runs/ruler4k --num-prompts 4 --out runs/fid
+    locks-hf-eval infinitebench-score --predictions ../shared/data/infinitebench/reference_predictions/yi-34b-200k
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def _threads(n):
+    import torch
+
+    if n:
+        torch.set_num_threads(int(n))
+
+
+def load_any_model(name: str, device: str = "cpu", dtype: str = "float32"):
+    """A real model by name (`locks_hf.models.load_model`) or ``tiny-<arch>`` (random, byte tokenizer)."""
+    import torch
+
+    dt = getattr(torch, dtype)
+    if name.startswith("tiny-"):
+        from locks_hf.models import tiny_model
+
+        from .testing import ByteTokenizer
+
+        model = tiny_model(name[5:], vocab_size=256, max_position_embeddings=65536).to(device=device, dtype=dt)
+        return model, ByteTokenizer()
+    from locks_hf.models import load_model
+
+    return load_model(name, attn_implementation="locks", dtype=dt, device=device)
+
+
+def load_tokenizer_only(name: str):
+    """The tokenizer of a supported model without loading its weights (``tiny-*``: the byte tokenizer)."""
+    if name.startswith("tiny-"):
+        from .testing import ByteTokenizer
+
+        return ByteTokenizer()
+    from transformers import AutoTokenizer
+
+    from locks_hf.models import MODELS, convert
+
+    tok = AutoTokenizer.from_pretrained(convert(name))
+    tok.locks_hf_prepend_bos = MODELS[name].prepend_bos
+    return tok
+
+
+def _device(arg):
+    import torch
+
+    if arg:
+        return arg
+    if torch.cuda.is_available():
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    return "cpu"
+
+
+def _split(v):
+    from .arms import split_list
+
+    return split_list(v)
+
+
+def build_benchmark(args, tokenizer):
+    from .benchmarks import RulerBenchmark
+
+    if args.benchmark == "ruler":
+        from .ruler import TASKS
+
+        tasks = _split(args.tasks) or list(TASKS)
+        return RulerBenchmark(tokenizer, tasks, [int(x) for x in _split(args.lengths) or ["4096"]],
+                              num_samples=args.num_samples, seed=args.seed, data_dir=args.data_dir,
+                              haystack_path=args.haystack, wordlist_dir=args.wordlists,
+                              stop_at_newline=not args.no_stop_newline)
+    if args.benchmark == "longbench":
+        from .longbench import LongBenchBenchmark
+
+        return LongBenchBenchmark(tokenizer, _split(args.tasks) or ["multi_news"], max_length=args.max_length,
+                                  num_samples=args.num_samples, records_dir=args.records_dir, data_dir=args.data_dir,
+                                  chat=args.chat)
+    if args.benchmark == "infinitebench":
+        from .infinitebench import InfiniteBenchBenchmark
+
+        return InfiniteBenchBenchmark(tokenizer, _split(args.tasks) or ["passkey"],
+                                      lengths=[int(x) for x in _split(args.lengths) or ["4096"]],
+                                      num_samples=args.num_samples, seed=args.seed, records_dir=args.records_dir,
+                                      data_dir=args.data_dir, max_length=args.max_length)
+    if args.benchmark == "math":
+        from .mathbench import MathBenchmark
+
+        return MathBenchmark(tokenizer, _split(args.tasks) or ["math500"], num_samples=args.num_samples,
+                             k=args.k, temperature=args.temperature, top_p=args.top_p,
+                             max_new_tokens=args.max_new_tokens or 4096, thinking=not args.no_thinking,
+                             data_dir=args.data_dir)
+    raise SystemExit(f"unknown benchmark {args.benchmark}")
+
+
+def cmd_sweep(args):
+    _threads(args.threads)
+    from .arms import parse_arms
+    from .runner import SweepRunner, merge, parse_shard
+
+    arms = parse_arms(_split(args.arms), [int(b) for b in _split(args.budgets)], page_size=args.page_size)
+    t0 = time.time()
+    model, tok = load_any_model(args.model, _device(args.device), args.dtype)
+    print(f"loaded {args.model} in {time.time() - t0:.0f} s", file=sys.stderr)
+    bench = build_benchmark(args, tok)
+    runner = SweepRunner(model, tok, bench, arms, args.out, protocol=args.protocol, shard=args.shard,
+                         model_name=args.model, limit=args.limit, max_new_tokens=args.max_new_tokens
+                         if args.benchmark != "math" else None, seed=args.seed or 0)
+    runner.run()
+    i, n = runner.shard
+    if n > 1 and not args.shard:  # accelerate / torchrun: rank 0 merges after everyone finished
+        try:
+            from accelerate import PartialState
+
+            PartialState().wait_for_everyone()
+        except Exception as err:  # pragma: no cover
+            print(f"could not synchronise processes ({err}); run `merge` afterwards", file=sys.stderr)
+            return
+    if n == 1 or (i == 0 and not args.shard):
+        info = merge(args.out)
+        print(f"merged {info['rows']} predictions into {args.out}/results.jsonl, scores.csv", file=sys.stderr)
+    else:
+        print(f"shard {i}/{n} done; run `locks-hf-eval merge --out {args.out}` once all shards finished",
+              file=sys.stderr)
+
+
+def cmd_merge(args):
+    from .runner import merge
+
+    print(json.dumps(merge(args.out)))
+
+
+def cmd_report(args):
+    from .report import write_report
+
+    path = write_report([Path(r) for r in args.run], Path(args.out), title=args.title, name=args.name,
+                        fidelity_dirs=[Path(f) for f in (args.fidelity or [])],
+                        notes=Path(args.notes).read_text() if args.notes else None)
+    print(path)
+
+
+def cmd_fidelity(args):
+    _threads(args.threads)
+    import torch
+
+    from .arms import parse_arms
+    from .benchmarks import RulerBenchmark, encode_text
+    from .fidelity import run_fidelity
+
+    arms = parse_arms(_split(args.arms), [int(b) for b in _split(args.budgets)], page_size=args.page_size)
+    arms = [a for a in arms if a.family != "full"] if args.drop_full else arms
+    model, tok = load_any_model(args.model, _device(args.device), args.dtype)
+    prompts = []
+    if args.records_from:
+        from .runner import _jsonl
+
+        recs = []
+        for p in sorted((Path(args.records_from) / "records").glob("*.jsonl")):
+            recs += _jsonl(p)
+        tasks = _split(args.tasks)
+        lengths = [int(x) for x in _split(args.lengths)]
+        recs = [r for r in recs if (not tasks or r["task"] in tasks) and (not lengths or r["length"] in lengths)]
+        by_task = {}
+        for r in recs:
+            by_task.setdefault((r["task"], r["length"]), []).append(r)
+        for key in sorted(by_task):
+            for r in sorted(by_task[key], key=lambda r: r["index"])[: args.num_prompts]:
+                ids = encode_text(tok, r["input"] + r["answer_prefix"])
+                needle = None
+                if r.get("token_position_answer", -1) >= 0:  # niah: token index of the (first) answer
+                    bos = getattr(tok, "bos_token_id", None)
+                    needle = r["token_position_answer"] + int(bos is not None and int(ids[0, 0]) == bos)
+                prompts.append((r["id"], ids, needle))
+    else:
+        from .ruler import TASKS
+
+        bench = RulerBenchmark(tok, _split(args.tasks) or list(TASKS[:1]),
+                               [int(x) for x in _split(args.lengths) or ["4096"]], num_samples=args.num_prompts,
+                               data_dir=args.data_dir)
+        for r in bench.records():
+            prompts.append((r["id"], bench.prompt_ids(r, tok)))
+    with torch.no_grad():
+        run_fidelity(model, prompts, arms, args.out, steps=args.steps, page_size=args.page_size)
+    print(f"wrote {args.out}/fidelity.csv", file=sys.stderr)
+
+
+def cmd_ruler_generate(args):
+    from .ruler import RulerGenerator, RulerSources
+
+    tok = load_tokenizer_only(args.model)
+    gen = RulerGenerator(tok, RulerSources(haystack_path=args.haystack, wordlist_dir=args.wordlists,
+                                           data_dir=args.data_dir), seed=args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from .ruler import TASKS
+
+    for L in [int(x) for x in _split(args.lengths) or ["4096"]]:
+        for t in _split(args.tasks) or TASKS:
+            recs = gen.generate(t, L, args.num_samples)
+            (out / f"{t}-{L}.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
+            print(f"{t} {L}: {len(recs)} records, max {max(r['length_tokens'] for r in recs)} tokens", file=sys.stderr)
+
+
+def cmd_ib_score(args):
+    from .infinitebench import score_prediction_dir
+
+    table = score_prediction_dir(args.predictions, data_dir=args.data_dir)
+    print("| task | n | score (%) | README |")
+    print("|---|---|---|---|")
+    for row in table:
+        print(f"| {row['task']} | {row['n']} | {row['score']:.2f} | {row.get('reported', '')} |")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="locks-hf-eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def common(sp):
+        sp.add_argument("--model", default="gemma3-270m", help="gemma3-270m | smollm2-135m | tiny-<llama|gemma3|qwen3>")
+        sp.add_argument("--device", default=None)
+        sp.add_argument("--dtype", default="float32")
+        sp.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+        sp.add_argument("--arms", default="full,oracle,locks-r8i4,locks-r4i4,locks-r2i4,quest")
+        sp.add_argument("--budgets", default="64,128,256,512,1024,2048")
+        sp.add_argument("--page-size", type=int, default=16)
+        sp.add_argument("--tasks", default=None)
+        sp.add_argument("--lengths", default=None)
+        sp.add_argument("--num-samples", type=int, default=10, help="records per task (and length)")
+        sp.add_argument("--seed", type=int, default=None)
+        sp.add_argument("--data-dir", default=None, help="evaluation data (layout of shared/data); default: "
+                        "$LOCKS_HF_DATA, ../shared/data, else packaged samples")
+        sp.add_argument("--out", required=True)
+
+    s = sub.add_parser("sweep", help="run arms over a benchmark (resumable)")
+    common(s)
+    s.add_argument("--benchmark", default="ruler", choices=["ruler", "longbench", "infinitebench", "math"])
+    s.add_argument("--protocol", default="dense-question", choices=["dense-question", "sparse-question"])
+    s.add_argument("--shard", default=None, help="i/n: this process runs records j with j %% n == i")
+    s.add_argument("--limit", type=int, default=None, help="first N records only")
+    s.add_argument("--max-new-tokens", type=int, default=None, help="cap on generated tokens (math: the generation cap)")
+    s.add_argument("--haystack", default=None, help="RULER essay haystack text file")
+    s.add_argument("--wordlists", default=None, help="folder with wonderwords-2.2.0_{noun,adjective,verb}list.txt")
+    s.add_argument("--no-stop-newline", action="store_true", help="RULER: do not stop at the first newline")
+    s.add_argument("--records-dir", default=None, help="LongBench / InfiniteBench local <task>.jsonl folder")
+    s.add_argument("--max-length", type=int, default=None, help="LongBench/InfiniteBench prompt truncation (tokens)")
+    s.add_argument("--chat", action="store_true", help="LongBench: apply the tokenizer's chat template")
+    s.add_argument("--k", type=int, default=1, help="math: samples per problem (avg@k)")
+    s.add_argument("--temperature", type=float, default=0.6)
+    s.add_argument("--top-p", type=float, default=0.95)
+    s.add_argument("--no-thinking", action="store_true")
+    s.set_defaults(func=cmd_sweep)
+
+    m = sub.add_parser("merge", help="combine shard predictions into results.jsonl / scores.csv")
+    m.add_argument("--out", required=True)
+    m.set_defaults(func=cmd_merge)
+
+    r = sub.add_parser("report", help="markdown tables + PNG plots from run folders")
+    r.add_argument("--run", action="append", required=True)
+    r.add_argument("--fidelity", action="append", default=None)
+    r.add_argument("--out", required=True)
+    r.add_argument("--title", default="Locks sweep")
+    r.add_argument("--name", default="report")
+    r.add_argument("--notes", default=None, help="markdown file inserted under the title")
+    r.set_defaults(func=cmd_report)
+
+    f = sub.add_parser("fidelity", help="selection fidelity on captured decode queries/keys")
+    common(f)
+    f.add_argument("--records-from", default=None, help="a sweep run folder: use its records' prompts")
+    f.add_argument("--num-prompts", type=int, default=2, help="prompts per task (and length)")
+    f.add_argument("--steps", type=int, default=8, help="decode steps captured per prompt")
+    f.add_argument("--drop-full", action="store_true")
+    f.set_defaults(func=cmd_fidelity)
+
+    g = sub.add_parser("ruler-generate", help="write RULER records (jsonl) for a model's tokenizer")
+    common(g)
+    g.add_argument("--haystack", default=None)
+    g.add_argument("--wordlists", default=None)
+    g.set_defaults(func=cmd_ruler_generate)
+
+    i = sub.add_parser("infinitebench-score", help="score InfiniteBench prediction files (preds_<task>.jsonl)")
+    i.add_argument("--predictions", required=True)
+    i.add_argument("--data-dir", default=None)
+    i.set_defaults(func=cmd_ib_score)
+
+    args = p.parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

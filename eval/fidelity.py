@@ -1,0 +1,279 @@
+"""Selection fidelity (paper §3, Table 1 / Fig. 1) on real queries and keys captured while decoding.
+
+For every captured decode step (layer, query heads, the cache as it was at that step) and every arm
+(selector x budget) we rebuild the arm's page set exactly as `locks_hf.attention.sparse_decode` does
+(summaries of the complete pages, `page_scores`, `select_pages`) and measure against exact attention:
+
+* ``mass``      retained attention mass gamma_S: share of the exact softmax mass on the selected pages,
+                averaged over the query heads of the group;
+* ``recall``    exact-LSE page recall: overlap of the arm's free (non-forced) pages with the oracle's
+                ``k - 2`` free pages, divided by the oracle's count (1.0 for the oracle itself);
+* ``rel_err``   ``|o_S - o| / |o|`` of the attention output renormalised over the selected pages;
+* ``excl_err`` / ``excl_mass``  the exclusion test: attend everything *except* the selected pages
+                (a selector that finds the mass leaves a complement whose output is far from ``o``).
+
+Capture: `capture_decode` temporarily wraps the registered ``"locks"`` attention function, records the
+decode query of every `LocksLayer` at each step, and reads the keys/values from the cache afterwards
+(nothing is evicted, so the first ``L`` slots are the cache of the step with ``L`` tokens).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from locks_hf.selectors import forced_pages, make_selector, select_pages
+
+
+# ----------------------------------------------------------------------------------------------------
+# metrics on tensors
+def selection_metrics(keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, query: torch.Tensor,
+                      scale: float, selected: torch.Tensor, oracle_selected: torch.Tensor,
+                      forced: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per (batch row, KV head) metrics, averaged over the group's query heads.
+
+    Shapes: ``keys [b,h,P,B,d]``, ``values [b,h,P,B,dv]``, ``valid [b,1,P,B]``, ``query [b,h,G,d]``,
+    ``selected / oracle_selected [b,h,P]`` bool, ``forced [b,h,P]`` bool (sink + recent pages).
+    Returns tensors ``[b, h]``: mass, recall, rel_err, excl_err, excl_mass.
+    """
+    k, v, q = keys.double(), values.double(), query.double()
+    logits = scale * torch.einsum("bhgd,bhpid->bhgpi", q, k)
+    tok_ok = valid.unsqueeze(2)  # [b,1,1,P,B]
+    logits = logits.masked_fill(~tok_ok, float("-inf"))
+    b, h, G, P, B = logits.shape
+    flat = logits.flatten(-2)
+    p = torch.softmax(flat, -1)
+    vf = v.flatten(2, 3)  # [b,h,P*B,dv]
+    o = torch.einsum("bhgn,bhnd->bhgd", p, vf)
+    page_mass = p.unflatten(-1, (P, B)).sum(-1)  # [b,h,G,P]
+    sel = selected.unsqueeze(2)
+    mass = (page_mass * sel).sum(-1)  # [b,h,G]
+
+    def restricted(mask_pages):
+        m = (mask_pages.unsqueeze(2).unsqueeze(-1) & tok_ok).expand(b, h, G, P, B).flatten(-2)
+        lg = flat.masked_fill(~m, float("-inf"))
+        any_ok = m.any(-1, keepdim=True)
+        pr = torch.softmax(lg, -1).nan_to_num(0.0) * any_ok
+        return torch.einsum("bhgn,bhnd->bhgd", pr, vf), any_ok.squeeze(-1)
+
+    o_s, _ = restricted(selected)
+    o_x, any_x = restricted(~selected)
+    norm = o.norm(dim=-1).clamp_min(1e-30)
+    rel = (o_s - o).norm(dim=-1) / norm
+    ex = ((o_x - o).norm(dim=-1) / norm).masked_fill(~any_x, float("nan"))
+    free, ofree = selected & ~forced, oracle_selected & ~forced
+    denom = ofree.sum(-1).double()
+    recall = ((free & ofree).sum(-1).double() / denom).masked_fill(denom == 0, float("nan"))
+    return {"mass": mass.mean(2), "recall": recall, "rel_err": rel.mean(2), "excl_err": ex.mean(2),
+            "excl_mass": (1 - mass).mean(2)}
+
+
+def arm_selection(config, keys: torch.Tensor, valid: torch.Tensor, n_complete: int, query: torch.Tensor,
+                  scale: float, n_fit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The page set ``[b,h,P]`` an arm attends at this step, as `sparse_decode` builds it; and the forced pages.
+
+    ``full`` (or a context of at most ``k`` pages) selects every real page. Selectors with
+    sequence-level state (the shared-basis controls) fit it on the first ``n_fit`` pages (the pages
+    complete at the first decode step after the prefill, as `LocksLayer` does), frozen after.
+    """
+    b, h, P = keys.shape[0], keys.shape[1], keys.shape[2]
+    page_real = valid[:, 0].any(-1)  # [b, P]
+    sink, recent = _forced_pages(page_real)
+    forced = ((sink | recent) & page_real)[:, None].expand(b, h, P)
+    selector = make_selector(config)
+    if selector is None or P <= config.page_slots:
+        return page_real[:, None].expand(b, h, P), forced
+    vh = valid.expand(-1, h, -1, -1)
+    shared = {}
+    if hasattr(selector, "fit_sequence"):
+        nf = n_complete if n_fit is None else min(n_fit, n_complete)
+        shared = selector.fit_sequence(keys[:, :, :nf], vh[:, :, :nf]) or {}
+    try:
+        summary = selector.summarize(keys[:, :, :n_complete], vh[:, :, :n_complete], shared)
+    except TypeError:  # selectors without sequence-level state (older signature)
+        summary = selector.summarize(keys[:, :, :n_complete], vh[:, :, :n_complete])
+    summary = {**summary, **shared}
+    scores = selector.page_scores(summary, keys, valid, query, scale)
+    scores = torch.nn.functional.pad(scores, (0, P - scores.shape[-1]), value=float("-inf"))
+    complete = torch.arange(P, device=keys.device) < n_complete
+    sel = select_pages(scores, page_real, complete, config.page_slots, config.group_combine, selector.per_head)
+    return sel, forced
+
+
+def _forced_pages(page_real: torch.Tensor):
+    """Sink and most recent page masks ``[b, P]`` (`locks_hf.selectors.forced_pages`)."""
+    try:
+        return forced_pages(page_real)
+    except TypeError:  # older signature forced_pages(page_real, recent_index)
+        return forced_pages(page_real, page_real.shape[-1] - 1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# capture
+@dataclass
+class Capture:
+    layer: int
+    length: int  # cached tokens at this step (the step's own token included)
+    query: torch.Tensor  # [b, Hq, d] post-RoPE
+    scale: float
+    prompt: str = ""
+
+
+@contextlib.contextmanager
+def capturing_queries(out: list):
+    """Within the block, every decode step of a `LocksLayer` appends (layer_idx, length, query, scale)."""
+    from transformers import AttentionInterface
+
+    from locks_hf import attention as att
+    from locks_hf.cache import _HANDOFF
+
+    def wrapper(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        slot = getattr(_HANDOFF, "slot", None)
+        if slot is not None and query.shape[2] == 1 and slot[1].keys is key:
+            s = scaling if scaling is not None else query.shape[-1] ** -0.5
+            out.append((slot[0], key.shape[2], query[:, :, 0].detach().clone(), float(s)))
+        return att.locks_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                           scaling=scaling, **kwargs)
+
+    AttentionInterface.register(att.ATTENTION_NAME, wrapper)
+    try:
+        yield out
+    finally:
+        AttentionInterface.register(att.ATTENTION_NAME, att.locks_attention_forward)
+
+
+@torch.no_grad()
+def capture_decode(model, prompt_ids: torch.Tensor, steps: int = 8, page_size: int = 16):
+    """Prefill densely, decode ``steps`` greedy tokens with full attention; return (captures, cache)."""
+    from locks_hf import LocksCache, LocksConfig
+
+    cache = LocksCache(model.config, LocksConfig(selector="full", page_size=page_size))
+    out = model(prompt_ids, past_key_values=cache, use_cache=True)
+    tok = out.logits[:, -1:].argmax(-1)
+    raw: list = []
+    with capturing_queries(raw):
+        for _ in range(steps):
+            out = model(tok, past_key_values=cache, use_cache=True)
+            tok = out.logits[:, -1:].argmax(-1)
+    caps = [Capture(layer=l, length=L, query=q, scale=s) for l, L, q, s in raw]
+    return caps, cache
+
+
+def capture_metrics(cap: Capture, cache, arms, page_size: int = 16, fit_length: int | None = None,
+                    needle: int | None = None) -> dict[str, dict[str, float]]:
+    """Metrics of every arm at one captured step: {arm_name: {metric: mean over batch and KV heads}}."""
+    from locks_hf.config import LocksConfig
+
+    layer = cache.layers[cap.layer]
+    B = page_size
+    L = cap.length
+    P = math.ceil(L / B)
+    # batch-1, unpadded prompts: the first L slots are exactly the cache of the step with L tokens
+    kb, vb = layer.keys, layer.values  # [b, h, T, d] views of the cache (public DynamicLayer fields)
+    b, h, _, d = kb.shape
+    pad = P * B - L
+    keys = torch.nn.functional.pad(kb[:, :, :L], (0, 0, 0, pad)).unflatten(2, (P, B))
+    values = torch.nn.functional.pad(vb[:, :, :L], (0, 0, 0, pad)).unflatten(2, (P, B))
+    sv = getattr(layer, "slot_valid", None)
+    valid = sv[:, :L] if sv is not None else torch.ones(b, L, dtype=torch.bool, device=kb.device)
+    if not bool(valid.all()):
+        raise ValueError("fidelity capture expects unpadded batch-1 prompts")
+    valid = torch.nn.functional.pad(valid, (0, pad), value=False).unflatten(1, (P, B)).unsqueeze(1)
+    G = cap.query.shape[1] // h
+    q = cap.query.reshape(b, h, G, d)
+    n_complete = L // B
+    results = {}
+    oracle_cache: dict[int, torch.Tensor] = {}
+    for arm in arms:
+        cfg = arm.config
+        sel, forced = arm_selection(cfg, keys, valid, n_complete, q, cap.scale,
+                                    n_fit=None if fit_length is None else fit_length // B)
+        kslots = cfg.page_slots
+        if kslots not in oracle_cache:
+            ocfg = LocksConfig(selector="oracle", page_size=B, rank=min(cfg.rank, B), budget=cfg.budget,
+                               group_combine=cfg.group_combine)
+            oracle_cache[kslots] = arm_selection(ocfg, keys, valid, n_complete, q, cap.scale)[0]
+        m = selection_metrics(keys, values, valid, q, cap.scale, sel, oracle_cache[kslots], forced)
+        row = {k: float(torch.nanmean(v.float())) if not torch.isnan(v).all() else float("nan") for k, v in m.items()}
+        row["attended_pages"] = float(sel.sum(-1).double().mean())
+        if needle is not None and 0 <= needle < L:  # is the page holding the answer token attended?
+            row["needle_hit"] = float(sel[:, :, needle // B].double().mean())
+        row["pages"] = P
+        results[arm.name] = row
+    return results
+
+
+# ----------------------------------------------------------------------------------------------------
+# driver
+METRICS = ("mass", "recall", "rel_err", "excl_err", "excl_mass", "attended_pages", "pages", "needle_hit")
+
+
+def run_fidelity(model, prompts: list[tuple], arms, out_dir, steps: int = 8, page_size: int = 16,
+                 progress: bool = True) -> Path:
+    """Capture ``steps`` decode steps per prompt, score every arm, write ``fidelity_raw.jsonl`` +
+    ``fidelity.csv`` (mean per layer x arm and over all layers). Resumable per prompt.
+
+    ``prompts``: ``(name, ids)`` or ``(name, ids, needle_token_index)``; with a needle index the
+    share of steps whose selection holds the needle's page is reported (``needle_hit``).
+    """
+    from tqdm.auto import tqdm
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    raw_path = out_dir / "fidelity_raw.jsonl"
+    done = set()
+    if raw_path.exists():
+        for line in raw_path.read_text().splitlines():
+            try:
+                done.add(json.loads(line)["prompt"])
+            except (json.JSONDecodeError, KeyError):
+                pass
+    with open(raw_path, "a") as f:
+        for item in tqdm(prompts, desc="fidelity", disable=not progress):
+            name, ids = item[0], item[1]
+            needle = item[2] if len(item) > 2 else None
+            if name in done:
+                continue
+            caps, cache = capture_decode(model, ids, steps=steps, page_size=page_size)
+            rows = []
+            first_len = min((c.length for c in caps), default=None)  # the first decode step
+            for step_i, cap in enumerate(caps):
+                for arm_name, m in capture_metrics(cap, cache, arms, page_size, fit_length=first_len,
+                                                   needle=needle).items():
+                    rows.append({"prompt": name, "layer": cap.layer, "length": cap.length, "arm": arm_name, **m})
+            f.write("".join(json.dumps(r) + "\n" for r in rows))
+            f.flush()
+    summarize_fidelity(out_dir, arms)
+    return out_dir
+
+
+def summarize_fidelity(out_dir, arms=None) -> list[dict]:
+    out_dir = Path(out_dir)
+    rows = [json.loads(l) for l in (out_dir / "fidelity_raw.jsonl").read_text().splitlines() if l.strip()]
+    order = {a.name: i for i, a in enumerate(arms or [])}
+    groups: dict[tuple, list] = defaultdict(list)
+    for r in rows:
+        groups[(r["arm"], r["layer"])].append(r)
+        groups[(r["arm"], "all")].append(r)
+    meta = {a.name: (a.family, a.budget) for a in (arms or [])}
+    table = []
+    for (arm, layer), rs in sorted(groups.items(), key=lambda kv: (order.get(kv[0][0], 999), kv[0][0], str(kv[0][1]))):
+        fam, bud = meta.get(arm, (arm.rsplit("-b", 1)[0], int(arm.rsplit("-b", 1)[1]) if "-b" in arm else None))
+        entry = {"arm": arm, "family": fam, "budget": bud, "layer": layer, "n": len(rs),
+                 "prompts": len({r["prompt"] for r in rs})}
+        for m in METRICS:
+            vals = [r[m] for r in rs if r.get(m) is not None and not math.isnan(r[m])]
+            entry[m] = round(sum(vals) / len(vals), 4) if vals else None
+        table.append(entry)
+    with open(out_dir / "fidelity.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(table[0].keys()))
+        w.writeheader()
+        w.writerows(table)
+    return table

@@ -1,0 +1,316 @@
+"""Reports in the paper's shape: markdown tables (task rows x arms, one table per length and budget),
+an average table (arm x budget), a PNG of score vs budget per arm, and the selection-fidelity table/plot."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+
+from .runner import merge
+
+FAMILY_ORDER = ["full", "oracle", "locks-r16bf16", "locks-r8bf16", "locks-r8i4", "locks-r4i4", "locks-r2i4",
+                "shared_basis-r36", "shared_basis-r20",
+                "shared_all-r52", "shared_all-r28", "quest"]
+
+
+def _fam_key(f):
+    return (FAMILY_ORDER.index(f) if f in FAMILY_ORDER else len(FAMILY_ORDER), f)
+
+
+def load_cells(run_dir: Path, complete_only: bool = True) -> list[dict]:
+    """(task, length, arm) cells: mean score x100 over records (avg@k over samples first).
+
+    ``complete_only``: only records that every arm of the run has finished enter (a partial or
+    in-progress run then compares all arms on the same records).
+    """
+    merge(run_dir)
+    cfg = json.loads((run_dir / "config.json").read_text())
+    arms = [a["name"] for a in cfg.get("arms", [])]
+    rows = [json.loads(l) for l in (run_dir / "results.jsonl").read_text().splitlines() if l.strip()]
+    by_id = defaultdict(set)
+    for r in rows:
+        by_id[r["id"]].add(r["arm"])
+    keep = {i for i, a in by_id.items() if not complete_only or set(arms) <= a}
+    per_rec = defaultdict(list)
+    frac = defaultdict(list)
+    meta = {}
+    for r in rows:
+        if r["id"] not in keep:
+            continue
+        per_rec[(r["task"], r["length"], r["arm"], r["id"])].append(r.get("score", 0.0))
+        if r.get("attended_fraction") is not None:
+            frac[(r["task"], r["length"], r["arm"])].append(r["attended_fraction"])
+        meta[r["arm"]] = (r["family"], r["budget"], r["selector"])
+    cells = defaultdict(list)
+    for (task, length, arm, _), sc in per_rec.items():
+        cells[(task, length, arm)].append(sum(sc) / len(sc))
+    order = {a: i for i, a in enumerate(arms)}
+    out = []
+    for (task, length, arm), v in sorted(cells.items(), key=lambda kv: (str(kv[0][1]), kv[0][0], order.get(kv[0][2], 999))):
+        fam, bud, sel = meta[arm]
+        fr = frac.get((task, length, arm))
+        out.append({"task": task, "length": length, "arm": arm, "family": fam, "budget": bud, "selector": sel,
+                    "n": len(v), "score": 100 * sum(v) / len(v),
+                    "attended_fraction": (sum(fr) / len(fr)) if fr else None})
+    return out
+
+
+def _fmt(x):
+    return "" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.1f}"
+
+
+def tables_markdown(cells: list[dict]) -> tuple[str, dict]:
+    """Markdown tables and the averages {(length, family, budget): (mean score, tasks)}."""
+    by_len = defaultdict(list)
+    for c in cells:
+        by_len[c["length"]].append(c)
+    md, averages = [], {}
+    for L in sorted(by_len, key=lambda x: (x is None, x)):
+        cs = by_len[L]
+        tasks = list(dict.fromkeys(c["task"] for c in cs))
+        fams = sorted({c["family"] for c in cs}, key=_fam_key)
+        budgets = sorted({c["budget"] for c in cs if c["budget"] is not None})
+        full = {c["task"]: c for c in cs if c["family"] == "full"}
+        cell = {(c["task"], c["family"], c["budget"]): c for c in cs}
+        # only tasks finished by every arm enter the averages (so partial runs compare like with like)
+        complete_tasks = [t for t in tasks if all(
+            (t, f, b) in cell and cell[(t, f, b)]["n"] == max(cell[(t, ff, bb)]["n"] for (tt, ff, bb) in cell if tt == t)
+            for f in fams for b in ([None] if f == "full" else budgets))]
+        title = f"length {L}" if L else "all records"
+        sparse = [f for f in fams if f != "full"]
+        md.append(f"### {title}: average over tasks (score x100)\n")
+        md.append(f"Tasks in the average: {', '.join(complete_tasks) or 'none complete yet'}.\n")
+        md.append("| arm | " + " | ".join(f"b={b}" for b in budgets) + " |")
+        md.append("|---|" + "---|" * len(budgets))
+        if "full" in fams and complete_tasks:
+            v = sum(full[t]["score"] for t in complete_tasks) / len(complete_tasks)
+            md.append("| full | " + " | ".join(_fmt(v) for _ in budgets) + " |")
+            for b in budgets:
+                averages[(L, "full", b)] = (v, len(complete_tasks))
+        for f in sparse:
+            vals = []
+            for b in budgets:
+                got = [cell[(t, f, b)]["score"] for t in complete_tasks if (t, f, b) in cell]
+                v = sum(got) / len(got) if got and len(got) == len(complete_tasks) else None
+                vals.append(v)
+                if v is not None:
+                    averages[(L, f, b)] = (v, len(got))
+            md.append(f"| {f} | " + " | ".join(_fmt(v) for v in vals) + " |")
+        md.append("")
+        for b in budgets:
+            md.append(f"#### {title}, budget b={b} (tokens per layer and KV head)\n")
+            md.append("| task | n | " + " | ".join(fams) + " |")
+            md.append("|---|---|" + "---|" * len(fams))
+            for t in tasks:
+                row = []
+                for f in fams:
+                    c = cell.get((t, f, None if f == "full" else b))
+                    row.append(_fmt(c["score"]) if c else "")
+                n = max((cell[k]["n"] for k in cell if k[0] == t), default=0)
+                md.append(f"| {t} | {n} | " + " | ".join(row) + " |")
+            md.append("")
+        att = [c for c in cs if c.get("attended_fraction")]
+        if att:
+            md.append(f"#### {title}: attended fraction of cached tokens during decode (mean over tasks)\n")
+            md.append("| arm | " + " | ".join(f"b={b}" for b in budgets) + " |")
+            md.append("|---|" + "---|" * len(budgets))
+            for f in sparse:
+                vals = []
+                for b in budgets:
+                    got = [float(c["attended_fraction"]) for c in att if c["family"] == f and c["budget"] == b]
+                    vals.append(f"{sum(got) / len(got):.3f}" if got else "")
+                md.append(f"| {f} | " + " | ".join(vals) + " |")
+            md.append("")
+    return "\n".join(md), averages
+
+
+def plot_scores(cells: list[dict], path: Path, title: str) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover
+        return None
+    _, averages = tables_markdown(cells)
+    lengths = sorted({k[0] for k in averages}, key=lambda x: (x is None, x))
+    if not lengths:
+        return None
+    fig, axes = plt.subplots(1, len(lengths), figsize=(5.5 * len(lengths), 4), squeeze=False)
+    for ax, L in zip(axes[0], lengths):
+        fams = sorted({k[1] for k in averages if k[0] == L}, key=_fam_key)
+        for f in fams:
+            pts = sorted((k[2], v[0]) for k, v in averages.items() if k[0] == L and k[1] == f)
+            if f == "full":
+                ax.axhline(pts[0][1], color="black", linestyle="--", label="full")
+                continue
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("budget b (tokens per layer and KV head)")
+        ax.set_ylabel("score (avg over tasks)")
+        ax.set_title(f"{title}, {L} tokens" if L else title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def fidelity_markdown(rows: list[dict]) -> str:
+    """Table 1 shape: per arm family and budget, mass / recall / rel. error / exclusion, all layers."""
+    allrows = [r for r in rows if r["layer"] == "all"]
+    fams = sorted({r["family"] for r in allrows}, key=_fam_key)
+    budgets = sorted({int(r["budget"]) for r in allrows if r["budget"] not in (None, "", "None")})
+    md = []
+    for metric, label in (("mass", "retained attention mass gamma_S (%)"), ("recall", "exact-LSE page recall (%)"),
+                          ("rel_err", "relative output error |o_S - o|/|o|"),
+                          ("excl_err", "exclusion test: relative error attending all but S"),
+                          ("attended_pages", "pages attended per KV head (Quest: union over the group's query heads)"),
+                          ("needle_hit", "needle page attended (% of steps x layers x heads; niah prompts only)")):
+        md.append(f"#### {label}\n")
+        md.append("| arm | " + " | ".join(f"b={b}" for b in budgets) + " |")
+        md.append("|---|" + "---|" * len(budgets))
+        for f in fams:
+            vals = []
+            for b in budgets:
+                r = next((r for r in allrows if r["family"] == f and str(r["budget"]) == str(b)), None)
+                v = None if r is None or r[metric] in (None, "") else float(r[metric])
+                vals.append("" if v is None else (f"{100 * v:.1f}" if metric in ("mass", "recall", "needle_hit") else
+                                                  f"{v:.1f}" if metric == "attended_pages" else f"{v:.3f}"))
+            md.append(f"| {f} | " + " | ".join(vals) + " |")
+        md.append("")
+    layers = sorted({r["layer"] for r in rows if r["layer"] != "all"}, key=lambda x: int(x))
+    if layers:
+        md.append("#### per layer: retained mass (%) / recall (%) at each budget\n")
+        md.append("| arm | budget | " + " | ".join(f"layer {l}" for l in layers) + " |")
+        md.append("|---|---|" + "---|" * len(layers))
+        for f in fams:
+            for b in budgets:
+                cells = []
+                for l in layers:
+                    r = next((r for r in rows if r["family"] == f and str(r["budget"]) == str(b) and str(r["layer"]) == str(l)), None)
+                    if r is None or r["mass"] in (None, ""):
+                        cells.append("")
+                    else:
+                        rec = "" if r["recall"] in (None, "") else f"{100 * float(r['recall']):.1f}"
+                        cells.append(f"{100 * float(r['mass']):.1f} / {rec}")
+                md.append(f"| {f} | {b} | " + " | ".join(cells) + " |")
+        md.append("")
+    return "\n".join(md)
+
+
+def plot_fidelity(rows: list[dict], path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover
+        return None
+    allrows = [r for r in rows if r["layer"] == "all" and r["budget"] not in (None, "", "None")]
+    fams = sorted({r["family"] for r in allrows}, key=_fam_key)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for ax, (m, lab) in zip(axes, (("mass", "retained mass gamma_S"), ("recall", "exact-LSE page recall"),
+                                   ("rel_err", "relative output error"))):
+        for f in fams:
+            pts = sorted((int(r["budget"]), float(r[m])) for r in allrows if r["family"] == f and r[m] not in (None, ""))
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("budget b")
+        ax.set_title(lab)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def agreement_markdown(run_dir: Path) -> str:
+    """Share of records (x100) whose prediction is identical to the full-attention arm's, per arm family
+    and budget (records finished by every arm only)."""
+    cfg = json.loads((run_dir / "config.json").read_text())
+    arms = [a["name"] for a in cfg.get("arms", [])]
+    if "full" not in arms:
+        return ""
+    rows = [json.loads(l) for l in (run_dir / "results.jsonl").read_text().splitlines() if l.strip()]
+    preds = defaultdict(dict)
+    meta = {}
+    for r in rows:
+        preds[(r["id"], r.get("sample", 0), r["length"])][r["arm"]] = r["pred"].strip()
+        meta[r["arm"]] = (r["family"], r["budget"])
+    done = {k: v for k, v in preds.items() if set(arms) <= set(v)}
+    if not done:
+        return ""
+    lengths = sorted({k[2] for k in done}, key=lambda x: (x is None, x))
+    fams = sorted({meta[a][0] for a in arms if a != "full"}, key=_fam_key)
+    budgets = sorted({meta[a][1] for a in arms if a != "full"})
+    md = []
+    for L in lengths:
+        recs = [v for k, v in done.items() if k[2] == L]
+        md.append(f"#### {'length ' + str(L) if L else 'all records'}: prediction identical to full attention (% of {len(recs)} records)\n")
+        md.append("| arm | " + " | ".join(f"b={b}" for b in budgets) + " |")
+        md.append("|---|" + "---|" * len(budgets))
+        for f in fams:
+            cells = []
+            for b in budgets:
+                arm = next((a for a in arms if meta.get(a) == (f, b)), None)
+                cells.append("" if arm is None else f"{100 * sum(v[arm] == v['full'] for v in recs) / len(recs):.0f}")
+            md.append(f"| {f} | " + " | ".join(cells) + " |")
+        md.append("")
+    return "\n".join(md)
+
+
+def write_report(run_dirs: list[Path], out_dir: Path, title: str = "Locks sweep", name: str = "report",
+                 fidelity_dirs: list[Path] | None = None, notes: str | None = None) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    parts = [f"# {title}\n"]
+    if notes:
+        parts.append(notes.strip() + "\n")
+    for run in run_dirs:
+        cfg = json.loads((run / "config.json").read_text())
+        cells = load_cells(run)
+        timing = (run / "timing.csv").read_text() if (run / "timing.csv").exists() else ""
+        md, _ = tables_markdown(cells)
+        bench = cfg.get("benchmark", {})
+        parts.append(f"## {bench.get('name', 'benchmark')} - {cfg.get('model')} ({run.name})\n")
+        parts.append(f"Protocol: {cfg.get('protocol_text', cfg.get('protocol'))}\n")
+        parts.append("Benchmark: `" + json.dumps({k: v for k, v in bench.items() if k != 'haystack'}) + "`\n")
+        parts.append("Only records finished by every arm enter the tables (n = records per task).\n")
+        png = plot_scores(cells, out_dir / f"{name}-{run.name}.png", f"{bench.get('name', '')} {cfg.get('model')}")
+        if png:
+            parts.append(f"![score vs budget]({png.name})\n")
+        parts.append(md)
+        parts.append(agreement_markdown(run))
+        if timing:
+            parts.append("Wall time per arm (sum over its generations, after the shared prefill):\n")
+            lines = timing.strip().splitlines()
+            parts.append("| " + " | ".join(lines[0].split(",")) + " |")
+            parts.append("|" + "---|" * len(lines[0].split(",")))
+            parts += ["| " + " | ".join(l.split(",")) + " |" for l in lines[1:]]
+            parts.append("")
+    for fd in fidelity_dirs or []:
+        csv_path, raw_path = fd / "fidelity.csv", fd / "fidelity_raw.jsonl"
+        if not csv_path.exists() or csv_path.stat().st_mtime < raw_path.stat().st_mtime:
+            from .fidelity import summarize_fidelity
+
+            summarize_fidelity(fd)  # a run in progress: summarise what is there
+        with open(csv_path) as f:
+            rows = list(csv.DictReader(f))
+        parts.append(f"## Selection fidelity ({fd.name})\n")
+        raw = [json.loads(l) for l in (fd / "fidelity_raw.jsonl").read_text().splitlines() if l.strip()]
+        prompts = sorted({r["prompt"] for r in raw})
+        parts.append(f"{len(prompts)} prompts ({', '.join(prompts)}), {len(raw)} (step, layer, arm) measurements; "
+                     "means over decode steps, layers (full-attention layers only) and KV heads.\n")
+        png = plot_fidelity(rows, out_dir / f"{name}-fidelity-{fd.name}.png")
+        if png:
+            parts.append(f"![fidelity]({png.name})\n")
+        parts.append(fidelity_markdown(rows))
+    path = out_dir / f"{name}.md"
+    path.write_text("\n".join(parts) + "\n")
+    return path

@@ -1,0 +1,454 @@
+"""The sweep runner: every record prefilled once (dense), decoded by every arm from a fork of that cache.
+
+Protocol (written into ``config.json`` and the reports):
+
+* ``dense-question`` (default, the paper's): the whole prompt (context + question) is prefilled densely
+  with one ``model(prompt_ids, past_key_values=cache)``; the first answer token is the greedy argmax
+  of the prefill logits and is shared by every arm; then each arm decodes from
+  ``cache.fork(arm.config)`` with ``model.generate(cat(prompt_ids, first), ...)`` (generate feeds only
+  the token not yet cached).
+* ``sparse-question``: only the context is prefilled densely; each arm then feeds the question tokens
+  one at a time through its own sparse decode steps before generating.
+* Sampled benchmarks (``samples > 1``, e.g. AIME avg@k): the prompt minus its last token is prefilled
+  once; each arm and sample generates from a fork (the last prompt token is the first decode step).
+
+Results folder (resumable; a finished (record, arm[, sample]) is never run again)::
+
+    <run>/config.json                      what was run (model, arms, benchmark, protocol)
+    <run>/records/<task>.jsonl             the records (generated once; identical for all arms/shards)
+    <run>/predictions/shard-<i>-of-<n>.jsonl  one line per (record, arm, sample) as it finishes
+    <run>/results.jsonl, scores.csv        merged (`merge`): identical for any sharding
+    <run>/timing.csv                       wall time per arm (sum over its records)
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import re
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from .arms import Arm
+from .benchmarks import STOP_NEWLINE, STOP_SENTENCE, Benchmark
+
+VOLATILE = ("seconds", "prefill_seconds", "host", "shard")
+
+
+# ----------------------------------------------------------------------------------------------------
+# stopping
+# a newline after some letter or digit of output (a leading newline, or one right after ":", does not stop)
+_NEWLINE_END = re.compile(r"[A-Za-z0-9][^\n]*\n")
+# a sentence end: . ! or ? right after 3+ letters/digits (not a list number "1." nor "10."), then
+# whitespace or the end of the text so far
+_SENTENCE_END = re.compile(r"[A-Za-z0-9]{3}[.!?](?=\s|$)")
+
+
+def stop_position(text: str, stop: str) -> int | None:
+    """Where the answer ends under ``stop`` (index just past it), or None if it has not ended yet."""
+    ends = []
+    if stop in (STOP_NEWLINE, STOP_SENTENCE):
+        m = _NEWLINE_END.search(text)
+        if m:
+            ends.append(m.end() - 1)
+    if stop == STOP_SENTENCE:
+        m = _SENTENCE_END.search(text)
+        if m:
+            ends.append(m.end())
+    return min(ends) if ends else None
+
+
+class _StopAtNewline:
+    """Stop once the answer ended under the task's rule (`stop_position`) or the text runs into a loop
+    (`looping`); per row."""
+
+    def __init__(self, tokenizer, start: int, loops: bool = True, stop: str = STOP_NEWLINE):
+        self.tokenizer, self.start, self.loops, self.stop = tokenizer, start, loops, stop
+
+    def __call__(self, input_ids, scores, **kwargs):
+        done = []
+        for row in input_ids:
+            text = self.tokenizer.decode(row[self.start:], skip_special_tokens=True)
+            done.append(stop_position(text, self.stop) is not None or (self.loops and looping(text)))
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
+def looping(text: str) -> bool:
+    """True when ``text`` ends in a unit repeated back to back: >= 3 times for units of 4+ characters
+    (e.g. ``"4380047, "`` x3), >= 6 times for 2-3 characters, >= 10 times for one character; checked
+    on the text and on the text with every digit run replaced by ``#`` (a counting run-on such as
+    ``"1. 2. 3. 4. 5. 6."`` or a seventh number in a list of numbers). A 7-digit number, a UUID or a
+    list of up to 5 numbers never triggers it; a degenerate run-on stops instead of filling the cap."""
+    return _repeats(text.rstrip()) or _repeats(re.sub(r"\d+", "#", text).rstrip())
+
+
+def _repeats(t: str) -> bool:
+    for unit in range(1, 41):
+        reps = 10 if unit == 1 else 6 if unit <= 3 else 3
+        if len(t) < unit * reps:
+            continue
+        tail = t[-unit:]
+        if tail.strip() and t.endswith(tail * reps):
+            return True
+    return False
+
+
+def loop_cut(text: str) -> str:
+    """The shortest prefix of ``text`` at which `looping` fires (what the stop rule would have kept)."""
+    for end in range(1, len(text) + 1):
+        if looping(text[:end]):
+            return text[:end]
+    return text
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    for src in (getattr(model, "generation_config", None), model.config, tokenizer):
+        e = getattr(src, "eos_token_id", None)
+        if e is None:
+            continue
+        ids.update(e if isinstance(e, (list, tuple)) else [e])
+    return ids
+
+
+def _cut_at_stop(text: str, stop: str) -> str:
+    end = stop_position(text, stop)
+    return text if end is None else text[:end]
+
+
+# ----------------------------------------------------------------------------------------------------
+# shards and layout
+def parse_shard(shard: str | None) -> tuple[int, int]:
+    """``"i/n"`` -> (i, n); ``None`` -> from accelerate/torchrun env (RANK, WORLD_SIZE) or (0, 1)."""
+    if shard:
+        i, n = (int(x) for x in shard.split("/"))
+        if not 0 <= i < n:
+            raise ValueError(f"--shard {shard}: need 0 <= i < n")
+        return i, n
+    n = int(os.environ.get("WORLD_SIZE", "1"))
+    i = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
+    return i, n
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", str(name))
+
+
+def _jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by a kill: that work is redone
+            pass
+    return out
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def load_or_make_records(run_dir: Path, bench: Benchmark, keys=None) -> list[dict]:
+    """Records in a fixed order, cached under ``records/`` so every arm, shard and resume sees the same."""
+    rdir = run_dir / "records"
+    if hasattr(bench, "record_keys"):
+        keys = bench.record_keys()
+        by_task: dict[str, list] = defaultdict(list)
+        for k in keys:
+            by_task[f"{k[0]}-{k[1]}" if len(k) > 2 else str(k[0])].append(k)
+        out = {}
+        for group, gkeys in by_task.items():
+            path = rdir / f"{_safe(group)}.jsonl"
+            cached = {r["id"]: r for r in _jsonl(path)}
+            recs = []
+            for k in gkeys:
+                rid = f"{k[0]}-{k[1]}-{k[2]}"
+                recs.append(cached[rid] if rid in cached else bench.make_record(k))
+            if any(r["id"] not in cached for r in recs):
+                merged = {**cached, **{r["id"]: r for r in recs}}
+                _write_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in merged.values()))
+            out.update({r["id"]: r for r in recs})
+        return [out[f"{k[0]}-{k[1]}-{k[2]}"] for k in keys]
+    recs = bench.records()
+    path = rdir / f"{_safe(bench.name)}.jsonl"
+    if not path.exists():
+        _write_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
+    return recs
+
+
+# ----------------------------------------------------------------------------------------------------
+class SweepRunner:
+    """Run ``arms`` over ``bench`` with ``model``/``tokenizer`` into ``run_dir`` (resumable, shardable)."""
+
+    def __init__(self, model, tokenizer, bench: Benchmark, arms: list[Arm], run_dir, *, protocol: str = "dense-question",
+                 shard: str | None = None, model_name: str = "model", progress: bool = True, limit: int | None = None,
+                 max_new_tokens: int | None = None, seed: int = 0):
+        if protocol not in ("dense-question", "sparse-question"):
+            raise ValueError("protocol must be 'dense-question' or 'sparse-question'")
+        self.model, self.tokenizer, self.bench, self.arms = model, tokenizer, bench, arms
+        self.run_dir = Path(run_dir)
+        self.protocol = protocol
+        self.shard = parse_shard(shard)
+        self.model_name, self.progress, self.limit = model_name, progress, limit
+        self.max_new_cap, self.seed = max_new_tokens, seed
+        self.device = next(model.parameters()).device
+
+    # -- config ------------------------------------------------------------------------------------
+    def config(self) -> dict:
+        import locks_hf
+
+        return {
+            "model": self.model_name,
+            "benchmark": self.bench.describe(),
+            "arms": [{"name": a.name, "family": a.family, "budget": a.budget, "selector": a.selector,
+                      "config": {k: getattr(a.config, k) for k in a.config.__dataclass_fields__}} for a in self.arms],
+            "protocol": self.protocol if self.bench.samples == 1 else "prefill-all-but-last-token (sampled)",
+            "protocol_text": PROTOCOL_TEXT[self.protocol if self.bench.samples == 1 else "sampled"],
+            "samples": self.bench.samples, "sampling": self.bench.sampling,
+            "max_new_tokens_cap": self.max_new_cap,
+            "locks_hf_version": getattr(locks_hf, "__version__", "?"), "torch": torch.__version__,
+        }
+
+    def _write_config(self) -> None:
+        path = self.run_dir / "config.json"
+        cfg = self.config()
+        if path.exists():
+            old = json.loads(path.read_text())
+            if old.get("model") != cfg["model"] or old.get("protocol") != cfg["protocol"]:
+                raise ValueError(f"{path} holds a run of model={old.get('model')} protocol={old.get('protocol')}; "
+                                 "use another --out folder")
+            known = {a["name"] for a in old.get("arms", [])}
+            cfg["arms"] = old["arms"] + [a for a in cfg["arms"] if a["name"] not in known]
+            if old.get("benchmark") != cfg["benchmark"]:
+                cfg["benchmark_history"] = old.get("benchmark_history", [old.get("benchmark")])
+        _write_atomic(path, json.dumps(cfg, indent=1) + "\n")
+
+    # -- main loop ---------------------------------------------------------------------------------
+    def done_keys(self) -> set[tuple]:
+        done = set()
+        for path in (self.run_dir / "predictions").glob("shard-*.jsonl"):
+            for r in _jsonl(path):
+                done.add((r["id"], r["arm"], r.get("sample", 0)))
+        return done
+
+    def run(self) -> Path:
+        from tqdm.auto import tqdm
+
+        i, n = self.shard
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if i == 0:
+            self._write_config()
+        records = load_or_make_records(self.run_dir, self.bench)
+        if self.limit:
+            records = records[: self.limit]
+        mine = [r for j, r in enumerate(records) if j % n == i]
+        done = self.done_keys()
+        out_path = self.run_dir / "predictions" / f"shard-{i}-of-{n}.jsonl"
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        samples = self.bench.samples
+        todo = [(r, [(a, s) for a in self.arms for s in range(samples) if (r["id"], a.name, s) not in done]) for r in mine]
+        todo = [(r, w) for r, w in todo if w]
+        skipped = len(mine) - len(todo)
+        bar = tqdm(total=sum(len(w) for _, w in todo), desc=f"{self.bench.name} shard {i}/{n}", unit="gen",
+                   disable=not self.progress, dynamic_ncols=True, file=sys.stderr)
+        if skipped:
+            bar.write(f"resume: {skipped} of {len(mine)} records already done in {self.run_dir}")
+        if out_path.exists() and out_path.stat().st_size and not out_path.read_bytes().endswith(b"\n"):
+            with open(out_path, "a") as f:  # a line torn by a kill: end it so the next one parses
+                f.write("\n")
+        with open(out_path, "a") as f:
+            for rec, work in todo:
+                for row in self._run_record(rec, work, bar):
+                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                    f.flush()
+        bar.close()
+        return out_path
+
+    @torch.no_grad()
+    def _run_record(self, rec: dict, work, bar):
+        from locks_hf import LocksCache, LocksConfig
+
+        model, tok = self.model, self.tokenizer
+        ids = self.bench.prompt_ids(rec, tok).to(self.device)
+        T = ids.shape[1]
+        max_new = self.bench.max_new_tokens(rec)
+        if self.max_new_cap:
+            max_new = min(max_new, self.max_new_cap)
+        stop = self.bench.stop(rec)
+        sampled = self.bench.samples > 1 or self.bench.sampling is not None
+        split = T
+        if sampled:
+            split = T - 1
+        elif self.protocol == "sparse-question":
+            q = self.bench.question_start_text(rec)
+            if q is not None:
+                text = self.bench.prompt_text(rec)
+                from .benchmarks import encode_text
+
+                split = min(encode_text(tok, text[:q]).shape[1], T - 1)
+            else:
+                split = T - 1
+
+        t0 = time.perf_counter()
+        base = LocksCache(model.config, LocksConfig(selector="full"))
+        out = model(ids[:, :split], past_key_values=base, use_cache=True)
+        first = out.logits[:, -1].argmax(-1, keepdim=True)
+        prefill_s = time.perf_counter() - t0
+        del out
+        eos = _eos_ids(model, tok)
+
+        for arm, s in work:
+            t1 = time.perf_counter()
+            cache = base.fork(arm.config)
+            crit = []
+            gen_kwargs = dict(max_new_tokens=None, do_sample=False, pad_token_id=_pad_id(tok, eos))
+            if sampled:
+                inputs = ids
+                gen_kwargs.update(self.bench.sampling or {}, do_sample=bool(self.bench.sampling))
+                gen_kwargs["max_new_tokens"] = max_new
+                torch.manual_seed(_stable_seed(self.seed, rec["id"], s))  # same stream for every arm
+                start = T
+            elif self.protocol == "sparse-question" and split < T:
+                for t in range(split, T - 1):  # question tokens, one sparse decode step each
+                    model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+                inputs = ids
+                gen_kwargs["max_new_tokens"] = max_new
+                start = T
+            else:
+                inputs = torch.cat([ids, first], dim=1)
+                gen_kwargs["max_new_tokens"] = max_new - 1
+                start = T
+            if stop in (STOP_NEWLINE, STOP_SENTENCE):
+                crit.append(_StopAtNewline(tok, start, stop=stop))
+            first_done = (not sampled and self.protocol == "dense-question"
+                          and (first.item() in eos or max_new <= 1 or (crit and bool(crit[0](inputs, None)[0]))))
+            if first_done:
+                gen = inputs
+            else:
+                from transformers import StoppingCriteriaList
+
+                gen = model.generate(inputs, attention_mask=torch.ones_like(inputs), past_key_values=cache,
+                                     stopping_criteria=StoppingCriteriaList(crit), **gen_kwargs)
+            new = gen[0, start:].tolist()
+            while new and new[-1] in eos:
+                new = new[:-1]
+            raw = tok.decode(new, skip_special_tokens=True)
+            pred = _cut_at_stop(raw, stop)
+            metrics = self.bench.score(rec, pred)
+            frac = cache.attended_fraction()
+            row = {"id": rec["id"], "task": rec.get("task", self.bench.name), "length": rec.get("length"),
+                   "arm": arm.name, "family": arm.family, "budget": arm.budget, "selector": arm.selector,
+                   "sample": s, "prompt_tokens": T, "new_tokens": len(gen[0]) - start, "pred": pred,
+                   **metrics, "attended_fraction": None if math.isnan(frac) else round(frac, 6),
+                   "seconds": round(time.perf_counter() - t1, 3), "prefill_seconds": round(prefill_s, 3),
+                   "shard": f"{self.shard[0]}/{self.shard[1]}"}
+            del cache
+            bar.update(1)
+            bar.set_postfix_str(f"{rec['id']} {arm.name} score={metrics.get('score', float('nan')):.2f}")
+            yield row
+
+
+def _stable_seed(*parts) -> int:
+    import hashlib
+
+    return int(hashlib.sha256(repr(parts).encode()).hexdigest()[:8], 16)
+
+
+def _pad_id(tok, eos) -> int:
+    p = getattr(tok, "pad_token_id", None)
+    if p is not None:
+        return p
+    return min(eos) if eos else 0
+
+
+PROTOCOL_TEXT = {
+    "dense-question": "Each record's full prompt (context + question) is prefilled once with dense attention; the "
+                      "first answer token is the greedy argmax of the prefill logits, shared by all arms; every arm "
+                      "then decodes the remaining tokens from its own fork of the prefilled cache (sparse decode for "
+                      "sparse arms). Generation stops at max_new_tokens, EOS, a degenerate loop, or the benchmark's "
+                      "stop rule (benchmark.stop).",
+    "sparse-question": "Each record's context is prefilled once with dense attention; every arm then feeds the "
+                       "question tokens one by one through its own decode steps (sparse for sparse arms) before "
+                       "generating greedily.",
+    "sampled": "The prompt minus its last token is prefilled once densely; each arm and sample generates from a fork, "
+               "the last prompt token being the first (sparse) decode step; sampling settings per arm as configured.",
+}
+
+
+# ----------------------------------------------------------------------------------------------------
+# merge
+def merge(run_dir) -> dict:
+    """Combine every shard's predictions into ``results.jsonl`` / ``scores.csv`` / ``timing.csv``.
+
+    The merged files depend only on the predictions, not on how the work was sharded.
+    """
+    run_dir = Path(run_dir)
+    cfg = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else {}
+    arm_order = {a["name"]: i for i, a in enumerate(cfg.get("arms", []))}
+    rows: dict[tuple, dict] = {}
+    timing: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for path in sorted((run_dir / "predictions").glob("shard-*.jsonl")):
+        for r in _jsonl(path):
+            key = (r["id"], r["arm"], r.get("sample", 0))
+            if key not in rows:
+                rows[key] = r
+                timing[r["arm"]][0] += r.get("seconds", 0.0)
+                timing[r["arm"]][1] += 1
+    order = {rid: i for i, rid in enumerate(_record_order(run_dir))}
+    keyf = lambda k: (order.get(k[0], len(order)), k[0], arm_order.get(k[1], len(arm_order)), k[1], k[2])
+    merged = [{k: v for k, v in rows[key].items() if k not in VOLATILE} for key in sorted(rows, key=keyf)]
+    _write_atomic(run_dir / "results.jsonl", "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in merged))
+
+    # per (task, length, arm): mean score x 100 (avg over samples first, then records: avg@k)
+    agg: dict[tuple, list] = defaultdict(list)
+    per_rec: dict[tuple, list] = defaultdict(list)
+    fracs: dict[tuple, list] = defaultdict(list)
+    meta = {}
+    for r in merged:
+        per_rec[(r["task"], r["length"], r["arm"], r["id"])].append(r.get("score", 0.0))
+        if r.get("attended_fraction") is not None:
+            fracs[(r["task"], r["length"], r["arm"])].append(r["attended_fraction"])
+        meta[r["arm"]] = (r["family"], r["budget"], r["selector"])
+    for (task, length, arm, _), scores in per_rec.items():
+        agg[(task, length, arm)].append(sum(scores) / len(scores))
+    lines = ["task,length,arm,family,budget,selector,n,score,attended_fraction"]
+    for (task, length, arm) in sorted(agg, key=lambda k: (str(k[1]), k[0], arm_order.get(k[2], 999), k[2])):
+        vals = agg[(task, length, arm)]
+        fam, bud, sel = meta[arm]
+        fr = fracs.get((task, length, arm))
+        lines.append(f"{task},{'' if length is None else length},{arm},{fam},{'' if bud is None else bud},{sel},"
+                     f"{len(vals)},{round(100 * sum(vals) / len(vals), 2)},"
+                     f"{'' if not fr else round(sum(fr) / len(fr), 4)}")
+    _write_atomic(run_dir / "scores.csv", "\n".join(lines) + "\n")
+    tl = ["arm,generations,seconds_total,seconds_per_generation"]
+    for arm in sorted(timing, key=lambda a: arm_order.get(a, 999)):
+        s, c = timing[arm]
+        tl.append(f"{arm},{c},{round(s, 1)},{round(s / max(c, 1), 2)}")
+    _write_atomic(run_dir / "timing.csv", "\n".join(tl) + "\n")
+    return {"rows": len(merged), "cells": len(agg)}
+
+
+def _record_order(run_dir: Path) -> list[str]:
+    ids = []
+    for path in sorted((run_dir / "records").glob("*.jsonl")):
+        ids += [r["id"] for r in _jsonl(path)]
+    return ids
+
+
+def read_scores(run_dir) -> list[dict]:
+    with open(Path(run_dir) / "scores.csv") as f:
+        return list(csv.DictReader(f))
