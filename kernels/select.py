@@ -123,17 +123,24 @@ def _select_merge_kernel(key_ptr, page_ptr, sink_ptr, row_start_ptr, length, H, 
         w = tl.arange(0, KP)
         tl.store(out_ptr + vrow * KP + w, tl.full([KP], SENTINEL, tl.int32), mask=w >= n)
     else:
-        row = vrow
-        rs = tl.load(row_start_ptr + row // H)
-        last_page = (length - 1 - rs) // B
-        sink = tl.load(sink_ptr + row)
-        base = out_ptr + row * W
-        tl.store(base, sink)
-        tl.store(base + 1, tl.where(last_page != sink, last_page, SENTINEL))
-        tl.store(base + 2 + pos, page, mask=keep)
-        for w0 in range(0, W, KP):
-            w = w0 + tl.arange(0, KP)
-            tl.store(base + w, tl.full([KP], SENTINEL, tl.int32), mask=(w >= 2 + n) & (w < W))
+        _write_page_list(out_ptr, vrow, W, page, keep, pos, n, sink_ptr, row_start_ptr, length, H, B, KP)
+
+
+@triton.jit
+def _write_page_list(out_ptr, row, W, pages, keep, pos, n, sink_ptr, row_start_ptr, length, H,
+                     B: tl.constexpr, N: tl.constexpr):
+    """Row ``row`` of the output: sink page, most recent page (``SENTINEL`` when it is the sink),
+    the ``n`` kept ``pages`` (at ``pos``), then ``SENTINEL`` up to width ``W``."""
+    rs = tl.load(row_start_ptr + row // H)
+    last_page = (length - 1 - rs) // B
+    sink = tl.load(sink_ptr + row)
+    base = out_ptr + row * W
+    tl.store(base, sink)
+    tl.store(base + 1, tl.where(last_page != sink, last_page, SENTINEL))
+    tl.store(base + 2 + pos, pages, mask=keep)
+    for w0 in range(0, W, N):
+        w = w0 + tl.arange(0, N)
+        tl.store(base + w, tl.full([N], SENTINEL, tl.int32), mask=(w >= 2 + n) & (w < W))
 
 
 @triton.jit
@@ -149,16 +156,7 @@ def _union_kernel(list_ptr, n_list, sink_ptr, row_start_ptr, length, H, out_ptr,
     uniq = (x != BIG_PAGE) & ((e == 0) | (x != prev))
     n = tl.sum(uniq.to(tl.int32), axis=0)
     pos = tl.cumsum(uniq.to(tl.int32), axis=0) - 1
-    rs = tl.load(row_start_ptr + row // H)
-    last_page = (length - 1 - rs) // B
-    sink = tl.load(sink_ptr + row)
-    base = out_ptr + row * W
-    tl.store(base, sink)
-    tl.store(base + 1, tl.where(last_page != sink, last_page, SENTINEL))
-    tl.store(base + 2 + pos, x, mask=uniq)
-    for w0 in range(0, W, N):
-        w = w0 + e
-        tl.store(base + w, tl.full([N], SENTINEL, tl.int32), mask=(w >= 2 + n) & (w < W))
+    _write_page_list(out_ptr, row, W, x, uniq, pos, n, sink_ptr, row_start_ptr, length, H, B, N)
 
 
 def chunk_size(n_pages: int, kp: int, max_chunks: int = 16) -> int:
