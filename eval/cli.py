@@ -113,7 +113,7 @@ def build_benchmark(args, tokenizer):
 def cmd_sweep(args):
     _threads(args.threads)
     from .arms import parse_arms
-    from .runner import SweepRunner, merge, parse_shard
+    from .runner import SweepRunner, merge
 
     arms = parse_arms(_split(args.arms), [int(b) for b in _split(args.budgets)], page_size=args.page_size)
     t0 = time.time()

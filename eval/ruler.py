@@ -22,7 +22,6 @@ import re
 import string
 import uuid
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 

@@ -1,7 +1,5 @@
 """InfiniteBench: scoring the published yi-34b-200k predictions reproduces the README; regeneration."""
 
-import json
-from pathlib import Path
 
 import pytest
 

@@ -1,7 +1,6 @@
 """The sweep runner end to end on a tiny random model: 2 records x 3 arms, resume, shard merge, report."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
