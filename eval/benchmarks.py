@@ -8,6 +8,7 @@ calls ``score(rec, prediction)`` -> ``{"score": float in [0, 1], ...}``.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 STOP_NEWLINE = "newline"  # stop at the first newline that follows some non-blank output (and at EOS)
@@ -15,17 +16,21 @@ STOP_EOS = "eos"
 STOP_SENTENCE = "sentence"  # as STOP_NEWLINE, and also at the first sentence end after the answer
 
 
-class Benchmark:
+class Benchmark(ABC):
+    """Base class: a benchmark implements `records`, `prompt_text`, `max_new_tokens` and `score`."""
+
     name = "benchmark"
     #: samples per record and sampling settings (None = greedy, one sample)
     samples: int = 1
     sampling: dict | None = None
 
+    @abstractmethod
     def records(self) -> list[dict]:
-        raise NotImplementedError
+        """Every record of the benchmark (plain dicts with ``id``, ``task``, ``length``)."""
 
+    @abstractmethod
     def prompt_text(self, rec: dict) -> str:
-        raise NotImplementedError
+        """The prompt of ``rec`` as text."""
 
     def prompt_ids(self, rec: dict, tokenizer):
         """``[1, T]`` ids; default: `encode_prompt` of `prompt_text` (bos as the model needs)."""
@@ -35,14 +40,16 @@ class Benchmark:
         """Character offset in ``prompt_text`` where the question starts (sparse-question protocol)."""
         return None
 
+    @abstractmethod
     def max_new_tokens(self, rec: dict) -> int:
-        raise NotImplementedError
+        """Generation cap for ``rec``."""
 
     def stop(self, rec: dict) -> str:
         return STOP_EOS
 
+    @abstractmethod
     def score(self, rec: dict, pred: str) -> dict:
-        raise NotImplementedError
+        """``{"score": float in [0, 1], ...}`` of the prediction ``pred`` for ``rec``."""
 
     def describe(self) -> dict:
         return {"name": self.name}
