@@ -210,19 +210,31 @@ def ib_code_debug(pred, label, model_name=None) -> bool:
     label_c, fn_name = label[1], label[0]
     if pred[:2] in (f"{label_c}.", f"{label_c}:"):
         return True
-    for c in ["\n", "`", "'", '"', "-", "*", "Option", "option"]:
+    pred = _squash(pred, ["\n", "`", "'", '"', "-", "*", "Option", "option"])
+    rest = _after_prefix(pred, ["answer is:", "is:", "answer:", "correct option is:"])
+    return rest is not None and any(rest.startswith(s) for s in (label_c, fn_name))
+
+
+def _squash(pred: str, chars: list[str]) -> str:
+    """Replace each of ``chars`` by a space, then collapse runs of spaces (upstream's clean-up)."""
+    for c in chars:
         pred = pred.replace(c, " ")
     while "  " in pred:
         pred = pred.replace("  ", " ")
-    for prefix in ["answer is:", "is:", "answer:", "correct option is:"]:
+    return pred
+
+
+def _after_prefix(pred: str, prefixes: list[str]) -> str | None:
+    """Text after the first listed prefix found (in list order), past one separator; ``""`` when the
+    prediction ends there; ``None`` when no prefix occurs. Mirrors upstream's prefix search."""
+    for prefix in prefixes:
         idx = pred.find(prefix)
         if idx == -1:
             continue
         if len(pred) < idx + len(prefix) + 1:
-            return False
-        rest = pred[idx + len(prefix) + 1:]
-        return any(rest.startswith(s) for s in (label_c, fn_name))
-    return False
+            return ""
+        return pred[idx + len(prefix) + 1:]
+    return None
 
 
 def ib_math_find(pred, label, model_name=None) -> bool:
@@ -253,18 +265,10 @@ def ib_longbook_choice_eng(pred, label, model_name=None) -> bool:
         return pred[0] in label
     if pred in label:
         return True
-    for c in ["\n", '"', "'", ".", ",", "?", "!", "{", "}"]:
-        pred = pred.replace(c, " ")
-    while "  " in pred:
-        pred = pred.replace("  ", " ")
-    for prefix in ["answer is:", "answer:", "answer is", "option is"]:
-        idx = pred.find(prefix)
-        if idx == -1:
-            continue
-        if len(pred) < idx + len(prefix) + 1:
-            return False
-        after = pred[idx + len(prefix) + 1:]
-        return any(after.startswith(s) for s in label)
+    pred = _squash(pred, ["\n", '"', "'", ".", ",", "?", "!", "{", "}"])
+    after = _after_prefix(pred, ["answer is:", "answer:", "answer is", "option is"])
+    if after is not None:
+        return after != "" and any(after.startswith(s) for s in label)
     for word in pred.split():
         if word in "ABCD":
             return word in label
