@@ -56,27 +56,13 @@ def supports(layer, query: torch.Tensor | None = None) -> bool:
     return query is None or (query.is_cuda and query.dtype == kbuf.dtype)
 
 
-def _row_tensors(layer, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``row_start`` and ``n_summarized`` as int32 device tensors, re-sent only when they change."""
-    key = (tuple(layer.row_start), tuple(layer.n_summarized))
-    cached = getattr(layer, "_locks_kernel_rows", None)
-    if cached is None or cached[0] != key:
-        host = torch.tensor([layer.row_start, layer.n_summarized], dtype=torch.int32)
-        if device.type == "cuda":
-            host = host.pin_memory()
-        dev = host.to(device, non_blocking=True)
-        cached = (key, dev[0], dev[1])
-        layer._locks_kernel_rows = cached
-    return cached[1], cached[2]
-
-
 def sparse_decode(layer, query: torch.Tensor, scale: float) -> torch.Tensor:
     """Kernel twin of `locks_hf.attention.sparse_decode`: ``query [b, Hq, 1, d]`` -> ``[b, 1, Hq, d]``."""
     cfg = layer.config
     b = query.shape[0]
     h = layer._kbuf.shape[1]
     B = cfg.page_size
-    row_start, n_complete = _row_tensors(layer, query.device)
+    row_start, n_complete = layer.row_tensors()
     P = layer.num_pages
     out, pages = decode_step(cfg.selector, query, key_buf=layer._kbuf, value_buf=layer._vbuf,
                              slot_valid=layer.slot_valid, row_start=row_start, n_complete=n_complete,

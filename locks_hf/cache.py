@@ -141,10 +141,25 @@ class LocksLayer(DynamicLayer):
             if start != self.row_start[row]:  # the row's page grid moved: its summaries are stale
                 self.row_start[row], self.n_summarized[row] = start, 0
 
+    def row_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``row_start`` and ``n_summarized`` as int32 tensors on the cache's device.
+
+        Re-sent (from pinned memory, without blocking) only when the lists change, so a decode step
+        makes no host-to-device copy of its own.
+        """
+        key = (tuple(self.row_start), tuple(self.n_summarized))
+        if getattr(self, "_row_cache", (None,))[0] != key:
+            host = torch.tensor([self.row_start, self.n_summarized], dtype=torch.int32)
+            if self.device.type == "cuda":
+                host = host.pin_memory()
+            dev = host.to(self.device, non_blocking=True)
+            self._row_cache = (key, dev[0], dev[1])
+        return self._row_cache[1], self._row_cache[2]
+
     def _page_slots(self, pages: torch.Tensor) -> torch.Tensor:
         """Slot index of every token of ``pages [b, ...]`` (page numbers per row): ``[b, ..., B]``."""
         B = self.config.page_size
-        start = torch.tensor(self.row_start, device=self.device).view(-1, *([1] * pages.dim()))
+        start = self.row_tensors()[0].long().view(-1, *([1] * pages.dim()))
         return start + pages.unsqueeze(-1) * B + torch.arange(B, device=self.device)
 
     def _gather_slots(self, buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -188,7 +203,7 @@ class LocksLayer(DynamicLayer):
 
     def complete_pages(self) -> torch.Tensor:
         """``[b, P]``: pages summarized (complete) per row."""
-        done = torch.tensor(self.n_summarized, device=self.device)
+        done = self.row_tensors()[1]
         return torch.arange(self.num_pages, device=self.device) < done[:, None]
 
     def summarize_completed(self) -> None:
