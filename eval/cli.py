@@ -29,7 +29,8 @@ def _threads(n):
 
 
 def load_any_model(name: str, device: str = "cpu", dtype: str = "float32"):
-    """A real model by name (`locks_hf.models.load_model`) or ``tiny-<arch>`` (random, byte tokenizer)."""
+    """A real model by name (`locks_hf.models.load_model`) or ``tiny-<arch>[-d<head_dim>]`` (random
+    weights, byte tokenizer; e.g. ``tiny-llama-d64`` has heads wide enough for the GPU kernels)."""
     import torch
 
     dt = getattr(torch, dtype)
@@ -38,7 +39,9 @@ def load_any_model(name: str, device: str = "cpu", dtype: str = "float32"):
 
         from .testing import ByteTokenizer
 
-        model = tiny_model(name[5:], vocab_size=256, max_position_embeddings=65536).to(device=device, dtype=dt)
+        arch, _, width = name[5:].partition("-d")
+        extra = {"head_dim": int(width)} if width else {}
+        model = tiny_model(arch, vocab_size=256, max_position_embeddings=65536, **extra).to(device=device, dtype=dt)
         return model, ByteTokenizer()
     from locks_hf.models import load_model
 
@@ -233,7 +236,7 @@ def main(argv=None):
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def common(sp):
-        sp.add_argument("--model", default="gemma3-270m", help="gemma3-270m | smollm2-135m | tiny-<llama|gemma3|qwen3>")
+        sp.add_argument("--model", default="gemma3-270m", help="gemma3-270m | smollm2-135m | tiny-<llama|gemma3|qwen3>[-d<head_dim>]")
         sp.add_argument("--device", default=None)
         sp.add_argument("--dtype", default="float32")
         sp.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")

@@ -58,6 +58,13 @@ def supports(layer, query: torch.Tensor | None = None) -> bool:
 
 def sparse_decode(layer, query: torch.Tensor, scale: float) -> torch.Tensor:
     """Kernel twin of `locks_hf.attention.sparse_decode`: ``query [b, Hq, 1, d]`` -> ``[b, 1, Hq, d]``."""
+    # Triton launches on the *current* device; with a model split over GPUs (device_map) this layer's
+    # tensors may live on another one.
+    with torch.cuda.device(query.device):
+        return _sparse_decode(layer, query, scale)
+
+
+def _sparse_decode(layer, query: torch.Tensor, scale: float) -> torch.Tensor:
     cfg = layer.config
     b = query.shape[0]
     h = layer._kbuf.shape[1]
@@ -86,4 +93,5 @@ def summarize(layer, keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch
     cfg = layer.config
     if not keys.is_cuda or cfg.selector != "locks" or not supports(layer):
         return None
-    return build_summary(keys, valid, cfg.rank, cfg.basis_bits)
+    with torch.cuda.device(keys.device):
+        return build_summary(keys, valid, cfg.rank, cfg.basis_bits)

@@ -386,7 +386,8 @@ class LocksCache(DynamicCache):
         steps = [(l.attended, l.context) for l in self.locks_layers if l.attended is not None]
         if not steps:
             return float("nan")
-        return float(sum(a for a, _ in steps) / sum(c for _, c in steps))
+        # float() per layer: with a model split over GPUs (device_map) the layers' counters live on different devices
+        return sum(float(a) for a, _ in steps) / sum(float(c) for _, c in steps)
 
 
 def take_handoff(layer_idx: int | None, key: torch.Tensor) -> LocksLayer | None:

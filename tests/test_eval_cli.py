@@ -40,3 +40,11 @@ def test_cli_math_sampled_avg_at_k(tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["samples"] == 2 and cfg["sampling"]["temperature"] == 0.8 and "sampled" in cfg["protocol"]
     assert all(r["attended_fraction"] < 0.1 for r in rows if r["arm"] == "oracle-b32")  # sparse decode ran
+
+
+def test_tiny_model_names_set_head_dim():
+    from locks_hf.eval.cli import load_any_model
+
+    model, _ = load_any_model("tiny-llama-d64")
+    assert model.config.head_dim == 64 and model.model.layers[0].self_attn.k_proj.out_features == 2 * 64
+    assert load_any_model("tiny-llama")[0].config.head_dim == 16
