@@ -135,7 +135,7 @@ def capturing_queries(out: list):
     from locks_hf.cache import _HANDOFF
 
     def wrapper(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        slot = getattr(_HANDOFF, "slot", None)
+        slot = _HANDOFF.slot
         if slot is not None and query.shape[2] == 1 and slot[1].keys is key:
             s = scaling if scaling is not None else query.shape[-1] ** -0.5
             out.append((slot[0], key.shape[2], query[:, :, 0].detach().clone(), float(s)))

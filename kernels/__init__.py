@@ -4,7 +4,8 @@
 * `select_pages` top-(k-2) pages + sink + recent, fixed width, no host sync;
 * `sparse_attention` split-K flash-decoding over the selected pages;
 * `build_summary` batched GPU summary build (Gram matrix eigendecomposition + one quantize pass);
-* `decode_step` the three chained; `sparse_decode` / `summarize` the `LocksLayer` glue.
+* `decode_step` the three chained; `sparse_decode` / `summarize` the cache-layer glue, which calls
+  the kernels as custom ops (`ops`: ``torch.ops.locks_hf.decode_step`` / ``build_summary``).
 
 ``HAVE_TRITON`` is False when Triton cannot be imported; `locks_hf` then always runs its PyTorch
 reference path. On CPU the kernels run only under ``TRITON_INTERPRET=1`` (tests).
@@ -23,6 +24,7 @@ if HAVE_TRITON:
     from .attend import sparse_attention
     from .build import build_summary, fit_pages_eigh, quantize_summary
     from .decode import decode_step, sparse_decode, summarize, supports
+    from . import ops  # noqa: F401  (registers the torch.ops.locks_hf custom ops)
     from .score import score_pages
     from .select import select_pages
 

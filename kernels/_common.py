@@ -17,6 +17,14 @@ NO_KEY = tl.constexpr(-(2**31))
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
+def as_length(length, device) -> torch.Tensor:
+    """The cache length as the ``int32 [1]`` device tensor the kernels read (a Python int is copied
+    over; a tensor, e.g. a static cache's, is used as is so a captured graph sees every new value)."""
+    if torch.is_tensor(length):
+        return length
+    return torch.full((1,), int(length), dtype=torch.int32, device=device)
+
+
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, dot_precision, next_pow2, slot_ok
+from ._common import as_length, LOG2E, dot_precision, next_pow2, slot_ok
 
 _SM_COUNT: dict[int, int] = {}
 
@@ -29,7 +29,7 @@ def _sm_count(device: torch.device) -> int:
 
 @triton.jit
 def _sparse_attn_kernel(q_ptr, q_sb, q_sh, k_ptr, k_sb, k_sh, k_st, v_ptr, v_sb, v_sh, v_st,
-                        sel_ptr, W, valid_ptr, valid_sb, row_start_ptr, length, H, scale,
+                        sel_ptr, W, valid_ptr, valid_sb, row_start_ptr, len_ptr, H, scale,
                         part_o_ptr, part_l_ptr, out_ptr, out_sb, out_sh, pages_per_split, n_split,
                         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
                         TP: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr):
@@ -38,6 +38,7 @@ def _sparse_attn_kernel(q_ptr, q_sb, q_sh, k_ptr, k_sb, k_sh, k_st, v_ptr, v_sb,
     bb = (row // H).to(tl.int64)  # 64-bit offsets: a batch of long caches passes 2**31 elements
     hh = row % H
     rs = tl.load(row_start_ptr + bb)
+    length = tl.load(len_ptr)
     g = tl.arange(0, GP)
     c = tl.arange(0, D)
     t = tl.arange(0, B)
@@ -112,7 +113,7 @@ def _combine_kernel(part_o_ptr, part_l_ptr, out_ptr, out_sb, out_sh, H, n_split,
 
 
 def sparse_attention(query: torch.Tensor, key_buf: torch.Tensor, value_buf: torch.Tensor, pages: torch.Tensor, *,
-                     slot_valid: torch.Tensor, row_start: torch.Tensor, length: int, scale: float, page_size: int,
+                     slot_valid: torch.Tensor, row_start: torch.Tensor, length: int | torch.Tensor, scale: float, page_size: int,
                      out: torch.Tensor | None = None, splits: int | None = None, tile_pages: int | None = None,
                      num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """Attention of one decode query over the listed pages of each (row, KV head).
@@ -147,7 +148,7 @@ def sparse_attention(query: torch.Tensor, key_buf: torch.Tensor, value_buf: torc
         q, q.stride(0), q.stride(1), key_buf, key_buf.stride(0), key_buf.stride(1), key_buf.stride(2),
         value_buf, value_buf.stride(0), value_buf.stride(1), value_buf.stride(2),
         pages, W, slot_valid.view(torch.uint8) if slot_valid.dtype == torch.bool else slot_valid,
-        slot_valid.stride(0), row_start, length, h, float(scale),
+        slot_valid.stride(0), row_start, as_length(length, query.device), h, float(scale),
         part_o, part_l, o3, o3.stride(0), o3.stride(1), pps, splits,
         G=G, GP=GP, D=d, B=B, TP=TP, SPLIT=splits > 1, DOT_PREC=dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages)

@@ -3,8 +3,9 @@
 For a page's centered keys ``D`` (``B x d``), the top-r right singular vectors are
 ``V = D^T U / sigma`` where ``U, sigma^2`` are the top-r eigenpairs of the small Gram matrix
 ``D D^T`` (``B x B``), and the coefficients are ``C = D V = U sigma``. One batched matrix product
-builds all Gram matrices, ``torch.linalg.eigh`` diagonalises them in one batched call (Jacobi on
-CUDA for such small matrices), and ``_quantize_kernel`` writes the quantized layout of
+builds all Gram matrices, ``eigh.sym_eigh`` diagonalises them in one launch (parallel one-sided
+Jacobi in Triton: no host synchronisation, so the per-step build can be captured in a CUDA graph, and
+any batch size in one call), and ``_quantize_kernel`` writes the quantized layout of
 ``locks_hf.summaries`` (int4/int2/int8 basis packed with one bf16 scale per basis row, int8
 coefficients with one bf16 scale per token row, int8 centroid with one bf16 scale) in one pass.
 
@@ -19,22 +20,13 @@ import triton
 import triton.language as tl
 
 from ._common import next_pow2
+from .eigh import sym_eigh
 
 _BF16_ROUND_UP = 1.0 + 2.0**-7  # as locks_hf.quant: scales rounded up so |x|/scale <= qmax
 
 
-#: matrices per ``torch.linalg.eigh`` call: cuSOLVER's batched solver failed with an internal error on
-#: 65536 16x16 matrices in one call (torch 2.11, H200), so large batches go in chunks.
-EIGH_CHUNK = 8192
-
-
-def _batched_eigh(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    lead, n = gram.shape[:-2], gram.shape[-1]
-    flat = gram.reshape(-1, n, n)
-    if flat.shape[0] <= EIGH_CHUNK:
-        return torch.linalg.eigh(gram)
-    vals, vecs = zip(*(torch.linalg.eigh(part) for part in flat.split(EIGH_CHUNK)))
-    return torch.cat(vals).view(*lead, n), torch.cat(vecs).view(*lead, n, n)
+#: the batched eigensolver (``scripts/bench_decode.py`` times it under this name)
+_batched_eigh = sym_eigh
 
 
 def fit_pages_eigh(keys: torch.Tensor, valid: torch.Tensor, rank: int
@@ -45,7 +37,7 @@ def fit_pages_eigh(keys: torch.Tensor, valid: torch.Tensor, rank: int
     mu = (k * w).sum(-2) / w.sum(-2).clamp_min(1.0)
     centered = (k - mu.unsqueeze(-2)) * w
     gram = centered @ centered.transpose(-1, -2)
-    evals, evecs = _batched_eigh(gram)  # ascending
+    evals, evecs = sym_eigh(gram)  # ascending
     B = keys.shape[-2]
     r = min(rank, B)
     lam = evals[..., B - r:].flip(-1).clamp_min(0.0)
@@ -138,6 +130,21 @@ def _quantize_kernel(mu_ptr, basis_ptr, coef_ptr, o_basis, o_bscale, o_coef, o_c
     tl.store(o_bscale + pg[:, None] * R + r[None, :], bs.to(tl.bfloat16), mask=bm)
 
 
+def summary_shapes(lead: tuple, page_size: int, d: int, rank: int, basis_bits: int
+                   ) -> dict[str, tuple[tuple, torch.dtype]]:
+    """Shape and dtype of each quantized summary tensor for pages ``lead`` (the layout of
+    ``locks_hf.summaries``)."""
+    lead = tuple(lead)
+    return {
+        "basis": ((*lead, rank, d // (8 // basis_bits)), torch.int8 if basis_bits == 8 else torch.uint8),
+        "basis_scale": ((*lead, rank), torch.bfloat16),
+        "coef": ((*lead, page_size, rank), torch.int8),
+        "coef_scale": ((*lead, page_size), torch.bfloat16),
+        "mu": ((*lead, d), torch.int8),
+        "mu_scale": ((*lead, 1), torch.bfloat16),
+    }
+
+
 def quantize_summary(mu: torch.Tensor, basis: torch.Tensor, coef: torch.Tensor, basis_bits: int = 4
                      ) -> dict[str, torch.Tensor]:
     """The quantized summary layout of ``locks_hf.summaries`` from float32 parts (one Triton pass)."""
@@ -145,16 +152,8 @@ def quantize_summary(mu: torch.Tensor, basis: torch.Tensor, coef: torch.Tensor, 
     d = mu.shape[-1]
     R, B = basis.shape[-2], coef.shape[-2]
     n = mu.numel() // d
-    dev = mu.device
-    per = 8 // basis_bits
-    out = {
-        "basis": torch.empty((*lead, R, d // per), dtype=torch.int8 if basis_bits == 8 else torch.uint8, device=dev),
-        "basis_scale": torch.empty((*lead, R), dtype=torch.bfloat16, device=dev),
-        "coef": torch.empty((*lead, B, R), dtype=torch.int8, device=dev),
-        "coef_scale": torch.empty((*lead, B), dtype=torch.bfloat16, device=dev),
-        "mu": torch.empty((*lead, d), dtype=torch.int8, device=dev),
-        "mu_scale": torch.empty((*lead, 1), dtype=torch.bfloat16, device=dev),
-    }
+    out = {name: torch.empty(shape, dtype=dtype, device=mu.device)
+           for name, (shape, dtype) in summary_shapes(lead, B, d, R, basis_bits).items()}
     if n == 0:
         return out
     BPG = 8

@@ -1,24 +1,31 @@
 """The kernel path of a Locks decode step, and the glue that `locks_hf` dispatches CUDA tensors to.
 
 `decode_step` chains the three kernels (score -> select -> attend) on explicit tensors; the
-`sparse_decode` / `summarize` functions read a `LocksLayer`'s buffers and keep its bookkeeping
-(``last_selection``, attended-token statistics) identical to the reference path.
+`sparse_decode` / `summarize` functions read a Locks layer's buffers (`LocksLayer` or
+`LocksStaticLayer`), call the kernels through their custom ops (`ops`, so `torch.compile` sees one
+node each) and keep the layer's bookkeeping (selection, attended-token statistics) identical to the
+reference path.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .attend import sparse_attention
-from .build import build_summary
 from .score import score_pages
 from .select import select_pages
 
 _QUANTIZED = (2, 4, 8)
 
+#: Per-page summary tensors each method reads, in the order the custom ops (`ops`) take them.
+SUMMARY_NAMES = {"locks": ("basis", "basis_scale", "coef", "coef_scale", "mu", "mu_scale"),
+                 "quest": ("upper", "lower"), "oracle": ()}
+
 
 def decode_step(method: str, query: torch.Tensor, *, key_buf: torch.Tensor, value_buf: torch.Tensor,
-                slot_valid: torch.Tensor, row_start: torch.Tensor, n_complete: torch.Tensor, length: int,
+                slot_valid: torch.Tensor, row_start: torch.Tensor, n_complete: torch.Tensor, length: int | torch.Tensor,
                 n_pages: int, slots: int, scale: float, page_size: int,
                 summary: dict[str, torch.Tensor] | None = None, basis_bits: int = 4
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,6 +44,11 @@ def decode_step(method: str, query: torch.Tensor, *, key_buf: torch.Tensor, valu
     return out, pages
 
 
+def _on_device(device: torch.device):
+    """Make ``device`` current for the launches (Triton launches on the current CUDA device)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def supports(layer, query: torch.Tensor | None = None) -> bool:
     """Whether the kernels implement this layer's settings (else the reference path runs)."""
     cfg = layer.config
@@ -51,7 +63,8 @@ def supports(layer, query: torch.Tensor | None = None) -> bool:
         return False
     d = kbuf.shape[-1]
     per = 8 // cfg.basis_bits if cfg.selector == "locks" else 1
-    if d & (d - 1) or d // per < 16 or cfg.page_size < 4:
+    # page_size: the attention tiles need >= 4 tokens, the Jacobi eigensolver a power of two <= 32
+    if d & (d - 1) or d // per < 16 or cfg.page_size not in (4, 8, 16, 32):
         return False
     return query is None or (query.is_cuda and query.dtype == kbuf.dtype)
 
@@ -60,7 +73,7 @@ def sparse_decode(layer, query: torch.Tensor, scale: float) -> torch.Tensor:
     """Kernel twin of `locks_hf.attention.sparse_decode`: ``query [b, Hq, 1, d]`` -> ``[b, 1, Hq, d]``."""
     # Triton launches on the *current* device; with a model split over GPUs (device_map) this layer's
     # tensors may live on another one.
-    with torch.cuda.device(query.device):
+    with _on_device(query.device):
         return _sparse_decode(layer, query, scale)
 
 
@@ -70,21 +83,22 @@ def _sparse_decode(layer, query: torch.Tensor, scale: float) -> torch.Tensor:
     h = layer._kbuf.shape[1]
     B = cfg.page_size
     row_start, n_complete = layer.row_tensors()
+    length = layer.length_tensor()
     P = layer.num_pages
-    out, pages = decode_step(cfg.selector, query, key_buf=layer._kbuf, value_buf=layer._vbuf,
-                             slot_valid=layer.slot_valid, row_start=row_start, n_complete=n_complete,
-                             length=layer.length, n_pages=P, slots=cfg.page_slots, scale=scale, page_size=B,
-                             summary=layer.summary, basis_bits=cfg.basis_bits)
+    summary = [layer.summary[n] for n in SUMMARY_NAMES[cfg.selector]]
+    out, pages = torch.ops.locks_hf.decode_step(cfg.selector, query, layer._kbuf, layer._vbuf, layer.slot_valid,
+                                                row_start, n_complete, length, summary, P, cfg.page_slots,
+                                                float(scale), B, cfg.basis_bits)
     # bookkeeping, as the reference path: the page set and the attended / cached real tokens
     ok = pages >= 0
     idx = torch.where(ok, pages, P).long()
     sel = torch.zeros((b * h, P + 1), dtype=torch.bool, device=query.device).scatter_(1, idx, True)
-    layer.last_selection = sel[:, :P].view(b, h, P)
+    layer.note_selection(sel[:, :P].view(b, h, P))
     rows = torch.arange(b, device=query.device).repeat_interleave(h)[:, None, None]
     slots = row_start[rows] + idx[..., None] * B + torch.arange(B, device=query.device)
-    inside = ok[..., None] & (slots < layer.length)
+    inside = ok[..., None] & (slots < length) & (slots < layer.capacity)
     real = layer.slot_valid[rows, slots * inside] & inside
-    layer.record_step(real.sum(), layer.slot_valid[:, : layer.length].sum() * h)
+    layer.record_step(real.sum(), layer.real_tokens() * h)
     return out
 
 
@@ -93,5 +107,6 @@ def summarize(layer, keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch
     cfg = layer.config
     if not keys.is_cuda or cfg.selector != "locks" or not supports(layer):
         return None
-    with torch.cuda.device(keys.device):
-        return build_summary(keys, valid, cfg.rank, cfg.basis_bits)
+    with _on_device(keys.device):
+        parts = torch.ops.locks_hf.build_summary(keys, valid, cfg.rank, cfg.basis_bits)
+    return dict(zip(SUMMARY_NAMES["locks"], parts))

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import BIG_PAGE, NO_KEY, SENTINEL_C as SENTINEL, next_pow2, scalar_at, score_key, top_keys
+from ._common import as_length, BIG_PAGE, NO_KEY, SENTINEL_C as SENTINEL, next_pow2, scalar_at, score_key, top_keys
 
 
 @triton.jit
@@ -57,7 +57,7 @@ def _sink_and_lse(part_ptr, row, n_blk, last_page, GG: tl.constexpr, NBP: tl.con
 
 
 @triton.jit
-def _select_chunk_kernel(score_ptr, part_ptr, n_blk, row_start_ptr, length, H, P, K,
+def _select_chunk_kernel(score_ptr, part_ptr, n_blk, row_start_ptr, len_ptr, H, P, K,
                          key_ptr, page_ptr, sink_ptr, n_chunk,
                          PER_HEAD: tl.constexpr, G: tl.constexpr, GG: tl.constexpr, B: tl.constexpr, CH: tl.constexpr,
                          KP: tl.constexpr, NBP: tl.constexpr):
@@ -70,7 +70,7 @@ def _select_chunk_kernel(score_ptr, part_ptr, n_blk, row_start_ptr, length, H, P
         row = vrow
         head = 0
     rs = tl.load(row_start_ptr + row // H)
-    last_page = (length - 1 - rs) // B
+    last_page = (tl.load(len_ptr) - 1 - rs) // B
     sink, lse = _sink_and_lse(part_ptr, row, n_blk, last_page, GG, NBP, not PER_HEAD)
     if PER_HEAD:
         first_prog = (chunk == 0) & (head == 0)
@@ -107,7 +107,7 @@ def _select_chunk_kernel(score_ptr, part_ptr, n_blk, row_start_ptr, length, H, P
 
 
 @triton.jit
-def _select_merge_kernel(key_ptr, page_ptr, sink_ptr, row_start_ptr, length, H, K, n_chunk,
+def _select_merge_kernel(key_ptr, page_ptr, sink_ptr, row_start_ptr, len_ptr, H, K, n_chunk,
                          out_ptr, W, PER_HEAD: tl.constexpr, G: tl.constexpr, B: tl.constexpr,
                          KP: tl.constexpr, M: tl.constexpr):
     vrow = tl.program_id(0)
@@ -123,16 +123,16 @@ def _select_merge_kernel(key_ptr, page_ptr, sink_ptr, row_start_ptr, length, H, 
         w = tl.arange(0, KP)
         tl.store(out_ptr + vrow * KP + w, tl.full([KP], SENTINEL, tl.int32), mask=w >= n)
     else:
-        _write_page_list(out_ptr, vrow, W, page, keep, pos, n, sink_ptr, row_start_ptr, length, H, B, KP)
+        _write_page_list(out_ptr, vrow, W, page, keep, pos, n, sink_ptr, row_start_ptr, len_ptr, H, B, KP)
 
 
 @triton.jit
-def _write_page_list(out_ptr, row, W, pages, keep, pos, n, sink_ptr, row_start_ptr, length, H,
+def _write_page_list(out_ptr, row, W, pages, keep, pos, n, sink_ptr, row_start_ptr, len_ptr, H,
                      B: tl.constexpr, N: tl.constexpr):
     """Row ``row`` of the output: sink page, most recent page (``SENTINEL`` when it is the sink),
     the ``n`` kept ``pages`` (at ``pos``), then ``SENTINEL`` up to width ``W``."""
     rs = tl.load(row_start_ptr + row // H)
-    last_page = (length - 1 - rs) // B
+    last_page = (tl.load(len_ptr) - 1 - rs) // B
     sink = tl.load(sink_ptr + row)
     base = out_ptr + row * W
     tl.store(base, sink)
@@ -144,7 +144,7 @@ def _write_page_list(out_ptr, row, W, pages, keep, pos, n, sink_ptr, row_start_p
 
 
 @triton.jit
-def _union_kernel(list_ptr, n_list, sink_ptr, row_start_ptr, length, H, out_ptr, W,
+def _union_kernel(list_ptr, n_list, sink_ptr, row_start_ptr, len_ptr, H, out_ptr, W,
                   B: tl.constexpr, N: tl.constexpr):
     """Union of the G per-head lists of a KV head (``n_list = G*KP <= N`` entries): sort, drop repeats."""
     row = tl.program_id(0)
@@ -156,7 +156,7 @@ def _union_kernel(list_ptr, n_list, sink_ptr, row_start_ptr, length, H, out_ptr,
     uniq = (x != BIG_PAGE) & ((e == 0) | (x != prev))
     n = tl.sum(uniq.to(tl.int32), axis=0)
     pos = tl.cumsum(uniq.to(tl.int32), axis=0) - 1
-    _write_page_list(out_ptr, row, W, x, uniq, pos, n, sink_ptr, row_start_ptr, length, H, B, N)
+    _write_page_list(out_ptr, row, W, x, uniq, pos, n, sink_ptr, row_start_ptr, len_ptr, H, B, N)
 
 
 def chunk_size(n_pages: int, kp: int, max_chunks: int = 16) -> int:
@@ -164,16 +164,23 @@ def chunk_size(n_pages: int, kp: int, max_chunks: int = 16) -> int:
     return max(256, kp, next_pow2(triton.cdiv(n_pages, max_chunks)))
 
 
+def page_list_width(method: str, slots: int, group: int) -> int:
+    """Width ``W`` of `select_pages`' lists: ``k``, or ``G*(k-2) + 2`` for Quest's per-head union."""
+    return group * max(slots - 2, 0) + 2 if method == "quest" else slots
+
+
 def select_pages(scores: torch.Tensor, partials: torch.Tensor, *, slots: int, per_head: bool,
-                 row_start: torch.Tensor, length: int, heads: int, page_size: int,
+                 row_start: torch.Tensor, length: int | torch.Tensor, heads: int, page_size: int,
                  out: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
     """Page lists ``[b*h, W]`` int32 (``SENTINEL``-padded) from ``score_pages``' outputs.
 
     ``slots`` is ``k = ceil(b / B)``; ``W = k`` for the shared rule and ``G*(k-2) + 2`` for Quest's
     per-head union. Entry 0 is the sink page, entry 1 the most recent page (``SENTINEL`` when it
     is the sink), then the selected pages (page order for the shared rule, ascending for Quest).
+    ``length``: slots written (an int, or the cache's ``int32 [1]`` device tensor).
     """
     rows, G, P = scores.shape
+    length = as_length(length, scores.device)
     K = max(slots - 2, 0)
     KP = next_pow2(max(K, 1))
     CH = chunk or chunk_size(P, KP)
@@ -188,7 +195,7 @@ def select_pages(scores: torch.Tensor, partials: torch.Tensor, *, slots: int, pe
     _select_chunk_kernel[(n_chunk, vrows)](
         scores, partials, n_blk, row_start, length, heads, P, K, keys, pages, sink, n_chunk,
         PER_HEAD=per_head, G=G, GG=partials.shape[-1], B=page_size, CH=CH, KP=KP, NBP=64, num_warps=4 if CH <= 1024 else 8)
-    W = G * K + 2 if per_head else slots
+    W = page_list_width("quest" if per_head else "shared", slots, G)
     if out is None:
         out = torch.empty((rows, W), dtype=torch.int32, device=dev)
     if per_head:

@@ -7,6 +7,7 @@ from .attention import locks_attention_forward, register
 from .cache import LocksCache, LocksLayer
 from .config import LocksConfig, LocksConfigError
 from .models_support import UnsupportedModelError
+from .static_cache import LocksStaticCache
 from .summaries import summary_bytes
 
 register()
@@ -16,6 +17,7 @@ __all__ = [
     "LocksConfig",
     "LocksConfigError",
     "LocksLayer",
+    "LocksStaticCache",
     "UnsupportedModelError",
     "locks_attention_forward",
     "summary_bytes",

@@ -16,7 +16,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils import logging
 
-from .cache import LocksLayer, take_handoff
+from .cache import PagedLayer, take_handoff
 from .models_support import UnsupportedModelError
 from .selectors import select_pages
 
@@ -32,18 +32,7 @@ _UNSUPPORTED_KWARGS = {
 }
 
 
-def slot_validity(attention_mask: torch.Tensor | None, query_len: int, batch: int, device) -> torch.Tensor:
-    """``[b, Tq]`` validity of the slots just written, read off the model's attention mask.
-
-    With left padding the mask is ``[b, 1, Tq, Tk]``; a key slot is real iff some query attends it.
-    """
-    if attention_mask is None:
-        return torch.ones((batch, query_len), dtype=torch.bool, device=device)
-    mask = attention_mask if attention_mask.dtype == torch.bool else attention_mask > torch.finfo(attention_mask.dtype).min / 2
-    return mask[:, 0].any(dim=1)[:, -query_len:].expand(batch, query_len)
-
-
-def _kernel_path(layer: LocksLayer, query: torch.Tensor):
+def _kernel_path(layer: PagedLayer, query: torch.Tensor):
     """[locks_hf.kernels dispatch] The kernels module when this step can run there, else ``None``.
 
     CUDA tensors of a supported configuration go to the Triton kernels; CPU tensors, settings the
@@ -58,7 +47,7 @@ def _kernel_path(layer: LocksLayer, query: torch.Tensor):
     return kernels if kernels.HAVE_TRITON and kernels.supports(layer, query) else None
 
 
-def sparse_decode(layer: LocksLayer, query: torch.Tensor, scale: float) -> torch.Tensor:
+def sparse_decode(layer: PagedLayer, query: torch.Tensor, scale: float) -> torch.Tensor:
     """One decode step attending only the selected pages (reference PyTorch path).
 
     ``query [b, Hq, 1, d]`` -> output ``[b, 1, Hq, d]``.
@@ -82,7 +71,7 @@ def sparse_decode(layer: LocksLayer, query: torch.Tensor, scale: float) -> torch
     # 2. Select: sink + most recent + best k - 2 complete pages, one set per KV head.
     selected = select_pages(scores, valid[:, 0].any(-1), layer.complete_pages(), cfg.page_slots,
                             cfg.group_combine, selector.per_head)  # [b, h, P]
-    layer.last_selection = selected
+    layer.note_selection(selected)
 
     # 3. Attend the selected pages with the original K/V, softmax renormalised over them.
     acc = torch.promote_types(query.dtype, torch.float32)  # fp32 accumulation (fp64 stays fp64)
@@ -108,8 +97,8 @@ def locks_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     """Attention with transformers' signature: dense unless this is a decode step of a `LocksLayer`.
 
     Dense (exactly transformers' SDPA) are: prefill and any forward with several query tokens,
-    layers that are not `LocksLayer`s (sliding-window layers, or any cache other than `LocksCache`),
-    the ``"full"`` selector, and steps where every row has at most ``k`` pages.
+    layers that are not Locks layers (sliding-window layers, or a cache other than `LocksCache` /
+    `LocksStaticCache`), the ``"full"`` selector, and what the layer's `attends_densely` says.
     """
     layer = take_handoff(getattr(module, "layer_idx", None), key)
     if layer is None:
@@ -126,17 +115,11 @@ def locks_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if scaling is None:
         scaling = 1.0 / math.sqrt(query.shape[-1])
 
-    batch, _, q_len, _ = query.shape
-    if attention_mask is not None and q_len > 1:
-        layer.mark_new_slots(slot_validity(attention_mask, q_len, batch, query.device))
-    layer.summarize_completed()
-
-    cfg = layer.config
-    dense = (q_len > 1 or layer.selector is None or layer.length < cfg.min_context
-             or layer.length <= cfg.page_slots * cfg.page_size)
-    if dense:
+    q_len = query.shape[2]
+    layer.prepare(attention_mask, q_len)
+    if layer.attends_densely(q_len):
         if q_len == 1:
-            real = layer.slot_valid[:, : layer.length].sum() * key.shape[1]
+            real = layer.real_tokens() * key.shape[1]
             layer.record_step(real, real)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)

@@ -24,7 +24,14 @@ from .selectors import PageSelector, make_selector
 # `Cache.update` runs just before the model calls the attention function, which receives the K/V
 # but not the cache. The layer that produced them is handed over through this thread-local slot and
 # checked there (`take_handoff`) by identity of the key tensor.
-_HANDOFF = threading.local()
+class _Handoff(threading.local):
+    def __init__(self) -> None:
+        # Runs in every thread on first use: the attribute always exists, so a compiled graph's
+        # guard on it does not flip (and recompile) the first time a cache sets it.
+        self.slot = None
+
+
+_HANDOFF = _Handoff()
 
 # Extra slots reserved past the prompt so that decode appends without reallocating.
 _MIN_HEADROOM = 256
@@ -35,7 +42,38 @@ def _summary_fields(config: LocksConfig) -> tuple:
             config.coef_bits, config.centroid_bits)
 
 
-class LocksLayer(DynamicLayer):
+def slot_validity(attention_mask: torch.Tensor | None, query_len: int, batch: int, device) -> torch.Tensor:
+    """``[b, Tq]`` validity of the slots just written, read off the model's attention mask.
+
+    With left padding the mask is ``[b, 1, Tq, Tk]`` (its last ``Tq`` key columns are the new slots);
+    a key slot is real iff some query attends it.
+    """
+    if attention_mask is None:
+        return torch.ones((batch, query_len), dtype=torch.bool, device=device)
+    mask = attention_mask if attention_mask.dtype == torch.bool else attention_mask > torch.finfo(attention_mask.dtype).min / 2
+    return mask[:, 0].any(dim=1)[:, -query_len:].expand(batch, query_len)
+
+
+def compute_summary(layer, keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The selector's per-page tensors for ``keys [b, h, n, B, d]`` (``valid [b, h, n, B]``): the GPU
+    build kernels for CUDA keys where they apply, else the selector's reference `summarize`."""
+    new = _kernel_summary(layer, keys, valid)  # [locks_hf.kernels dispatch]
+    return new if new is not None else layer.selector.summarize(keys, valid, getattr(layer, "shared", None))
+
+
+class PagedLayer:
+    """What the attention function and the kernels read from a Locks cache layer (both `LocksLayer`
+    and `locks_hf.static_cache.LocksStaticLayer` provide it).
+
+    Attributes ``config``, ``selector``, ``summary`` (page-axis buffers), ``slot_valid``,
+    ``_kbuf``/``_vbuf``; methods ``prepare`` / ``attends_densely`` (called before attention),
+    ``page_validity``, ``page_validity_of``, ``page_keys``, ``all_page_keys``, ``complete_pages``,
+    ``summary_view``, ``row_tensors``, ``length_tensor``, ``num_pages``, ``real_tokens``,
+    ``record_step``, ``note_selection``.
+    """
+
+
+class LocksLayer(DynamicLayer, PagedLayer):
     """One full-attention layer: K/V in preallocated buffers grown in chunks, plus page summaries.
 
     ``keys``/``values`` are views ``[b, h, T, d]`` into the buffers (no copy per decoded token).
@@ -141,20 +179,48 @@ class LocksLayer(DynamicLayer):
             if start != self.row_start[row]:  # the row's page grid moved: its summaries are stale
                 self.row_start[row], self.n_summarized[row] = start, 0
 
-    def row_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``row_start`` and ``n_summarized`` as int32 tensors on the cache's device.
-
-        Re-sent (from pinned memory, without blocking) only when the lists change, so a decode step
-        makes no host-to-device copy of its own.
-        """
-        key = (tuple(self.row_start), tuple(self.n_summarized))
+    def _host_state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``row_start [b]``, ``n_summarized [b]`` and ``length [1]`` as int32 tensors on the cache's
+        device, re-sent (one small copy from pinned memory, without blocking) when they change."""
+        key = (tuple(self.row_start), tuple(self.n_summarized), self.length)
         if getattr(self, "_row_cache", (None,))[0] != key:
-            host = torch.tensor([self.row_start, self.n_summarized], dtype=torch.int32)
+            host = torch.tensor([*self.row_start, *self.n_summarized, self.length], dtype=torch.int32)
             if self.device.type == "cuda":
                 host = host.pin_memory()
             dev = host.to(self.device, non_blocking=True)
-            self._row_cache = (key, dev[0], dev[1])
-        return self._row_cache[1], self._row_cache[2]
+            b = len(self.row_start)
+            self._row_cache = (key, dev[:b], dev[b: 2 * b], dev[2 * b:])
+        return self._row_cache[1:]
+
+    def row_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``row_start`` and ``n_summarized`` (complete pages) per row, int32 ``[b]`` on the device."""
+        return self._host_state()[:2]
+
+    def length_tensor(self) -> torch.Tensor:
+        """Slots written, ``int32 [1]`` on the cache's device."""
+        return self._host_state()[2]
+
+    def real_tokens(self) -> torch.Tensor:
+        """Real (non-padding) tokens cached in all rows, a scalar tensor."""
+        return self.slot_valid[:, : self.length].sum()
+
+    def note_selection(self, selected: torch.Tensor) -> None:
+        self.last_selection = selected
+
+    # -- the attention function's hooks ------------------------------------------------------------
+    def prepare(self, attention_mask: torch.Tensor | None, query_len: int) -> None:
+        """Before attention: read padding off the mask of a multi-token forward, then summarize
+        every page completed since the last call."""
+        if attention_mask is not None and query_len > 1:
+            self.mark_new_slots(slot_validity(attention_mask, query_len, len(self.row_start), self.device))
+        self.summarize_completed()
+
+    def attends_densely(self, query_len: int) -> bool:
+        """Dense for multi-token forwards, the ``"full"`` selector, contexts under ``min_context``
+        and contexts that fit in the budget (every page would be selected anyway)."""
+        cfg = self.config
+        return (query_len > 1 or self.selector is None or self.length < cfg.min_context
+                or self.length <= cfg.page_slots * cfg.page_size)
 
     def _page_slots(self, pages: torch.Tensor) -> torch.Tensor:
         """Slot index of every token of ``pages [b, ...]`` (page numbers per row): ``[b, ..., B]``."""
@@ -222,9 +288,7 @@ class LocksLayer(DynamicLayer):
         valid = self._slot_ok(self._page_slots(pages[:, 0])).unsqueeze(1).expand(-1, h, -1, -1)
         if not self.shared:  # the first pass (after prefill) fits any sequence-level state, frozen after
             self.shared = self.selector.fit_sequence(keys, valid)
-        new = _kernel_summary(self, keys, valid)  # [locks_hf.kernels dispatch] GPU build for CUDA keys
-        if new is None:
-            new = self.selector.summarize(keys, valid, self.shared)
+        new = compute_summary(self, keys, valid)
         if not self.summary:
             cap = self.capacity // B + 1
             self.summary = {n: t.new_empty((*t.shape[:2], cap, *t.shape[3:])) for n, t in new.items()}
@@ -314,7 +378,34 @@ def _resized(buf: torch.Tensor, dim: int, size: int, keep: int, fill=None) -> to
     return out
 
 
-class LocksCache(DynamicCache):
+class LocksCacheMixin:
+    """Shared by `LocksCache` and `LocksStaticCache`: the attention hand-off and the statistics."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        layer = self.layers[layer_idx]
+        _HANDOFF.slot = (layer_idx, layer) if isinstance(layer, PagedLayer) else None
+        return keys, values
+
+    @property
+    def locks_layers(self) -> list[PagedLayer]:
+        return [layer for layer in self.layers if isinstance(layer, PagedLayer)]
+
+    # -- statistics (tensors on the layers' devices: reading them is the only sync) ----------------
+    def reset_stats(self) -> None:
+        for layer in self.locks_layers:
+            layer.reset_stats()
+
+    def attended_fraction(self) -> float:
+        """Share of cached real tokens that decode steps attended, over all Locks layers (1.0 = dense)."""
+        steps = [(l.attended, l.context) for l in self.locks_layers if l.attended is not None]
+        # float() per layer: with a model split over GPUs (device_map) the counters live on several devices
+        context = sum(float(c) for _, c in steps)
+        return sum(float(a) for a, _ in steps) / context if context else float("nan")
+
+
+class LocksCache(LocksCacheMixin, DynamicCache):
     """A `DynamicCache` whose full-attention layers select pages for sparse decoding.
 
     Args:
@@ -341,17 +432,6 @@ class LocksCache(DynamicCache):
             if layer_type == "full_attention":
                 self.layers[i] = LocksLayer(locks)
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        layer = self.layers[layer_idx]
-        _HANDOFF.slot = (layer_idx, layer) if isinstance(layer, LocksLayer) else None
-        return keys, values
-
-    @property
-    def locks_layers(self) -> list[LocksLayer]:
-        return [layer for layer in self.layers if isinstance(layer, LocksLayer)]
-
     def fork(self, locks: LocksConfig | None = None) -> "LocksCache":
         """An independent copy (e.g. of a prefilled prompt) that decodes with other settings.
 
@@ -376,23 +456,10 @@ class LocksCache(DynamicCache):
         clone.reset_stats()
         return clone
 
-    # -- statistics (tensors on the cache's device: reading them is the only sync) -----------------
-    def reset_stats(self) -> None:
-        for layer in self.locks_layers:
-            layer.reset_stats()
 
-    def attended_fraction(self) -> float:
-        """Share of cached real tokens that decode steps attended, over all Locks layers (1.0 = dense)."""
-        steps = [(l.attended, l.context) for l in self.locks_layers if l.attended is not None]
-        if not steps:
-            return float("nan")
-        # float() per layer: with a model split over GPUs (device_map) the layers' counters live on different devices
-        return sum(float(a) for a, _ in steps) / sum(float(c) for _, c in steps)
-
-
-def take_handoff(layer_idx: int | None, key: torch.Tensor) -> LocksLayer | None:
-    """The `LocksLayer` whose `update` produced ``key`` just now, if any (consumes the hand-off)."""
-    slot = getattr(_HANDOFF, "slot", None)
+def take_handoff(layer_idx: int | None, key: torch.Tensor) -> PagedLayer | None:
+    """The Locks layer whose `update` produced ``key`` just now, if any (consumes the hand-off)."""
+    slot = _HANDOFF.slot
     _HANDOFF.slot = None
     if slot is None or slot[0] != layer_idx or slot[1].keys is not key:
         return None

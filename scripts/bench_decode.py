@@ -290,7 +290,8 @@ def check_real_shapes(model: str, length: int, slots: int, log) -> dict:
         mu, basis, coef = dequantize_summary(summ, bits, torch.float64)
         ref = estimated_page_lse(mu, basis, coef, valid, q64, scale)
         res[f"score_{lab}_rel_err"] = rel(got.view(1, h, G, c.P), ref)
-        alt, _ = score_pages("locks", c.query, summary=summ, scale=scale, basis_bits=bits, by_token=True, **c.kw())
+        alt, _ = score_pages("locks", c.query, summary=summ, scale=scale, basis_bits=bits, variant="dot",
+                             by_token=True, **c.kw())
         res[f"score_{lab}_by_token_rel_err"] = rel(alt.view(1, h, G, c.P), ref)
         sel = select_pages(got, part, slots=slots, per_head=False, row_start=c.row_start, length=c.length,
                            heads=h, page_size=B)
@@ -517,11 +518,13 @@ def sweep_score(model: str, length: int, label: str, log, reps: int) -> dict:
     for s in sets:
         s.build([(r, bits)])
     G = hq // h
-    cands = [dict(block_pages=bp, sub_blocks=ns, num_warps=nw, num_stages=st, by_token=bt)
+    cands = [dict(variant="dot", block_pages=bp, sub_blocks=ns, num_warps=nw, num_stages=st, by_token=bt)
              for bp, ns, nw, st, bt in [(16, 8, 4, 2, False), (32, 8, 4, 2, False), (32, 4, 4, 3, False),
                                         (32, 8, 4, 2, True), (64, 8, 4, 2, True), (32, 8, 8, 2, True),
                                         (128, 4, 4, 2, True), (64, 4, 8, 2, True), (16, 8, 4, 2, True)]
              if not (G >= 16 and bp > 32 and not bt)]
+    cands += [dict(variant="fma"), dict(variant="fma", block_pages=256, num_warps=8),
+              dict(variant="fma", sub_blocks=2)]
     best, best_ms, res = None, float("inf"), []
     for cfg in cands:
         try:

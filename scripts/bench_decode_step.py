@@ -2,26 +2,36 @@
 """Complete decode step of a random-weight model (one-token forward with the cache, as generate runs it).
 
 Builds a random-weight model with a real shape (default Llama-3.1-8B: 32 layers, 32 query heads, 8 KV
-heads, d=128, bf16), fills a `LocksCache` with a synthetic prefill of N tokens per layer (structured
-random keys: a per-page offset plus per-token noise; summaries built as after a real prefill), then
-times one-token forwards for each arm on the same cache: dense (``selector="full"``: transformers' SDPA
-over the preallocated cache) and Locks / Quest at budget b. Eager mode (no CUDA graphs): the Python
-cost of the model and of our glue is part of the step. CUDA-event medians after warm-up.
+heads, d=128, bf16), fills the cache with a synthetic prefill of N tokens per layer (structured random
+keys: a per-page offset plus per-token noise; summaries built as after a real prefill), then times
+one-token forwards for each arm: dense (``full``) and Locks / Quest at budget b.
 
-    python scripts/bench_decode_step.py --contexts 128K,512K --out docs/decode_step_h200.json
+``--graphs`` picks how the step runs:
+
+* ``none``    eager, `LocksCache` for every arm (dense = ``selector="full"``: SDPA over the cache);
+* ``cuda``    static caches (dense: transformers' `StaticCache`; Locks / Quest: `LocksStaticCache`),
+              the whole step captured once in a CUDA graph and replayed (gpt-fast style);
+* ``compile`` static caches, ``torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)``
+              (what `generate()` does with a static cache: inductor + CUDA graphs).
+
+With graphs, the script also checks that a replayed step gives the logits of the same step run
+eagerly (the cache rewound by one token in between). CUDA-event medians after warm-up.
+
+    python scripts/bench_decode_step.py --graphs cuda --contexts 128K,512K --out docs/decode_step_h200_graphs.json
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
-from locks_hf import LocksCache, LocksConfig
+from locks_hf import LocksCache, LocksConfig, LocksStaticCache
 
 SHAPES = {
     "llama3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -37,9 +47,9 @@ def parse_tokens(text: str) -> int:
     return int(text.rstrip("KM")) * mult
 
 
-def synthetic_prefill(cache: LocksCache, config, n_tokens: int, device, dtype) -> None:
+def synthetic_prefill(cache, config, n_tokens: int, device, dtype, page_size: int = 16) -> None:
     """Fill every layer with ``n_tokens`` of structured random K/V and summarize the pages."""
-    h, d, B = config.num_key_value_heads, config.head_dim, cache.locks_config.page_size
+    h, d, B = config.num_key_value_heads, config.head_dim, page_size
     gen = torch.Generator(device=device).manual_seed(0)
     for idx in range(config.num_hidden_layers):
         pages = n_tokens // B
@@ -47,28 +57,88 @@ def synthetic_prefill(cache: LocksCache, config, n_tokens: int, device, dtype) -
                 + torch.randn(1, h, pages, B, d, device=device, generator=gen)).flatten(2, 3).to(dtype)
         values = torch.randn(1, h, n_tokens, d, device=device, generator=gen, dtype=dtype)
         cache.update(keys, values, idx)
-        cache.layers[idx].summarize_completed()
+        layer = cache.layers[idx]
+        if hasattr(layer, "prepare"):  # a Locks layer: what the attention function does after prefill
+            layer.prepare(None, n_tokens)
         del keys, values
 
 
-def time_steps(model, cache, steps: int, warmup: int) -> list[float]:
-    """Milliseconds per one-token forward (CUDA events; wall clock on the CPU smoke-test path)."""
-    token = torch.ones(1, 1, dtype=torch.long, device=model.device)
+def make_arm(name: str, budget: int) -> LocksConfig:
+    if name in ("full", "quest", "oracle"):
+        return LocksConfig(selector=name, budget=budget)
+    return LocksConfig.from_label(name, budget=budget)
+
+
+def make_cache(graphs: str, config, locks: LocksConfig, capacity: int):
+    if graphs == "none":
+        return LocksCache(config, locks)
+    if locks.selector == "full":
+        return StaticCache(config, max_cache_len=capacity)
+    return LocksStaticCache(config, max_cache_len=capacity, locks=locks)
+
+
+def rewind(cache, n: int = 1) -> None:
+    """Move a static cache's length back by ``n`` tokens (the next step rewrites those slots)."""
+    for layer in cache.layers:
+        layer.cumulative_length.sub_(n)
+        if hasattr(layer, "length_t"):
+            layer.length_t.sub_(n)
+
+
+class Stepper:
+    """One-token forwards on ``cache``: eager, a captured CUDA graph, or torch.compile."""
+
+    def __init__(self, model, cache, graphs: str) -> None:
+        self.model, self.cache, self.graphs = model, cache, graphs
+        self.token = torch.ones(1, 1, dtype=torch.long, device=model.device)
+        self.fn = lambda: model(self.token, past_key_values=cache, logits_to_keep=1).logits
+        if graphs == "compile":
+            compiled = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+            self.fn = lambda: compiled(self.token, past_key_values=cache, logits_to_keep=1).logits.clone()
+        self.graph = None
+
+    def warm_up(self, n: int) -> None:
+        for _ in range(n):
+            self.fn()
+        if self.graphs == "cuda":
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.fn()
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = self.fn()  # recorded, not run: the cache does not advance here
+
+    def step(self) -> torch.Tensor:
+        if self.graph is not None:
+            self.graph.replay()
+            return self.out
+        return self.fn()
+
+
+def check_replay(stepper: Stepper) -> float:
+    """Max |logit difference| between a graph/compiled step and the same step run eagerly."""
+    eager = stepper.model(stepper.token, past_key_values=stepper.cache, logits_to_keep=1).logits.float()
+    rewind(stepper.cache)
+    replayed = stepper.step().float()
+    return float((replayed - eager).abs().max())
+
+
+def time_steps(stepper: Stepper, steps: int) -> list[float]:
     times = []
-    for i in range(warmup + steps):
-        if model.device.type == "cuda":
+    for _ in range(steps):
+        if stepper.model.device.type == "cuda":
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            model(token, past_key_values=cache, logits_to_keep=1)
+            stepper.step()
             stop.record()
             torch.cuda.synchronize()
-            elapsed = start.elapsed_time(stop)
+            times.append(start.elapsed_time(stop))
         else:
             t0 = time.perf_counter()
-            model(token, past_key_values=cache, logits_to_keep=1)
-            elapsed = 1e3 * (time.perf_counter() - t0)
-        if i >= warmup:
-            times.append(elapsed)
+            stepper.step()
+            times.append(1e3 * (time.perf_counter() - t0))
     return times
 
 
@@ -78,6 +148,7 @@ def main(argv=None) -> None:
     ap.add_argument("--contexts", default="128K,512K")
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--arms", default="full,r4i4,r8i4,quest")
+    ap.add_argument("--graphs", default="none", choices=["none", "cuda", "compile"])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", default="decode_step.json")
@@ -85,47 +156,66 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.graphs == "cuda" and device.type != "cuda":
+        raise SystemExit("--graphs cuda needs a CUDA device")
 
     config = LlamaConfig(**SHAPES[args.shape], max_position_embeddings=2**21)
     with torch.device(device):
         model = LlamaForCausalLM._from_config(config, attn_implementation="locks", dtype=dtype).eval()
-    arms = {}
-    for arm in args.arms.split(","):
-        if arm == "full":
-            arms[arm] = LocksConfig(selector="full")
-        elif arm == "quest":
-            arms[arm] = LocksConfig(selector="quest", budget=args.budget)
-        else:
-            arms[arm] = LocksConfig.from_label(arm, budget=args.budget)
+    arms = {a: make_arm(a, args.budget) for a in args.arms.split(",")}
 
     rows = []
     with torch.no_grad():
         for ctx in map(parse_tokens, args.contexts.split(",")):
-            cache = LocksCache(config, arms["full"])
-            synthetic_prefill(cache, config, ctx, device, dtype)
-            for name, cfg in arms.items():
-                for layer in cache.locks_layers:
-                    layer.set_config(cfg)
-                    layer.summarize_completed()  # rebuilt only when the summary layout changed
-                times = time_steps(model, cache, args.steps, args.warmup)
+            capacity = ctx + args.warmup + args.steps + 64
+            shared = None
+            for name, locks in arms.items():
+                if args.graphs == "none":  # one dynamic cache, re-configured per arm
+                    if shared is None:
+                        shared = make_cache("none", config, arms["full"], capacity)
+                        synthetic_prefill(shared, config, ctx, device, dtype)
+                    cache = shared
+                    for layer in cache.locks_layers:
+                        layer.set_config(locks)
+                        layer.summarize_completed()  # rebuilt only when the summary layout changed
+                else:  # static caches are built per arm (their layout is fixed at creation)
+                    cache = make_cache(args.graphs, config, locks, capacity)
+                    synthetic_prefill(cache, config, ctx, device, dtype)
+                torch._dynamo.reset()
+                stepper = Stepper(model, cache, args.graphs)
+                stepper.warm_up(args.warmup)
+                diff = check_replay(stepper) if args.graphs != "none" else None
+                if hasattr(cache, "reset_stats"):
+                    cache.reset_stats()
+                times = time_steps(stepper, args.steps)
                 med = statistics.median(times)
+                attended = cache.attended_fraction() if hasattr(cache, "attended_fraction") else 1.0
                 rows.append({"context": ctx, "arm": name, "median_ms": med, "tokens_per_s": 1e3 / med,
-                             "attended": cache.attended_fraction(), "all_ms": times})
-                cache.reset_stats()
-                cache.crop(-(args.steps + args.warmup))  # back to the prefilled length for the next arm
-            del cache
+                             "attended": attended, "replay_vs_eager_max_abs": diff, "all_ms": times})
+                print(rows[-1]["context"], name, f"{med:.2f} ms", f"replay diff {diff}", flush=True)
+                if args.graphs == "none":
+                    cache.reset_stats()
+                    cache.crop(-(args.steps + args.warmup))  # back to the prefilled length for the next arm
+                del stepper, cache
+                gc.collect()  # the stepper's closures form a cycle: free the cache before the next arm's
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            del shared
 
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    print(f"\nComplete decode step, {args.shape} random weights, {dtype}, batch 1, b={args.budget}, eager, "
+    mode = {"none": "eager", "cuda": "CUDA graph", "compile": "torch.compile reduce-overhead"}[args.graphs]
+    print(f"\nComplete decode step, {args.shape} random weights, {dtype}, batch 1, b={args.budget}, {mode}, "
           f"median of {args.steps} steps ({where})\n")
-    print("| context | arm | ms/step | tokens/s | vs dense | tokens attended |")
-    print("|---|---|---|---|---|---|")
+    print("| context | arm | ms/step | tokens/s | vs dense | tokens attended | replay vs eager |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        dense = next(x["median_ms"] for x in rows if x["context"] == r["context"] and x["arm"] == "full")
+        dense = next((x["median_ms"] for x in rows if x["context"] == r["context"] and x["arm"] == "full"), None)
+        ratio = f"{dense / r['median_ms']:.2f}x" if dense else "-"
+        diff = "-" if r["replay_vs_eager_max_abs"] is None else f"{r['replay_vs_eager_max_abs']:.2g}"
         print(f"| {r['context'] // 1024}K | {r['arm']} | {r['median_ms']:.2f} | {r['tokens_per_s']:.1f} | "
-              f"{dense / r['median_ms']:.2f}x | {r['attended']:.4f} |")
+              f"{ratio} | {r['attended']:.4f} | {diff} |")
     with open(args.out, "w") as f:
-        json.dump({"shape": args.shape, "budget": args.budget, "rows": rows}, f, indent=1)
+        json.dump({"shape": args.shape, "budget": args.budget, "graphs": args.graphs, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

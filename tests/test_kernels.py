@@ -89,18 +89,23 @@ def _complete_real(c):
     return (c.page_real & c.complete)[:, None, None]  # [b, 1, 1, P]
 
 
-@pytest.mark.parametrize("rank,bits,G,by_token", [(4, 4, 4, False), (8, 4, 4, True), (2, 4, 16, False),
-                                                 (4, 2, 4, False), (4, 8, 3, True), (4, 4, 16, True)])
-def test_locks_scores_match_reference(rank, bits, G, by_token):
+def _locks_case(rank: int, bits: int, G: int):
+    """A cache, its summaries (on the device) and the float64 reference scores at scale 0.3."""
     c = Cache(rank + bits, G=G)
     summ = c.summary(rank, bits)
     mu, basis, coef = dequantize_summary(summ, bits, torch.float64)
     n = mu.shape[2]
     ref = estimated_page_lse(mu, basis, coef, c.valid[:, None, :n], c.query.view(c.b, c.h, G, c.d).double(), 0.3)
     ref = torch.nn.functional.pad(ref, (0, c.P - n), value=float("-inf"))
-    summ = {k: v.to(DEV) for k, v in summ.items()}
+    return c, {k: v.to(DEV) for k, v in summ.items()}, ref
+
+
+@pytest.mark.parametrize("rank,bits,G,by_token", [(4, 4, 4, False), (8, 4, 4, True), (2, 4, 16, False),
+                                                 (4, 2, 4, False), (4, 8, 3, True), (4, 4, 16, True)])
+def test_locks_scores_match_reference(rank, bits, G, by_token):
+    c, summ, ref = _locks_case(rank, bits, G)
     got, _ = kernels.score_pages("locks", c.dev("query"), summary=summ, scale=0.3, basis_bits=bits, sub_blocks=1,
-                                 by_token=by_token, **c.kw())
+                                 variant="dot", by_token=by_token, **c.kw())
     _scores_ok(got.view(c.b, c.h, G, c.P), ref, _complete_real(c), 1e-5)
 
 
@@ -179,7 +184,7 @@ def test_score_then_select_over_many_blocks(method):
     c = Cache(3, pages=70, G=4)
     kw = dict(scale=0.3, block_pages=16, sub_blocks=1)
     if method == "locks":
-        kw.update(summary={k: v.to(DEV) for k, v in c.summary(4, 4).items()}, basis_bits=4)
+        kw.update(summary={k: v.to(DEV) for k, v in c.summary(4, 4).items()}, basis_bits=4, variant="dot")
     elif method == "quest":
         n = int(c.n_complete.max())
         summ = QuestSelector(LocksConfig()).summarize(c.page_keys[:, :, :n], c.valid[:, None, :n].expand(-1, c.h, -1, -1))
@@ -306,3 +311,45 @@ def test_generate_on_gpu_matches_reference_path(monkeypatch, selector):
         outs.append(model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
                                    past_key_values=cache, pad_token_id=0))
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("rank,bits,G", [(4, 4, 4), (8, 4, 4), (2, 4, 16), (4, 2, 4), (4, 8, 3), (4, 4, 16)])
+def test_locks_fma_scores_match_reference(rank, bits, G):
+    """Variant "fma" (one thread per page): scores as the reference, partials as one program's."""
+    c, summ, ref = _locks_case(rank, bits, G)
+    kw = c.kw()
+    if rank == 8:  # the cache's int32 [1] length tensor instead of an int
+        kw["length"] = torch.tensor([c.length], dtype=torch.int32, device=DEV)
+    got, part = kernels.score_pages("locks", c.dev("query"), summary=summ, scale=0.3, basis_bits=bits,
+                                    variant="fma", **kw)
+    _scores_ok(got.view(c.b, c.h, G, c.P), ref, _complete_real(c), 1e-5)
+    assert part.shape[1] == 1
+    part = part.cpu()
+    assert torch.allclose(part[..., :G], _partials(got.cpu(), c), rtol=1e-5, atol=1e-6)
+    # heads padding the group to a power of two take no part: empty LSE, no first score
+    assert torch.isneginf(part[:, :, [0, 2], G:]).all() and (part[:, :, 1, G:] == 0).all()
+
+
+def test_locks_fma_score_then_select_over_many_blocks():
+    """Variant "fma" over several programs (32-page blocks): the selection equals the reference's."""
+    c = Cache(3, pages=70, G=4)
+    summ = {k: v.to(DEV) for k, v in c.summary(4, 4).items()}
+    scores, part = kernels.score_pages("locks", c.dev("query"), summary=summ, basis_bits=4, scale=0.3,
+                                       variant="fma", block_pages=32, num_warps=1, **c.kw())
+    assert part.shape[1] > 1
+    for k in (3, 12):
+        pages = kernels.select_pages(scores, part, slots=k, per_head=False, row_start=c.dev("row_start"),
+                                     length=c.length, heads=c.h, page_size=B)
+        want = ref_select(scores.cpu().view(c.b, c.h, c.G, c.P).double(), c.page_real, c.complete, k,
+                          "share_average", False)
+        assert torch.equal(_as_mask(pages, c.b, c.h, c.P), want)
+
+
+def test_locks_fma_rejects_bad_tiles():
+    c = Cache(1)
+    summ = {k: v.to(DEV) for k, v in c.summary(4, 4).items()}
+    with pytest.raises(ValueError, match="multiple of 32"):
+        kernels.score_pages("locks", c.dev("query"), summary=summ, basis_bits=4, scale=0.3, variant="fma",
+                            block_pages=48, num_warps=1, **c.kw())
+    with pytest.raises(ValueError, match="variant"):
+        kernels.score_pages("locks", c.dev("query"), summary=summ, basis_bits=4, scale=0.3, variant="mma", **c.kw())

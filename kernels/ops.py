@@ -1,0 +1,48 @@
+"""The kernels as PyTorch custom ops, so `torch.compile` treats each as one opaque node.
+
+Dynamo cannot see inside a Triton launcher that picks tiles on the host; as custom ops with fake
+(shape-only) implementations, a decode step with the kernels traces into one graph and CUDA graphs
+capture the launches. Two ops: the decode step (score -> select -> attend) and the summary build.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .build import build_summary, summary_shapes
+from .decode import SUMMARY_NAMES, decode_step
+from .select import page_list_width
+
+
+@torch.library.custom_op("locks_hf::decode_step", mutates_args=())
+def decode_step_op(method: str, query: torch.Tensor, key_buf: torch.Tensor, value_buf: torch.Tensor,
+                   slot_valid: torch.Tensor, row_start: torch.Tensor, n_complete: torch.Tensor,
+                   length: torch.Tensor, summary: list[torch.Tensor], n_pages: int, slots: int, scale: float,
+                   page_size: int, basis_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`decode.decode_step` with the summary passed as the list ``SUMMARY_NAMES[method]``."""
+    named = dict(zip(SUMMARY_NAMES[method], summary))
+    return decode_step(method, query, key_buf=key_buf, value_buf=value_buf, slot_valid=slot_valid,
+                       row_start=row_start, n_complete=n_complete, length=length, n_pages=n_pages, slots=slots,
+                       scale=scale, page_size=page_size, summary=named, basis_bits=basis_bits)
+
+
+@decode_step_op.register_fake
+def _(method, query, key_buf, value_buf, slot_valid, row_start, n_complete, length, summary, n_pages, slots,
+      scale, page_size, basis_bits):
+    b, hq, d = query.shape[0], query.shape[1], query.shape[-1]
+    h = key_buf.shape[1]
+    width = page_list_width(method, slots, hq // h)
+    return query.new_empty((b, 1, hq, d)), query.new_empty((b * h, width), dtype=torch.int32)
+
+
+@torch.library.custom_op("locks_hf::build_summary", mutates_args=())
+def build_summary_op(keys: torch.Tensor, valid: torch.Tensor, rank: int, basis_bits: int) -> list[torch.Tensor]:
+    """`build.build_summary` as a list in the order ``SUMMARY_NAMES["locks"]``."""
+    out = build_summary(keys, valid, rank, basis_bits)
+    return [out[n] for n in SUMMARY_NAMES["locks"]]
+
+
+@build_summary_op.register_fake
+def _(keys, valid, rank, basis_bits):
+    shapes = summary_shapes(keys.shape[:-2], keys.shape[-2], keys.shape[-1], rank, basis_bits)
+    return [keys.new_empty(shape, dtype=dtype) for shape, dtype in (shapes[n] for n in SUMMARY_NAMES["locks"])]

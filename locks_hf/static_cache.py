@@ -1,0 +1,260 @@
+"""`LocksStaticCache`: a fixed-capacity Locks cache whose decode step is one static graph.
+
+What `torch.compile` and CUDA graphs need from a cache (transformers' `StaticLayer` pattern): buffers
+allocated once at their final size, every per-step quantity a tensor (the length, the rows' first real
+slot, the number of complete pages), in-place updates, no host synchronisation and no Python value
+that changes from step to step. So, compared with `LocksLayer`:
+
+* the page axis always spans the whole capacity (``P = max_cache_len / B``); pages that are not
+  complete (or not written) are masked, never sliced off;
+* each decode step re-summarizes the page that holds the newest token (one page per row and KV
+  head), so a page's summary is final the step it completes, with no branch on "did it complete";
+* prefill (several query tokens) runs eagerly, as transformers runs it: it reads padding off the
+  mask and summarizes every page in one batched pass.
+
+Everything else (scoring, selection, sparse attention, the kernels) is shared with `LocksCache`:
+both layer classes answer the same page-access methods.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PretrainedConfig
+from transformers.cache_utils import Cache, StaticLayer, get_layer_types_and_kwargs
+from transformers.utils import is_torchdynamo_compiling
+
+from .cache import LocksCacheMixin, PagedLayer, compute_summary, slot_validity
+from .config import LocksConfig, LocksConfigError
+from .models_support import check_model_supported
+from .selectors import make_selector
+
+#: Selectors whose state can be kept per page (the shared-basis controls fit a basis on the prompt).
+STATIC_SELECTORS = ("locks", "oracle", "quest", "full")
+
+
+class LocksStaticLayer(StaticLayer, PagedLayer):
+    """One full-attention layer of `LocksStaticCache`: K/V of ``max_cache_len`` slots plus page summaries."""
+
+    def __init__(self, max_cache_len: int, config: LocksConfig, **kwargs) -> None:
+        B = config.page_size
+        super().__init__(max_cache_len=-(-max_cache_len // B) * B)
+        self.config = config
+        self.selector = make_selector(config)
+
+    # -- storage ---------------------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        b, h, _, d = key_states.shape
+        dev = self.device
+        P = self.num_pages
+        self.slot_valid = torch.ones((b, self.max_cache_len), dtype=torch.bool, device=dev)
+        self.row_start = torch.zeros(b, dtype=torch.int32, device=dev)
+        self.length_t = torch.zeros(1, dtype=torch.int32, device=dev)  # int32 copy of cumulative_length
+        self.attended = torch.zeros((), dtype=torch.float32, device=dev)
+        self.context = torch.zeros((), dtype=torch.float32, device=dev)
+        self.last_selection = torch.zeros((b, h, P), dtype=torch.bool, device=dev)
+        self.summary = {}
+        if self.selector is not None:
+            # The summary layout (names, shapes, dtypes) of one all-zero page, allocated for every page.
+            probe = compute_summary(self, key_states.new_zeros((b, h, 1, self.config.page_size, d)),
+                                    torch.ones((b, h, 1, self.config.page_size), dtype=torch.bool, device=dev))
+            self.summary = {n: t.new_zeros((b, h, P, *t.shape[3:])) for n, t in probe.items()}
+        if not is_torchdynamo_compiling():
+            for t in (self.slot_valid, self.row_start, self.length_t, self.attended, self.context,
+                      self.last_selection, *self.summary.values()):
+                torch._dynamo.mark_static_address(t)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.is_initialized and key_states.shape[0] != self.keys.shape[0]:
+            raise ValueError(f"LocksStaticCache holds batch size {self.keys.shape[0]} but got {key_states.shape[0]}")
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        self.length_t.copy_(self.cumulative_length.view(1))
+        return keys, values
+
+    @property
+    def _kbuf(self) -> torch.Tensor:
+        return self.keys
+
+    @property
+    def _vbuf(self) -> torch.Tensor:
+        return self.values
+
+    @property
+    def capacity(self) -> int:
+        return self.max_cache_len
+
+    @property
+    def num_pages(self) -> int:
+        """The page axis: the whole capacity (a row whose first real slot is ``s`` uses fewer)."""
+        return self.max_cache_len // self.config.page_size
+
+    def length_tensor(self) -> torch.Tensor:
+        """Slots written, ``int32 [1]`` on the cache's device."""
+        return self.length_t
+
+    def row_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``row_start`` and the number of complete pages per row, int32 ``[b]``."""
+        done = torch.div(self.length_t - self.row_start, self.config.page_size, rounding_mode="floor")
+        return self.row_start, done.clamp_min(0).to(torch.int32)
+
+    # -- pages (tensor-only: no Python value depends on the length) --------------------------------
+    def _page_slots(self, pages: torch.Tensor) -> torch.Tensor:
+        B = self.config.page_size
+        start = self.row_start.long().view(-1, *([1] * pages.dim()))
+        return start + pages.unsqueeze(-1) * B + torch.arange(B, device=self.device)
+
+    def _slot_ok(self, slots: torch.Tensor) -> torch.Tensor:
+        inside = (slots >= 0) & (slots < self.length_t.long())
+        flat = slots.flatten(1).clamp(0, self.max_cache_len - 1)
+        return self.slot_valid.gather(1, flat).view_as(slots) & inside
+
+    def _gather_slots(self, buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        index = slots.clamp(0, self.max_cache_len - 1).unsqueeze(-1).expand(-1, -1, -1, buf.shape[-1])
+        return buf.gather(2, index)
+
+    def page_validity(self) -> torch.Tensor:
+        b = self.row_start.shape[0]
+        pages = torch.arange(self.num_pages, device=self.device).expand(b, -1)
+        return self._slot_ok(self._page_slots(pages)).unsqueeze(1)
+
+    def page_validity_of(self, pages: torch.Tensor) -> torch.Tensor:
+        return self._slot_ok(self._page_slots(pages))
+
+    def page_keys(self, pages: torch.Tensor, values: bool = False) -> torch.Tensor:
+        slots = self._page_slots(pages)
+        out = self._gather_slots(self.values if values else self.keys, slots.flatten(2))
+        return out.unflatten(2, slots.shape[2:])
+
+    def all_page_keys(self) -> torch.Tensor:
+        b, h = self.keys.shape[:2]
+        return self.page_keys(torch.arange(self.num_pages, device=self.device).expand(b, h, -1))
+
+    def complete_pages(self) -> torch.Tensor:
+        return torch.arange(self.num_pages, device=self.device) < self.row_tensors()[1][:, None]
+
+    def summary_view(self) -> dict[str, torch.Tensor]:
+        return self.summary
+
+    def real_tokens(self) -> torch.Tensor:
+        """Real (non-padding) tokens cached in all rows, a scalar tensor."""
+        written = torch.arange(self.max_cache_len, device=self.device) < self.length_t.long()
+        return (self.slot_valid & written).sum()
+
+    # -- the attention function's hooks ------------------------------------------------------------
+    def prepare(self, attention_mask: torch.Tensor | None, query_len: int) -> None:
+        """Before attention: on prefill read padding and summarize every page; on decode
+        re-summarize the page holding the newest token."""
+        if query_len > 1:
+            self._prefill(attention_mask, query_len)
+        elif self.selector is not None and self.summary:
+            self._summarize_newest_page()
+
+    def attends_densely(self, query_len: int) -> bool:
+        """Dense SDPA for multi-token forwards and the ``"full"`` selector; sparse otherwise (a
+        static graph cannot switch on the length, so there is no dense short-context mode)."""
+        return query_len > 1 or self.selector is None
+
+    def _prefill(self, attention_mask: torch.Tensor | None, query_len: int) -> None:
+        # Eager (transformers never compiles prefill): host values are fine here.
+        end = int(self.cumulative_length)
+        if attention_mask is not None:
+            mask = attention_mask[..., :end]
+            self.slot_valid[:, end - query_len: end] = slot_validity(mask, query_len, self.row_start.shape[0],
+                                                                    self.device)
+        slots = torch.arange(end, device=self.device)
+        self.row_start.copy_(torch.where(self.slot_valid[:, :end], slots, end).amin(-1).to(torch.int32))
+        if self.selector is None:
+            return
+        n = int(self.row_tensors()[1].max())
+        if n == 0:
+            return
+        b, h = self.keys.shape[:2]
+        pages = torch.arange(n, device=self.device).expand(b, h, -1)
+        valid = self.page_validity_of(pages[:, :1]).expand(-1, h, -1, -1)
+        new = compute_summary(self, self.page_keys(pages), valid)
+        for name, tensor in new.items():
+            self.summary[name][:, :, :n] = tensor
+
+    def _summarize_newest_page(self) -> None:
+        b, h = self.keys.shape[:2]
+        newest = torch.div(self.length_t.long() - 1 - self.row_start.long(), self.config.page_size,
+                           rounding_mode="floor").clamp_min(0)  # [b]
+        pages = newest.view(b, 1, 1).expand(b, h, 1)
+        valid = self.page_validity_of(pages[:, :1]).expand(-1, h, -1, -1)
+        new = compute_summary(self, self.page_keys(pages), valid)
+        for name, tensor in new.items():
+            index = pages.view(b, h, 1, *([1] * (tensor.dim() - 3))).expand_as(tensor)
+            self.summary[name].scatter_(2, index, tensor)
+
+    # -- bookkeeping ---------------------------------------------------------------------------------
+    def record_step(self, attended: torch.Tensor, context: torch.Tensor) -> None:
+        self.attended.add_(attended.float())
+        self.context.add_(context.float())
+
+    def note_selection(self, selected: torch.Tensor) -> None:
+        self.last_selection.copy_(selected)
+
+    def reset_stats(self) -> None:
+        if self.is_initialized:
+            self.attended.zero_()
+            self.context.zero_()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: reorder every row-indexed buffer in place (their addresses stay static)."""
+        if not self.is_initialized:
+            return
+        idx = beam_idx.to(self.device)
+        for t in (self.keys, self.values, self.slot_valid, self.row_start, self.last_selection,
+                  *self.summary.values()):
+            t.copy_(t.index_select(0, idx))
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            super().reset()
+            self.slot_valid.fill_(True)
+            self.row_start.zero_()
+            self.length_t.zero_()
+            self.last_selection.zero_()
+            self.reset_stats()
+
+
+class LocksStaticCache(LocksCacheMixin, Cache):
+    """A static (fixed-capacity, compile-friendly) cache whose full-attention layers decode sparsely.
+
+    Args:
+        config: the model's config; full-attention layers become `LocksStaticLayer`s, the others
+            transformers' static layers.
+        max_cache_len: tokens the cache holds (prompt + generated), rounded up to whole pages.
+        locks: the method's settings (or keyword overrides, as for `LocksCache`).
+
+    ``model.generate(..., past_key_values=LocksStaticCache(model.config, max_cache_len=...))``
+    compiles the decode step on a GPU (transformers' auto-compile: torch.compile + CUDA graphs).
+    Supports the ``locks``, ``oracle``, ``quest`` and ``full`` selectors, ``min_context=0``, beam
+    search; no cropping (assisted decoding) and no batch resizing.
+    """
+
+    def __init__(self, config: PretrainedConfig, max_cache_len: int, locks: LocksConfig | None = None,
+                 **overrides) -> None:
+        locks = (locks or LocksConfig()).replace(**overrides) if overrides else (locks or LocksConfig())
+        if locks.selector not in STATIC_SELECTORS:
+            raise LocksConfigError(
+                f"LocksStaticCache supports selector in {STATIC_SELECTORS}, got {locks.selector!r}: the "
+                "shared-basis controls fit state on the whole prompt; use LocksCache for them")
+        if locks.min_context:
+            raise LocksConfigError(
+                f"LocksStaticCache needs min_context=0 (got {locks.min_context}): a static graph cannot switch "
+                "between dense and sparse decode on the length; use LocksCache for a dense short-context mode")
+        text_config = config.get_text_config(decoder=True)
+        check_model_supported(text_config, locks)
+        self.locks_config = locks
+        from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING
+
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+        layers = [LocksStaticLayer(max_cache_len, locks) if kind == "full_attention"
+                  else STATIC_LAYER_TYPE_MAPPING[kind](max_cache_len=max_cache_len, **kw)
+                  for kind, kw in zip(layer_types, layer_kwargs)]
+        super().__init__(layers=layers)
+
+    def crop(self, max_length: int) -> None:
+        raise ValueError("LocksStaticCache cannot be cropped (assisted decoding): use LocksCache")
