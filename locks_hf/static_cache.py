@@ -68,6 +68,13 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.is_initialized and key_states.shape[0] != self.keys.shape[0]:
             raise ValueError(f"LocksStaticCache holds batch size {self.keys.shape[0]} but got {key_states.shape[0]}")
+        t = key_states.shape[2]
+        if t > 1 and not is_torchdynamo_compiling():  # prefill is eager: a host check costs nothing there
+            held = int(self.cumulative_length) if self.is_initialized else 0
+            if held + t > self.max_cache_len:
+                raise ValueError(
+                    f"LocksStaticCache holds {self.max_cache_len} tokens but {held} + {t} were written: create it "
+                    "with max_cache_len >= prompt length + max_new_tokens")
         keys, values = super().update(key_states, value_states, *args, **kwargs)
         self.length_t.copy_(self.cumulative_length.view(1))
         return keys, values

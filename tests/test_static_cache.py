@@ -90,6 +90,22 @@ def test_compiled_decode_is_one_graph_without_recompiles():
     assert frames == 1, torch._dynamo.utils.counters
 
 
+def test_static_beam_search_equals_dynamic():
+    model = tiny("llama")
+    cfg = LocksConfig(budget=64)
+    ids = _ids(280)
+    kwargs = dict(max_new_tokens=12, num_beams=3, do_sample=False)
+    want = model.generate(ids, past_key_values=LocksCache(model.config, cfg), **kwargs)
+    got = model.generate(ids, past_key_values=LocksStaticCache(model.config, max_cache_len=300, locks=cfg), **kwargs)
+    assert torch.equal(got, want)
+
+
+def test_static_cache_too_small_for_the_prompt_says_so():
+    model = tiny("llama")
+    with pytest.raises(ValueError, match="max_cache_len"):
+        model(_ids(300), past_key_values=LocksStaticCache(model.config, max_cache_len=280))
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(selector="shared_basis"), "selector"),
     (dict(min_context=512), "min_context"),
