@@ -40,6 +40,7 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         super().__init__(max_cache_len=-(-max_cache_len // B) * B)
         self.config = config
         self.selector = make_selector(config)
+        self.attended = self.context = self.last_selection = None  # tensors from lazy_initialization on
 
     # -- storage ---------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

@@ -119,6 +119,7 @@ def test_static_refuses_what_it_cannot_do(bad, match):
 def test_static_cache_cannot_be_cropped():
     model = tiny("llama")
     cache = LocksStaticCache(model.config, max_cache_len=256)
+    assert cache.attended_fraction() != cache.attended_fraction()  # nan before any decode step
     with pytest.raises(ValueError, match="cropped"):
         cache.crop(10)
 
