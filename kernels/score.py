@@ -370,6 +370,25 @@ def _locks_fma_lse(proj, qmu, cf, csc, vrow, rs, length, p, pmask, magic, B: tl.
 
 
 @triton.jit
+def _program_row(row_start_ptr, n_complete_ptr, len_ptr, H, B: tl.constexpr):
+    """This program's page block and (row, KV head), the row's first slot, complete pages, the cache
+    length and the row's most recent page (never a candidate)."""
+    row = tl.program_id(1)
+    bb = (row // H).to(tl.int64)  # 64-bit offsets: a batch of long caches passes 2**31 elements
+    rs = tl.load(row_start_ptr + bb)
+    length = tl.load(len_ptr)
+    return (tl.program_id(0), row, bb, row % H, rs, tl.load(n_complete_ptr + bb), length,
+            (length - 1 - rs) // B)
+
+
+@triton.jit
+def _empty_partials(GG: tl.constexpr):
+    """Running max / sum of the candidate pages' scores, the first real page's scores and its index."""
+    return (tl.full([GG], float("-inf"), tl.float32), tl.zeros([GG], dtype=tl.float32),
+            tl.full([GG], float("-inf"), tl.float32), tl.full([], BIG_PAGE, tl.int32))
+
+
+@triton.jit
 def _locks_fma_kernel(q_ptr, q_sb, q_sh, bas, bas_sb, bas_sh, bsc, bsc_sb, bsc_sh, cf, cf_sb, cf_sh,
                       csc, csc_sb, csc_sh, mu, mu_sb, mu_sh, msc, msc_sb, msc_sh,
                       valid_ptr, valid_sb, row_start_ptr, n_complete_ptr, len_ptr,
@@ -383,14 +402,7 @@ def _locks_fma_kernel(q_ptr, q_sb, q_sh, bas, bas_sb, bas_sh, bsc, bsc_sb, bsc_s
     ``nsub`` blocks of ``BP`` pages per program (a run-time value: no recompilation per grid); ``magic``
     is ``0x4B000000`` (see `_field`).
     """
-    blk = tl.program_id(0)
-    row = tl.program_id(1)
-    bb = (row // H).to(tl.int64)  # 64-bit offsets: a batch of long caches passes 2**31 elements
-    hh = row % H
-    rs = tl.load(row_start_ptr + bb)
-    n_done = tl.load(n_complete_ptr + bb)
-    length = tl.load(len_ptr)
-    last_page = (length - 1 - rs) // B  # the row's most recent page (never a candidate)
+    blk, row, bb, hh, rs, n_done, length, last_page = _program_row(row_start_ptr, n_complete_ptr, len_ptr, H, B)
     vrow = valid_ptr + bb * valid_sb
     scr = scr_ptr + (row * n_blk + blk).to(tl.int64) * (D * GG)
     _stage_query(q_ptr + bb * q_sb + hh * G * q_sh, q_sh, scr, G, GG, D)
@@ -419,13 +431,6 @@ def _locks_fma_kernel(q_ptr, q_sb, q_sh, bas, bas_sb, bas_sh, bsc, bsc_sb, bsc_s
 
 
 @triton.jit
-def _empty_partials(GG: tl.constexpr):
-    """Running max / sum of the candidate pages' scores, the first real page's scores and its index."""
-    return (tl.full([GG], float("-inf"), tl.float32), tl.zeros([GG], dtype=tl.float32),
-            tl.full([GG], float("-inf"), tl.float32), tl.full([], BIG_PAGE, tl.int32))
-
-
-@triton.jit
 def _score_kernel(q_ptr, q_sb, q_sh,
                   x0, x0_sb, x0_sh, x1, x1_sb, x1_sh, x2, x2_sb, x2_sh,
                   x3, x3_sb, x3_sh, x4, x4_sb, x4_sh, x5, x5_sb, x5_sh,
@@ -434,14 +439,7 @@ def _score_kernel(q_ptr, q_sb, q_sh,
                   METHOD: tl.constexpr, G: tl.constexpr, GG: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                   B: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr, BP: tl.constexpr,
                   NSUB: tl.constexpr, BY_TOKEN: tl.constexpr, DOT_PREC: tl.constexpr):
-    blk = tl.program_id(0)
-    row = tl.program_id(1)
-    bb = (row // H).to(tl.int64)  # 64-bit offsets: a batch of long caches passes 2**31 elements
-    hh = row % H
-    rs = tl.load(row_start_ptr + bb)
-    n_done = tl.load(n_complete_ptr + bb)
-    length = tl.load(len_ptr)
-    last_page = (length - 1 - rs) // B  # the row's most recent page (never a candidate)
+    blk, row, bb, hh, rs, n_done, length, last_page = _program_row(row_start_ptr, n_complete_ptr, len_ptr, H, B)
     q_base = q_ptr + bb * q_sb + hh * G * q_sh
     vrow = valid_ptr + bb * valid_sb
     t = tl.arange(0, B)
