@@ -1,4 +1,7 @@
-"""GPU check of kernels/eigh.py: accuracy vs float64, timing at the 128K Llama/GLM shapes, CUDA graph capture."""
+"""GPU check of kernels/eigh.py: accuracy vs float64, timing at the 128K Llama/GLM shapes, CUDA graph capture.
+
+Run from the repository root on a CUDA machine: ``python3 scripts/check_eigh_gpu.py`` (loads kernels/ directly).
+"""
 import statistics, sys, types, importlib
 import torch
 lk = types.ModuleType("lk"); lk.__path__ = ["kernels"]; sys.modules["lk"] = lk
