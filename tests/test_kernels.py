@@ -266,19 +266,23 @@ def test_decode_step_matches_reference_pipeline():
     assert ((out.cpu().double() - ref).norm() / ref.norm()).item() < 1e-5
 
 
-def test_layer_glue_matches_reference_path(monkeypatch):
-    """`kernels.sparse_decode` on a `LocksLayer` (run directly, on this device) = the reference path."""
-    monkeypatch.setenv("LOCKS_HF_KERNELS", "0")  # the reference call below must not dispatch
+@pytest.mark.parametrize("static", [False, True])
+def test_layer_glue_matches_reference_path(monkeypatch, static):
+    """`kernels.sparse_decode` on a `LocksLayer` / `LocksStaticLayer` (run directly, on this device) =
+    the reference path on the same layer."""
+    monkeypatch.setenv("LOCKS_HF_KERNELS", "0")  # the reference calls below must not dispatch
     from locks_hf.attention import sparse_decode as reference_decode
     from locks_hf.cache import LocksLayer
+    from locks_hf.static_cache import LocksStaticLayer
 
     c = Cache(5, b=2, pages=20, pad=(0, 0), hole=False)
-    layer = LocksLayer(LocksConfig(rank=4, basis_bits=4, budget=5 * B))
+    cfg = LocksConfig(rank=4, basis_bits=4, budget=5 * B)
+    layer = LocksStaticLayer(c.length + 3 * B, cfg) if static else LocksLayer(cfg)
     layer.update(c.dev("keys")[:, :, : c.length], c.dev("values")[:, :, : c.length])
     # Slots past the length are unwritten memory: poison them, neither path may read them.
-    layer._kbuf[:, :, layer.length:] = float("nan")
-    layer._vbuf[:, :, layer.length:] = float("nan")
-    layer.summarize_completed()
+    layer._kbuf[:, :, c.length:] = float("nan")
+    layer._vbuf[:, :, c.length:] = float("nan")
+    layer.prepare(None, c.length)  # what the attention function does after a prefill
     q = c.dev("query")
     ref = reference_decode(layer, q, 0.3)
     ref_sel, ref_stats = layer.last_selection.clone(), (layer.attended.clone(), layer.context.clone())
