@@ -58,6 +58,12 @@ def load_cells(run_dir: Path, complete_only: bool = True) -> list[dict]:
     return out
 
 
+def _arm_budget_table(rows: list[str], budgets: list, value) -> list[str]:
+    """Markdown lines of an arm x budget table: one row per arm, ``value(arm, budget)`` a string."""
+    lines = ["| arm | " + " | ".join(f"b={b}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
+    return lines + [f"| {r} | " + " | ".join(value(r, b) for b in budgets) + " |" for r in rows]
+
+
 def _fmt(x):
     return "" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.1f}"
 
@@ -83,22 +89,17 @@ def tables_markdown(cells: list[dict]) -> tuple[str, dict]:
         sparse = [f for f in fams if f != "full"]
         md.append(f"### {title}: average over tasks (score x100)\n")
         md.append(f"Tasks in the average: {', '.join(complete_tasks) or 'none complete yet'}.\n")
-        md.append("| arm | " + " | ".join(f"b={b}" for b in budgets) + " |")
-        md.append("|---|" + "---|" * len(budgets))
         if "full" in fams and complete_tasks:
             v = sum(full[t]["score"] for t in complete_tasks) / len(complete_tasks)
-            md.append("| full | " + " | ".join(_fmt(v) for _ in budgets) + " |")
             for b in budgets:
                 averages[(L, "full", b)] = (v, len(complete_tasks))
         for f in sparse:
-            vals = []
             for b in budgets:
                 got = [cell[(t, f, b)]["score"] for t in complete_tasks if (t, f, b) in cell]
-                v = sum(got) / len(got) if got and len(got) == len(complete_tasks) else None
-                vals.append(v)
-                if v is not None:
-                    averages[(L, f, b)] = (v, len(got))
-            md.append(f"| {f} | " + " | ".join(_fmt(v) for v in vals) + " |")
+                if got and len(got) == len(complete_tasks):
+                    averages[(L, f, b)] = (sum(got) / len(got), len(got))
+        shown = (["full"] if "full" in fams and complete_tasks else []) + sparse
+        md += _arm_budget_table(shown, budgets, lambda f, b: _fmt(averages.get((L, f, b), (None,))[0]))
         md.append("")
         for b in budgets:
             md.append(f"#### {title}, budget b={b} (tokens per layer and KV head)\n")
@@ -115,14 +116,12 @@ def tables_markdown(cells: list[dict]) -> tuple[str, dict]:
         att = [c for c in cs if c.get("attended_fraction")]
         if att:
             md.append(f"#### {title}: attended fraction of cached tokens during decode (mean over tasks)\n")
-            md.append("| arm | " + " | ".join(f"b={b}" for b in budgets) + " |")
-            md.append("|---|" + "---|" * len(budgets))
-            for f in sparse:
-                vals = []
-                for b in budgets:
-                    got = [float(c["attended_fraction"]) for c in att if c["family"] == f and c["budget"] == b]
-                    vals.append(f"{sum(got) / len(got):.3f}" if got else "")
-                md.append(f"| {f} | " + " | ".join(vals) + " |")
+
+            def mean_fraction(f, b):
+                got = [float(c["attended_fraction"]) for c in att if c["family"] == f and c["budget"] == b]
+                return f"{sum(got) / len(got):.3f}" if got else ""
+
+            md += _arm_budget_table(sparse, budgets, mean_fraction)
             md.append("")
     return "\n".join(md), averages
 
@@ -172,16 +171,14 @@ def fidelity_markdown(rows: list[dict]) -> str:
                           ("attended_pages", "pages attended per KV head (Quest: union over the group's query heads)"),
                           ("needle_hit", "needle page attended (% of steps x layers x heads; niah prompts only)")):
         md.append(f"#### {label}\n")
-        md.append("| arm | " + " | ".join(f"b={b}" for b in budgets) + " |")
-        md.append("|---|" + "---|" * len(budgets))
-        for f in fams:
-            vals = []
-            for b in budgets:
-                r = next((r for r in allrows if r["family"] == f and str(r["budget"]) == str(b)), None)
-                v = None if r is None or r[metric] in (None, "") else float(r[metric])
-                vals.append("" if v is None else (f"{100 * v:.1f}" if metric in ("mass", "recall", "needle_hit") else
-                                                  f"{v:.1f}" if metric == "attended_pages" else f"{v:.3f}"))
-            md.append(f"| {f} | " + " | ".join(vals) + " |")
+
+        def shown(f, b, metric=metric):
+            r = next((r for r in allrows if r["family"] == f and str(r["budget"]) == str(b)), None)
+            v = None if r is None or r[metric] in (None, "") else float(r[metric])
+            return "" if v is None else (f"{100 * v:.1f}" if metric in ("mass", "recall", "needle_hit") else
+                                         f"{v:.1f}" if metric == "attended_pages" else f"{v:.3f}")
+
+        md += _arm_budget_table(fams, budgets, shown)
         md.append("")
     layers = sorted({r["layer"] for r in rows if r["layer"] != "all"}, key=lambda x: int(x))
     if layers:
@@ -254,14 +251,12 @@ def agreement_markdown(run_dir: Path) -> str:
     for L in lengths:
         recs = [v for k, v in done.items() if k[2] == L]
         md.append(f"#### {'length ' + str(L) if L else 'all records'}: prediction identical to full attention (% of {len(recs)} records)\n")
-        md.append("| arm | " + " | ".join(f"b={b}" for b in budgets) + " |")
-        md.append("|---|" + "---|" * len(budgets))
-        for f in fams:
-            cells = []
-            for b in budgets:
-                arm = next((a for a in arms if meta.get(a) == (f, b)), None)
-                cells.append("" if arm is None else f"{100 * sum(v[arm] == v['full'] for v in recs) / len(recs):.0f}")
-            md.append(f"| {f} | " + " | ".join(cells) + " |")
+
+        def same_share(f, b, recs=recs):
+            arm = next((a for a in arms if meta.get(a) == (f, b)), None)
+            return "" if arm is None else f"{100 * sum(v[arm] == v['full'] for v in recs) / len(recs):.0f}"
+
+        md += _arm_budget_table(fams, budgets, same_share)
         md.append("")
     return "\n".join(md)
 
