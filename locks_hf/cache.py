@@ -179,26 +179,27 @@ class LocksLayer(DynamicLayer, PagedLayer):
             if start != self.row_start[row]:  # the row's page grid moved: its summaries are stale
                 self.row_start[row], self.n_summarized[row] = start, 0
 
-    def _host_state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``row_start [b]``, ``n_summarized [b]`` and ``length [1]`` as int32 tensors on the cache's
-        device, re-sent (one small copy from pinned memory, without blocking) when they change."""
-        key = (tuple(self.row_start), tuple(self.n_summarized), self.length)
+    def row_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``row_start`` and ``n_summarized`` (complete pages) per row, int32 ``[b]`` on the device.
+
+        Re-sent (from pinned memory, without blocking) only when the lists change, so a decode step
+        makes no host-to-device copy of its own.
+        """
+        key = (tuple(self.row_start), tuple(self.n_summarized))
         if getattr(self, "_row_cache", (None,))[0] != key:
-            host = torch.tensor([*self.row_start, *self.n_summarized, self.length], dtype=torch.int32)
+            host = torch.tensor([self.row_start, self.n_summarized], dtype=torch.int32)
             if self.device.type == "cuda":
                 host = host.pin_memory()
             dev = host.to(self.device, non_blocking=True)
-            b = len(self.row_start)
-            self._row_cache = (key, dev[:b], dev[b: 2 * b], dev[2 * b:])
-        return self._row_cache[1:]
-
-    def row_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``row_start`` and ``n_summarized`` (complete pages) per row, int32 ``[b]`` on the device."""
-        return self._host_state()[:2]
+            self._row_cache = (key, dev[0], dev[1])
+        return self._row_cache[1], self._row_cache[2]
 
     def length_tensor(self) -> torch.Tensor:
-        """Slots written, ``int32 [1]`` on the cache's device."""
-        return self._host_state()[2]
+        """Slots written, ``int32 [1]`` on the cache's device (a fill, no host copy; a new tensor per
+        length, never written in place, so forks of this layer cannot see each other's length)."""
+        if getattr(self, "_length_cache", (None,))[0] != self.length:
+            self._length_cache = (self.length, torch.full((1,), self.length, dtype=torch.int32, device=self.device))
+        return self._length_cache[1]
 
     def real_tokens(self) -> torch.Tensor:
         """Real (non-padding) tokens cached in all rows, a scalar tensor."""
