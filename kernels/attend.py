@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import as_length, LOG2E, dot_precision, next_pow2, slot_ok
+from ._common import LOG2E, as_length, dot_precision, next_pow2, slot_ok
 
 _SM_COUNT: dict[int, int] = {}
 

@@ -13,6 +13,7 @@ import contextlib
 
 import torch
 
+from ._common import as_length
 from .attend import sparse_attention
 from .score import score_pages
 from .select import select_pages
@@ -33,6 +34,7 @@ def decode_step(method: str, query: torch.Tensor, *, key_buf: torch.Tensor, valu
 
     ``method`` is ``"locks"``, ``"quest"`` or ``"oracle"`` (see `score_pages` for the inputs).
     """
+    length = as_length(length, query.device)  # one device tensor for the three kernels
     h = key_buf.shape[1]
     scores, partials = score_pages(method, query, slot_valid=slot_valid, row_start=row_start,
                                    n_complete=n_complete, length=length, n_pages=n_pages, scale=scale,

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import as_length, BIG_PAGE, NO_KEY, SENTINEL_C as SENTINEL, next_pow2, scalar_at, score_key, top_keys
+from ._common import BIG_PAGE, NO_KEY, SENTINEL_C as SENTINEL, as_length, next_pow2, scalar_at, score_key, top_keys
 
 
 @triton.jit
