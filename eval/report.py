@@ -147,12 +147,22 @@ def plot_scores(cells: list[dict], path: Path, title: str) -> Path | None:
                 ax.axhline(pts[0][1], color="black", linestyle="--", label="full")
                 continue
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("budget b (tokens per layer and KV head)")
         ax.set_ylabel("score (avg over tasks)")
-        ax.set_title(f"{title}, {L} tokens" if L else title)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        _style_budget_axis(ax, "budget b (tokens per layer and KV head)", f"{title}, {L} tokens" if L else title)
+    return _save_figure(fig, path)
+
+
+def _style_budget_axis(ax, xlabel: str, title: str) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _save_figure(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -217,15 +227,8 @@ def plot_fidelity(rows: list[dict], path: Path) -> Path | None:
             pts = sorted((int(r["budget"]), float(r[m])) for r in allrows if r["family"] == f and r[m] not in (None, ""))
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("budget b")
-        ax.set_title(lab)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+        _style_budget_axis(ax, "budget b", lab)
+    return _save_figure(fig, path)
 
 
 def agreement_markdown(run_dir: Path) -> str:
