@@ -4,7 +4,9 @@
 time: each K/V page is loaded once for all G query heads of the KV head (the group is the M side of
 the tensor-core products, padded to 16), online softmax in float32, padding slots and ``SENTINEL``
 entries masked. With one split it writes the output; otherwise each split writes its normalised
-partial output and base-2 LSE and ``_combine_kernel`` merges them.
+partial output and base-2 LSE and ``_combine_kernel`` merges them. ``DENSE`` walks every page up to
+the cache's length instead of a list: dense decode for the static cache's ``"full"`` selector, so
+that its baseline reads K/V at flash-decoding speed, not through a capacity-wide SDPA mask.
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ def _sm_count(device: torch.device) -> int:
 @triton.jit
 def _sparse_attn_kernel(q_ptr, q_sb, q_sh, k_ptr, k_sb, k_sh, k_st, v_ptr, v_sb, v_sh, v_st,
                         sel_ptr, W, valid_ptr, valid_sb, row_start_ptr, len_ptr, H, scale,
-                        part_o_ptr, part_l_ptr, out_ptr, out_sb, out_sh, pages_per_split, n_split,
+                        part_o_ptr, part_l_ptr, out_ptr, out_sb, out_sh, pages_per_split, n_split, count_ptr,
                         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
-                        TP: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr):
+                        TP: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+                        DENSE: tl.constexpr, COUNT: tl.constexpr):
     row = tl.program_id(0)
     split = tl.program_id(1)
     bb = (row // H).to(tl.int64)  # 64-bit offsets: a batch of long caches passes 2**31 elements
@@ -53,11 +56,18 @@ def _sparse_attn_kernel(q_ptr, q_sb, q_sh, k_ptr, k_sb, k_sh, k_st, v_ptr, v_sb,
     acc = tl.zeros([GP, D], dtype=tl.float32)
     start = split * pages_per_split
     end = tl.minimum(start + pages_per_split, W)
+    if DENSE:  # every page of the row: page w is list entry w, and the loop stops at the written ones
+        end = tl.minimum(end, tl.cdiv(length - rs, B))
+    seen = tl.zeros([TP, B], dtype=tl.int32)
     for w0 in range(start, end, TP):
         w = w0 + tl.arange(0, TP)
-        pg = tl.load(sel_ptr + row * W + w, mask=w < end, other=-1)
+        if DENSE:
+            pg = tl.where(w < end, w, -1)
+        else:
+            pg = tl.load(sel_ptr + row * W + w, mask=w < end, other=-1)
         slot = rs + pg[:, None] * B + t[None, :]
         ok = (pg >= 0)[:, None] & slot_ok(vrow, slot, length)
+        seen += ok.to(tl.int32)
         slot = tl.reshape(slot, [TP * B])
         ok = tl.reshape(ok, [TP * B])
         k = tl.load(kb + slot[:, None] * k_st + c[None, :], mask=ok[:, None], other=0.0)
@@ -72,6 +82,8 @@ def _sparse_attn_kernel(q_ptr, q_sb, q_sh, k_ptr, k_sb, k_sh, k_st, v_ptr, v_sb,
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m = m_new
 
+    if COUNT:  # statistics: tokens attended (this split), real tokens cached (once per row)
+        tl.atomic_add(count_ptr, tl.sum(tl.sum(seen, axis=1), axis=0).to(tl.int64))
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
     gm = g[:, None] < G
     if SPLIT:
@@ -112,29 +124,37 @@ def _combine_kernel(part_o_ptr, part_l_ptr, out_ptr, out_sb, out_sh, H, n_split,
              mask=gm[:, None])
 
 
-def sparse_attention(query: torch.Tensor, key_buf: torch.Tensor, value_buf: torch.Tensor, pages: torch.Tensor, *,
-                     slot_valid: torch.Tensor, row_start: torch.Tensor, length: int | torch.Tensor, scale: float, page_size: int,
+def sparse_attention(query: torch.Tensor, key_buf: torch.Tensor, value_buf: torch.Tensor, pages: torch.Tensor | None,
+                     *, slot_valid: torch.Tensor, row_start: torch.Tensor, length: int | torch.Tensor, scale: float,
+                     page_size: int, n_pages: int | None = None, counts: torch.Tensor | None = None,
                      out: torch.Tensor | None = None, splits: int | None = None, tile_pages: int | None = None,
                      num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """Attention of one decode query over the listed pages of each (row, KV head).
 
     ``query [b, Hq, 1, d]``; ``key_buf``/``value_buf`` ``[b, h, cap, d]`` (the cache buffers);
     ``pages [b*h, W]`` int32 page numbers (``SENTINEL`` = none; page ``p`` of row ``i`` holds slots
-    ``row_start[i] + p*B ...``). Returns ``[b, 1, Hq, d]`` in the query dtype.
+    ``row_start[i] + p*B ...``). ``pages=None`` attends every written page of the first ``n_pages``
+    (dense flash-decoding over the cache's length, read on the device). ``counts`` (int64, optional):
+    ``counts[0]`` grows by the number of real tokens attended, summed over rows and KV heads.
+    Returns ``[b, 1, Hq, d]`` in the query dtype.
     """
     b, hq, d = query.shape[0], query.shape[1], query.shape[-1]
     q = query.reshape(b, hq, d)
     h = key_buf.shape[1]
     G = hq // h
-    rows, W = pages.shape
+    dense = pages is None
+    if dense and n_pages is None:
+        raise ValueError("sparse_attention: pages=None (dense) needs n_pages")
+    rows, W = (b * h, n_pages) if dense else pages.shape
     B = page_size
     TP = tile_pages or (4 if B <= 16 else max(1, 64 // B))
     if out is None:
         out = torch.empty((b, 1, hq, d), dtype=query.dtype, device=query.device)
     o3 = out.view(b, hq, d)
     if splits is None:
-        want = triton.cdiv(2 * _sm_count(query.device), rows)
-        splits = max(1, min(want, triton.cdiv(W, TP)))
+        # dense: enough programs to keep memory busy (~4 per SM), each at least 16 tiles long
+        want = triton.cdiv((4 if dense else 2) * _sm_count(query.device), rows)
+        splits = max(1, min(want, triton.cdiv(W, TP * (16 if dense else 1))))
     pps = triton.cdiv(triton.cdiv(W, splits), TP) * TP
     splits = triton.cdiv(W, pps)
     GP = max(16, next_pow2(G))
@@ -147,11 +167,11 @@ def sparse_attention(query: torch.Tensor, key_buf: torch.Tensor, value_buf: torc
     _sparse_attn_kernel[(rows, splits)](
         q, q.stride(0), q.stride(1), key_buf, key_buf.stride(0), key_buf.stride(1), key_buf.stride(2),
         value_buf, value_buf.stride(0), value_buf.stride(1), value_buf.stride(2),
-        pages, W, slot_valid.view(torch.uint8) if slot_valid.dtype == torch.bool else slot_valid,
+        row_start if dense else pages, W, slot_valid.view(torch.uint8) if slot_valid.dtype == torch.bool else slot_valid,
         slot_valid.stride(0), row_start, as_length(length, query.device), h, float(scale),
-        part_o, part_l, o3, o3.stride(0), o3.stride(1), pps, splits,
+        part_o, part_l, o3, o3.stride(0), o3.stride(1), pps, splits, row_start if counts is None else counts,
         G=G, GP=GP, D=d, B=B, TP=TP, SPLIT=splits > 1, DOT_PREC=dot_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages)
+        DENSE=dense, COUNT=counts is not None, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _combine_kernel[(rows,)](part_o, part_l, o3, o3.stride(0), o3.stride(1), h, splits, G=G, GG=next_pow2(G), D=d,
                                  num_warps=4)

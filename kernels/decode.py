@@ -22,27 +22,33 @@ _QUANTIZED = (2, 4, 8)
 
 #: Per-page summary tensors each method reads, in the order the custom ops (`ops`) take them.
 SUMMARY_NAMES = {"locks": ("basis", "basis_scale", "coef", "coef_scale", "mu", "mu_scale"),
-                 "quest": ("upper", "lower"), "oracle": ()}
+                 "quest": ("upper", "lower"), "oracle": (), "full": ()}
 
 
 def decode_step(method: str, query: torch.Tensor, *, key_buf: torch.Tensor, value_buf: torch.Tensor,
                 slot_valid: torch.Tensor, row_start: torch.Tensor, n_complete: torch.Tensor, length: int | torch.Tensor,
                 n_pages: int, slots: int, scale: float, page_size: int,
-                summary: dict[str, torch.Tensor] | None = None, basis_bits: int = 4
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                summary: dict[str, torch.Tensor] | None = None, basis_bits: int = 4,
+                counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One sparse decode step on explicit tensors: ``(output [b, 1, Hq, d], pages [b*h, W])``.
 
-    ``method`` is ``"locks"``, ``"quest"`` or ``"oracle"`` (see `score_pages` for the inputs).
+    ``method`` is ``"locks"``, ``"quest"`` or ``"oracle"`` (see `score_pages` for the inputs), or
+    ``"full"``: dense attention over every written page (no scoring, no selection; ``W = 0``).
+    ``counts`` (int64, optional): ``counts[0]`` grows by the real tokens attended.
     """
     length = as_length(length, query.device)  # one device tensor for the three kernels
     h = key_buf.shape[1]
+    if method == "full":
+        out = sparse_attention(query, key_buf, value_buf, None, n_pages=n_pages, slot_valid=slot_valid,
+                               row_start=row_start, length=length, scale=scale, page_size=page_size, counts=counts)
+        return out, row_start.new_empty((query.shape[0] * h, 0))
     scores, partials = score_pages(method, query, slot_valid=slot_valid, row_start=row_start,
                                    n_complete=n_complete, length=length, n_pages=n_pages, scale=scale,
                                    page_size=page_size, summary=summary, keys=key_buf, basis_bits=basis_bits)
     pages = select_pages(scores, partials, slots=slots, per_head=method == "quest", row_start=row_start,
                          length=length, heads=h, page_size=page_size)
     out = sparse_attention(query, key_buf, value_buf, pages, slot_valid=slot_valid, row_start=row_start,
-                           length=length, scale=scale, page_size=page_size)
+                           length=length, scale=scale, page_size=page_size, counts=counts)
     return out, pages
 
 
@@ -54,7 +60,7 @@ def _on_device(device: torch.device):
 def supports(layer, query: torch.Tensor | None = None) -> bool:
     """Whether the kernels implement this layer's settings (else the reference path runs)."""
     cfg = layer.config
-    if cfg.selector not in ("locks", "quest", "oracle"):
+    if cfg.selector not in ("locks", "quest", "oracle", "full"):
         return False
     if cfg.selector != "quest" and cfg.group_combine != "share_average":
         return False
@@ -83,24 +89,16 @@ def _sparse_decode(layer, query: torch.Tensor, scale: float) -> torch.Tensor:
     cfg = layer.config
     b = query.shape[0]
     h = layer._kbuf.shape[1]
-    B = cfg.page_size
     row_start, n_complete = layer.row_tensors()
-    length = layer.length_tensor()
-    P = layer.num_pages
     summary = [layer.summary[n] for n in SUMMARY_NAMES[cfg.selector]]
+    # the kernels count the tokens they attend into the layer's statistics (no bookkeeping ops here)
     out, pages = torch.ops.locks_hf.decode_step(cfg.selector, query, layer._kbuf, layer._vbuf, layer.slot_valid,
-                                                row_start, n_complete, length, summary, P, cfg.page_slots,
-                                                float(scale), B, cfg.basis_bits)
-    # bookkeeping, as the reference path: the page set and the attended / cached real tokens
-    ok = pages >= 0
-    idx = torch.where(ok, pages, P).long()
-    sel = torch.zeros((b * h, P + 1), dtype=torch.bool, device=query.device).scatter_(1, idx, True)
-    layer.note_selection(sel[:, :P].view(b, h, P))
-    rows = torch.arange(b, device=query.device).repeat_interleave(h)[:, None, None]
-    slots = row_start[rows] + idx[..., None] * B + torch.arange(B, device=query.device)
-    inside = ok[..., None] & (slots < length) & (slots < layer.capacity)
-    real = layer.slot_valid[rows, slots * inside] & inside
-    layer.record_step(real.sum(), layer.real_tokens() * h)
+                                                row_start, n_complete, layer.length_tensor(), summary,
+                                                layer.num_pages, cfg.page_slots, float(scale), cfg.page_size,
+                                                cfg.basis_bits, layer.count_buffer())
+    if pages.shape[1]:  # "full" selects no list: every page
+        layer.note_selection(pages.view(b, h, -1))
+    layer.record_step(None, layer.real_tokens() * h)
     return out
 
 

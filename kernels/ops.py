@@ -14,24 +14,25 @@ from .decode import SUMMARY_NAMES, decode_step
 from .select import page_list_width
 
 
-@torch.library.custom_op("locks_hf::decode_step", mutates_args=())
+@torch.library.custom_op("locks_hf::decode_step", mutates_args=("counts",))
 def decode_step_op(method: str, query: torch.Tensor, key_buf: torch.Tensor, value_buf: torch.Tensor,
                    slot_valid: torch.Tensor, row_start: torch.Tensor, n_complete: torch.Tensor,
                    length: torch.Tensor, summary: list[torch.Tensor], n_pages: int, slots: int, scale: float,
-                   page_size: int, basis_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`decode.decode_step` with the summary passed as the list ``SUMMARY_NAMES[method]``."""
+                   page_size: int, basis_bits: int, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`decode.decode_step` with the summary passed as the list ``SUMMARY_NAMES[method]``; ``counts[0]``
+    (int64) grows by the tokens attended."""
     named = dict(zip(SUMMARY_NAMES[method], summary))
     return decode_step(method, query, key_buf=key_buf, value_buf=value_buf, slot_valid=slot_valid,
                        row_start=row_start, n_complete=n_complete, length=length, n_pages=n_pages, slots=slots,
-                       scale=scale, page_size=page_size, summary=named, basis_bits=basis_bits)
+                       scale=scale, page_size=page_size, summary=named, basis_bits=basis_bits, counts=counts)
 
 
 @decode_step_op.register_fake
 def _(method, query, key_buf, value_buf, slot_valid, row_start, n_complete, length, summary, n_pages, slots,
-      scale, page_size, basis_bits):
+      scale, page_size, basis_bits, counts):
     b, hq, d = query.shape[0], query.shape[1], query.shape[-1]
     h = key_buf.shape[1]
-    width = page_list_width(method, slots, hq // h)
+    width = 0 if method == "full" else page_list_width(method, slots, hq // h)
     return query.new_empty((b, 1, hq, d)), query.new_empty((b * h, width), dtype=torch.int32)
 
 

@@ -32,13 +32,15 @@ _UNSUPPORTED_KWARGS = {
 }
 
 
-def _kernel_path(layer: PagedLayer, query: torch.Tensor):
+def kernel_path(layer: PagedLayer, query: torch.Tensor | None = None):
     """[locks_hf.kernels dispatch] The kernels module when this step can run there, else ``None``.
 
     CUDA tensors of a supported configuration go to the Triton kernels; CPU tensors, settings the
     kernels do not implement, a missing Triton, or ``LOCKS_HF_KERNELS=0`` keep the reference path.
+    ``query=None`` asks about the layer's settings and buffers alone.
     """
-    if not query.is_cuda or os.environ.get("LOCKS_HF_KERNELS", "1") == "0":
+    on_cuda = layer._kbuf is not None and layer._kbuf.is_cuda if query is None else query.is_cuda
+    if not on_cuda or os.environ.get("LOCKS_HF_KERNELS", "1") == "0":
         return None
     try:
         from . import kernels
@@ -52,7 +54,7 @@ def sparse_decode(layer: PagedLayer, query: torch.Tensor, scale: float) -> torch
 
     ``query [b, Hq, 1, d]`` -> output ``[b, 1, Hq, d]``.
     """
-    kernels = _kernel_path(layer, query)  # [locks_hf.kernels dispatch] CUDA -> Triton kernels
+    kernels = kernel_path(layer, query)  # [locks_hf.kernels dispatch] CUDA -> Triton kernels
     if kernels is not None:
         return kernels.sparse_decode(layer, query, scale)
     cfg, selector = layer.config, layer.selector
@@ -61,23 +63,28 @@ def sparse_decode(layer: PagedLayer, query: torch.Tensor, scale: float) -> torch
     G = hq // h
     q = query.reshape(b, h, G, d)
 
-    # 1. Score every page from its summary (the oracle reads the keys instead).
     valid = layer.page_validity()  # [b, 1, P, B]
     P = valid.shape[2]
-    keys = layer.all_page_keys() if selector.reads_keys else None
-    scores = selector.page_scores(layer.summary_view(), keys, valid, q, scale)
-    scores = torch.nn.functional.pad(scores, (0, P - scores.shape[-1]), value=float("-inf"))
+    if selector is None:  # "full" (a static cache's dense decode): every page with a real token
+        selected = valid[:, 0].any(-1)[:, None].expand(b, h, P)
+        width = P
+    else:
+        # 1. Score every page from its summary (the oracle reads the keys instead).
+        keys = layer.all_page_keys() if selector.reads_keys else None
+        scores = selector.page_scores(layer.summary_view(), keys, valid, q, scale)
+        scores = torch.nn.functional.pad(scores, (0, P - scores.shape[-1]), value=float("-inf"))
 
-    # 2. Select: sink + most recent + best k - 2 complete pages, one set per KV head.
-    selected = select_pages(scores, valid[:, 0].any(-1), layer.complete_pages(), cfg.page_slots,
-                            cfg.group_combine, selector.per_head)  # [b, h, P]
-    layer.note_selection(selected)
+        # 2. Select: sink + most recent + best k - 2 complete pages, one set per KV head.
+        selected = select_pages(scores, valid[:, 0].any(-1), layer.complete_pages(), cfg.page_slots,
+                                cfg.group_combine, selector.per_head)  # [b, h, P]
+        width = min(P, cfg.page_slots * (G if selector.per_head else 1))
 
     # 3. Attend the selected pages with the original K/V, softmax renormalised over them.
     acc = torch.promote_types(query.dtype, torch.float32)  # fp32 accumulation (fp64 stays fp64)
-    width = min(P, cfg.page_slots * (G if selector.per_head else 1))
     pages = torch.sort(selected.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :width]
     taken = selected.gather(-1, pages)  # [b, h, W]: False for padding of the fixed width
+    if selector is not None:
+        layer.note_selection(torch.where(taken, pages, -1))
     k_sel = layer.page_keys(pages).flatten(2, 3).to(acc)  # [b, h, W*B, d]
     v_sel = layer.page_keys(pages, values=True).flatten(2, 3).to(acc)
     tok_ok = (layer.page_validity_of(pages) & taken[..., None]).flatten(2)  # [b, h, W*B]

@@ -69,8 +69,34 @@ class PagedLayer:
     ``_kbuf``/``_vbuf``; methods ``prepare`` / ``attends_densely`` (called before attention),
     ``page_validity``, ``page_validity_of``, ``page_keys``, ``all_page_keys``, ``complete_pages``,
     ``summary_view``, ``row_tensors``, ``length_tensor``, ``num_pages``, ``real_tokens``,
-    ``record_step``, ``note_selection``.
+    ``count_buffer``, ``note_selection``. The statistics (``record_step``, ``attended``,
+    ``context``) are kept here, in the layer's ``count_buffer``.
     """
+
+    def record_step(self, attended: torch.Tensor | None, context: torch.Tensor) -> None:
+        """Add one decode step: tokens attended and real tokens cached, summed over rows and heads
+        (``attended=None``: the kernels already added it)."""
+        counts = self.count_buffer()
+        if attended is not None:
+            counts[0] += attended
+        counts[1] += context
+
+    @property
+    def attended(self) -> torch.Tensor | None:
+        """Tokens attended over the decode steps since the last ``reset_stats`` (int64 scalar)."""
+        return None if self.counts is None else self.counts[0]
+
+    @property
+    def context(self) -> torch.Tensor | None:
+        """Real tokens cached, summed over the same decode steps (int64 scalar)."""
+        return None if self.counts is None else self.counts[1]
+
+
+def pages_to_mask(pages: torch.Tensor, n_pages: int) -> torch.Tensor:
+    """Page lists ``[..., W]`` (``< 0`` = none) as a mask ``[..., n_pages]``."""
+    index = torch.where(pages >= 0, pages, n_pages).long()
+    mask = torch.zeros((*pages.shape[:-1], n_pages + 1), dtype=torch.bool, device=pages.device)
+    return mask.scatter_(-1, index, True)[..., :n_pages]
 
 
 class LocksLayer(DynamicLayer, PagedLayer):
@@ -100,18 +126,27 @@ class LocksLayer(DynamicLayer, PagedLayer):
         self.n_summarized: list[int] = []
         self.summary: dict[str, torch.Tensor] = {}
         self.shared: dict[str, torch.Tensor] = {}  # sequence-level selector state [b, h, ...]
-        self.last_selection: torch.Tensor | None = None  # [b, h, P] pages attended at the last step
+        self._last_pages: tuple[torch.Tensor, int] | None = None  # page lists of the last step, P
         self.reset_stats()
 
     def reset_stats(self) -> None:
-        self.attended = self.context = None  # running token counts over decode steps (tensors)
+        self.counts = None  # int64 [2]: tokens attended, real tokens cached, summed over decode steps
 
-    def record_step(self, attended: torch.Tensor, context: torch.Tensor) -> None:
-        """Add one decode step: tokens attended and real tokens cached, summed over rows and heads."""
-        if self.attended is None:
-            self.attended, self.context = attended.float(), context.float()
-        else:
-            self.attended, self.context = self.attended + attended, self.context + context
+    def count_buffer(self) -> torch.Tensor:
+        """The running ``(attended, cached)`` token counts, ``int64 [2]`` on the layer's device (the
+        kernels add to it in place)."""
+        if self.counts is None:
+            self.counts = torch.zeros(2, dtype=torch.int64, device=self.device)
+        return self.counts
+
+    def note_selection(self, pages: torch.Tensor) -> None:
+        """Remember the pages a decode step attended: ``[b, h, W]`` page numbers, ``< 0`` = none."""
+        self._last_pages = (pages, self.num_pages)
+
+    @property
+    def last_selection(self) -> torch.Tensor | None:
+        """``[b, h, P]`` bool: the pages the last decode step attended (``None`` before one)."""
+        return None if self._last_pages is None else pages_to_mask(*self._last_pages)
 
     # -- storage ---------------------------------------------------------------------------------
     @property
@@ -204,9 +239,6 @@ class LocksLayer(DynamicLayer, PagedLayer):
     def real_tokens(self) -> torch.Tensor:
         """Real (non-padding) tokens cached in all rows, a scalar tensor."""
         return self.slot_valid[:, : self.length].sum()
-
-    def note_selection(self, selected: torch.Tensor) -> None:
-        self.last_selection = selected
 
     # -- the attention function's hooks ------------------------------------------------------------
     def prepare(self, attention_mask: torch.Tensor | None, query_len: int) -> None:
@@ -321,7 +353,7 @@ class LocksLayer(DynamicLayer, PagedLayer):
         self.shared = {n: fn(t) for n, t in self.shared.items()}
         self.row_start = [self.row_start[r] for r in rows]
         self.n_summarized = [self.n_summarized[r] for r in rows]
-        self.last_selection = None
+        self._last_pages = None
         self._refresh_views()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -400,10 +432,10 @@ class LocksCacheMixin:
 
     def attended_fraction(self) -> float:
         """Share of cached real tokens that decode steps attended, over all Locks layers (1.0 = dense)."""
-        steps = [(l.attended, l.context) for l in self.locks_layers if l.attended is not None]
-        # float() per layer: with a model split over GPUs (device_map) the counters live on several devices
-        context = sum(float(c) for _, c in steps)
-        return sum(float(a) for a, _ in steps) / context if context else float("nan")
+        counts = [l.counts.tolist() for l in self.locks_layers if l.counts is not None]
+        # per layer: with a model split over GPUs (device_map) the counters live on several devices
+        context = sum(c for _, c in counts)
+        return sum(a for a, _ in counts) / context if context else float("nan")
 
 
 class LocksCache(LocksCacheMixin, DynamicCache):

@@ -23,7 +23,7 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, StaticLayer, get_layer_types_and_kwargs
 from transformers.utils import is_torchdynamo_compiling
 
-from .cache import LocksCacheMixin, PagedLayer, compute_summary, slot_validity
+from .cache import LocksCacheMixin, PagedLayer, compute_summary, pages_to_mask, slot_validity
 from .config import LocksConfig, LocksConfigError
 from .models_support import check_model_supported
 from .selectors import make_selector
@@ -40,7 +40,7 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         super().__init__(max_cache_len=-(-max_cache_len // B) * B)
         self.config = config
         self.selector = make_selector(config)
-        self.attended = self.context = self.last_selection = None  # tensors from lazy_initialization on
+        self.counts = self.last_selection = None  # tensors from lazy_initialization on
 
     # -- storage ---------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -51,8 +51,7 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         self.slot_valid = torch.ones((b, self.max_cache_len), dtype=torch.bool, device=dev)
         self.row_start = torch.zeros(b, dtype=torch.int32, device=dev)
         self.length_t = torch.zeros(1, dtype=torch.int32, device=dev)  # int32 copy of cumulative_length
-        self.attended = torch.zeros((), dtype=torch.float32, device=dev)
-        self.context = torch.zeros((), dtype=torch.float32, device=dev)
+        self.counts = torch.zeros(2, dtype=torch.int64, device=dev)  # tokens attended, cached (see record_step)
         self.last_selection = torch.zeros((b, h, P), dtype=torch.bool, device=dev)
         self.summary = {}
         if self.selector is not None:
@@ -61,8 +60,8 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
                                     torch.ones((b, h, 1, self.config.page_size), dtype=torch.bool, device=dev))
             self.summary = {n: t.new_zeros((b, h, P, *t.shape[3:])) for n, t in probe.items()}
         if not is_torchdynamo_compiling():
-            for t in (self.slot_valid, self.row_start, self.length_t, self.attended, self.context,
-                      self.last_selection, *self.summary.values()):
+            for t in (self.slot_valid, self.row_start, self.length_t, self.counts, self.last_selection,
+                      *self.summary.values()):
                 torch._dynamo.mark_static_address(t)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -159,9 +158,13 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
             self._summarize_newest_page()
 
     def attends_densely(self, query_len: int) -> bool:
-        """Dense SDPA for multi-token forwards and the ``"full"`` selector; sparse otherwise (a
-        static graph cannot switch on the length, so there is no dense short-context mode)."""
-        return query_len > 1 or self.selector is None
+        """Dense SDPA for multi-token forwards. Decode steps take the page path (a static graph cannot
+        switch on the length); with the ``"full"`` selector on the kernels that attends every page:
+        dense flash-decoding over the written length, where SDPA would read the whole capacity through
+        a mask. Without the kernels ``"full"`` decodes with SDPA (cheaper than gathering every page)."""
+        from .attention import kernel_path  # the attention module imports the caches
+
+        return query_len > 1 or (self.selector is None and kernel_path(self) is None)
 
     def _prefill(self, attention_mask: torch.Tensor | None, query_len: int) -> None:
         # Eager (transformers never compiles prefill): host values are fine here.
@@ -196,17 +199,16 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
             self.summary[name].scatter_(2, index, tensor)
 
     # -- bookkeeping ---------------------------------------------------------------------------------
-    def record_step(self, attended: torch.Tensor, context: torch.Tensor) -> None:
-        self.attended.add_(attended.float())
-        self.context.add_(context.float())
+    def count_buffer(self) -> torch.Tensor:
+        return self.counts
 
-    def note_selection(self, selected: torch.Tensor) -> None:
-        self.last_selection.copy_(selected)
+    def note_selection(self, pages: torch.Tensor) -> None:
+        """Remember the pages a decode step attended (``[b, h, W]``, ``< 0`` = none) as a page mask."""
+        self.last_selection.copy_(pages_to_mask(pages, self.num_pages))
 
     def reset_stats(self) -> None:
         if self.is_initialized:
-            self.attended.zero_()
-            self.context.zero_()
+            self.counts.zero_()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: reorder every row-indexed buffer in place (their addresses stay static)."""

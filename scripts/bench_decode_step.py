@@ -9,8 +9,10 @@ one-token forwards for each arm: dense (``full``) and Locks / Quest at budget b.
 ``--graphs`` picks how the step runs:
 
 * ``none``    eager, `LocksCache` for every arm (dense = ``selector="full"``: SDPA over the cache);
-* ``cuda``    static caches (dense: transformers' `StaticCache`; Locks / Quest: `LocksStaticCache`),
-              the whole step captured once in a CUDA graph and replayed (gpt-fast style);
+* ``cuda``    static caches (`LocksStaticCache`; dense = ``selector="full"``: flash-decoding over the
+              written length on our attention kernel; ``hf-static`` = transformers' `StaticCache`, whose
+              SDPA reads the whole capacity through a mask), the whole step captured once in a CUDA graph
+              and replayed (gpt-fast style);
 * ``compile`` static caches, ``torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)``
               (what `generate()` does with a static cache: inductor + CUDA graphs).
 
@@ -63,16 +65,19 @@ def synthetic_prefill(cache, config, n_tokens: int, device, dtype, page_size: in
         del keys, values
 
 
+HF_STATIC = "hf-static"  # transformers' own StaticCache (dense, masked SDPA over the capacity)
+
+
 def make_arm(name: str, budget: int) -> LocksConfig:
-    if name in ("full", "quest", "oracle"):
-        return LocksConfig(selector=name, budget=budget)
+    if name in ("full", "quest", "oracle", HF_STATIC):
+        return LocksConfig(selector="full" if name == HF_STATIC else name, budget=budget)
     return LocksConfig.from_label(name, budget=budget)
 
 
-def make_cache(graphs: str, config, locks: LocksConfig, capacity: int):
+def make_cache(graphs: str, config, name: str, locks: LocksConfig, capacity: int):
     if graphs == "none":
         return LocksCache(config, locks)
-    if locks.selector == "full":
+    if name == HF_STATIC:
         return StaticCache(config, max_cache_len=capacity)
     return LocksStaticCache(config, max_cache_len=capacity, locks=locks)
 
@@ -142,16 +147,42 @@ def time_steps(stepper: Stepper, steps: int) -> list[float]:
     return times
 
 
+def profile_step(stepper: Stepper, steps: int, top: int = 12) -> dict:
+    """Kernels of ``steps`` eager one-token forwards (torch.profiler): count per step and the top ones
+    by device time, so a step's time can be attributed (graph replays hide their kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            stepper.fn()
+            if stepper.graphs != "none":
+                rewind(stepper.cache)  # a static cache stays within its capacity
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    events.sort(key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in events) / steps / 1e3
+    kernels = sum(e.count for e in events) / steps
+    rows = [{"name": e.key[:90], "ms_per_step": e.device_time_total / steps / 1e3, "per_step": e.count / steps}
+            for e in events[:top]]
+    print(f"  profile: {kernels:.0f} kernels/step, {total:.2f} ms device time/step")
+    for r in rows:
+        print(f"    {r['ms_per_step']:8.3f} ms  x{r['per_step']:5.0f}  {r['name']}")
+    return {"kernels_per_step": kernels, "device_ms_per_step": total, "top": rows}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="llama3.1-8b", choices=list(SHAPES))
     ap.add_argument("--contexts", default="128K,512K")
     ap.add_argument("--budget", type=int, default=2048)
-    ap.add_argument("--arms", default="full,r4i4,r8i4,quest")
+    ap.add_argument("--arms", default="full,r4i4,r8i4,quest",
+                    help=f"comma list: full (dense), {HF_STATIC} (transformers' StaticCache; with graphs), quest, "
+                         "oracle, Locks labels (r4i4, ...)")
     ap.add_argument("--graphs", default="none", choices=["none", "cuda", "compile"])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", default="decode_step.json")
+    ap.add_argument("--profile", type=int, default=0, help="also profile this many eager steps per arm")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (use --shape tiny)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -172,14 +203,14 @@ def main(argv=None) -> None:
             for name, locks in arms.items():
                 if args.graphs == "none":  # one dynamic cache, re-configured per arm
                     if shared is None:
-                        shared = make_cache("none", config, arms["full"], capacity)
+                        shared = make_cache("none", config, "full", make_arm("full", args.budget), capacity)
                         synthetic_prefill(shared, config, ctx, device, dtype)
                     cache = shared
                     for layer in cache.locks_layers:
                         layer.set_config(locks)
                         layer.summarize_completed()  # rebuilt only when the summary layout changed
                 else:  # static caches are built per arm (their layout is fixed at creation)
-                    cache = make_cache(args.graphs, config, locks, capacity)
+                    cache = make_cache(args.graphs, config, name, locks, capacity)
                     synthetic_prefill(cache, config, ctx, device, dtype)
                 torch._dynamo.reset()
                 stepper = Stepper(model, cache, args.graphs)
@@ -193,9 +224,11 @@ def main(argv=None) -> None:
                 rows.append({"context": ctx, "arm": name, "median_ms": med, "tokens_per_s": 1e3 / med,
                              "attended": attended, "replay_vs_eager_max_abs": diff, "all_ms": times})
                 print(rows[-1]["context"], name, f"{med:.2f} ms", f"replay diff {diff}", flush=True)
+                if args.profile and device.type == "cuda":
+                    rows[-1]["profile"] = profile_step(stepper, args.profile)
                 if args.graphs == "none":
                     cache.reset_stats()
-                    cache.crop(-(args.steps + args.warmup))  # back to the prefilled length for the next arm
+                    cache.crop(-(args.steps + args.warmup + args.profile))  # back to the prefilled length for the next arm
                 del stepper, cache
                 gc.collect()  # the stepper's closures form a cycle: free the cache before the next arm's
                 if device.type == "cuda":
@@ -206,14 +239,16 @@ def main(argv=None) -> None:
     mode = {"none": "eager", "cuda": "CUDA graph", "compile": "torch.compile reduce-overhead"}[args.graphs]
     print(f"\nComplete decode step, {args.shape} random weights, {dtype}, batch 1, b={args.budget}, {mode}, "
           f"median of {args.steps} steps ({where})\n")
-    print("| context | arm | ms/step | tokens/s | vs dense | tokens attended | replay vs eager |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"| context | arm | ms/step | tokens/s | vs dense (full) | vs {HF_STATIC} | tokens attended | replay vs eager |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        dense = next((x["median_ms"] for x in rows if x["context"] == r["context"] and x["arm"] == "full"), None)
-        ratio = f"{dense / r['median_ms']:.2f}x" if dense else "-"
+        ratios = []
+        for base in ("full", HF_STATIC):
+            ms = next((x["median_ms"] for x in rows if x["context"] == r["context"] and x["arm"] == base), None)
+            ratios.append(f"{ms / r['median_ms']:.2f}x" if ms else "-")
         diff = "-" if r["replay_vs_eager_max_abs"] is None else f"{r['replay_vs_eager_max_abs']:.2g}"
         print(f"| {r['context'] // 1024}K | {r['arm']} | {r['median_ms']:.2f} | {r['tokens_per_s']:.1f} | "
-              f"{ratio} | {r['attended']:.4f} | {diff} |")
+              f"{ratios[0]} | {ratios[1]} | {r['attended']:.4f} | {diff} |")
     with open(args.out, "w") as f:
         json.dump({"shape": args.shape, "budget": args.budget, "graphs": args.graphs, "rows": rows}, f, indent=1)
 

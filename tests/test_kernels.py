@@ -221,11 +221,38 @@ def test_sparse_attention_matches_reference(splits, G):
     c = Cache(splits or 0, G=G, d=32)
     pages = torch.tensor([[0, 7, 3, 5, -1, 9], [0, -1, 2, 4, 6, 8], [0, 10, 1, -1, -1, -1], [0, 10, 9, 8, 7, -1]],
                          dtype=torch.int32)
+    counts = torch.full((2,), 7, dtype=torch.int64, device=DEV)
     out = kernels.sparse_attention(c.dev("query"), c.dev("keys"), c.dev("values"), pages.to(DEV), scale=0.3,
                                    splits=splits, slot_valid=c.dev("slot_valid"), row_start=c.dev("row_start"),
-                                   length=c.length, page_size=B)
+                                   length=c.length, page_size=B, counts=counts)
     ref = _ref_attention(c, pages, 0.3)
     assert ((out.cpu().double() - ref).norm() / ref.norm()).item() < 1e-5
+    # counts[0] grew by the real tokens of the listed pages (padding, holes, unwritten slots excluded)
+    real = sum(int(c.valid[r // c.h, [p for p in row if p >= 0]].sum()) for r, row in enumerate(pages.tolist()))
+    assert counts.tolist() == [7 + real, 7]
+
+
+@pytest.mark.parametrize("splits", [None, 1, 4])
+@pytest.mark.parametrize("G", [4, 3])
+def test_dense_attention_matches_reference(splits, G):
+    """``pages=None``: every written page (rows paged from their first real slot; padding, a hole and
+    the unwritten tail of the last page masked), with pages past the length in ``n_pages`` skipped."""
+    c = Cache(20 + (splits or 0), G=G, d=32)
+    counts = torch.zeros(2, dtype=torch.int64, device=DEV)
+    unwritten = c.dev("keys").clone()
+    unwritten[:, :, c.length:] = float("nan")  # neither K nor V past the length may be read
+    values = c.dev("values").clone()
+    values[:, :, c.length:] = float("nan")
+    out = kernels.sparse_attention(c.dev("query"), unwritten, values, None, n_pages=c.cap // B, scale=0.3,
+                                   splits=splits, slot_valid=c.dev("slot_valid"), row_start=c.dev("row_start"),
+                                   length=c.length, page_size=B, counts=counts)
+    every = torch.arange(c.P, dtype=torch.int32).expand(c.b * c.h, -1)
+    ref = _ref_attention(c, every, 0.3)
+    assert ((out.cpu().double() - ref).norm() / ref.norm()).item() < 1e-5
+    assert counts.tolist() == [int(c.valid.sum()) * c.h, 0]
+    with pytest.raises(ValueError, match="n_pages"):
+        kernels.sparse_attention(c.dev("query"), unwritten, values, None, scale=0.3, slot_valid=c.dev("slot_valid"),
+                                 row_start=c.dev("row_start"), length=c.length, page_size=B)
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
@@ -266,17 +293,19 @@ def test_decode_step_matches_reference_pipeline():
     assert ((out.cpu().double() - ref).norm() / ref.norm()).item() < 1e-5
 
 
-@pytest.mark.parametrize("static", [False, True])
-def test_layer_glue_matches_reference_path(monkeypatch, static):
+@pytest.mark.parametrize("static,selector", [(False, "locks"), (True, "locks"), (False, "quest"), (True, "quest"),
+                                             (True, "full")])
+def test_layer_glue_matches_reference_path(monkeypatch, static, selector):
     """`kernels.sparse_decode` on a `LocksLayer` / `LocksStaticLayer` (run directly, on this device) =
-    the reference path on the same layer."""
+    the reference path on the same layer: output, page set, token statistics. (``"full"`` decodes on
+    the page path only in the static cache: a dynamic cache hands it to SDPA.)"""
     monkeypatch.setenv("LOCKS_HF_KERNELS", "0")  # the reference calls below must not dispatch
     from locks_hf.attention import sparse_decode as reference_decode
     from locks_hf.cache import LocksLayer
     from locks_hf.static_cache import LocksStaticLayer
 
     c = Cache(5, b=2, pages=20, pad=(0, 0), hole=False)
-    cfg = LocksConfig(rank=4, basis_bits=4, budget=5 * B)
+    cfg = LocksConfig(rank=4, basis_bits=4, budget=5 * B, selector=selector)
     layer = LocksStaticLayer(c.length + 3 * B, cfg) if static else LocksLayer(cfg)
     layer.update(c.dev("keys")[:, :, : c.length], c.dev("values")[:, :, : c.length])
     # Slots past the length are unwritten memory: poison them, neither path may read them.
@@ -285,11 +314,12 @@ def test_layer_glue_matches_reference_path(monkeypatch, static):
     layer.prepare(None, c.length)  # what the attention function does after a prefill
     q = c.dev("query")
     ref = reference_decode(layer, q, 0.3)
-    ref_sel, ref_stats = layer.last_selection.clone(), (layer.attended.clone(), layer.context.clone())
+    ref_sel, ref_stats = layer.last_selection.clone(), layer.counts.clone()
+    assert 0 < ref_stats[0] <= ref_stats[1] and (selector != "full") == bool(ref_sel.any())
     layer.reset_stats()
     got = kernels.sparse_decode(layer, q, 0.3)
     assert torch.equal(layer.last_selection.cpu(), ref_sel.cpu())
-    assert torch.equal(layer.attended, ref_stats[0]) and torch.equal(layer.context, ref_stats[1])
+    assert torch.equal(layer.counts, ref_stats)
     assert ((got.double() - ref.double()).norm() / ref.double().norm()).item() < 1e-5
 
 

@@ -125,10 +125,11 @@ def test_static_cache_cannot_be_cropped():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the compiled kernels need a GPU")
-@pytest.mark.parametrize("selector", ["locks", "quest", "oracle"])
+@pytest.mark.parametrize("selector", ["locks", "quest", "oracle", "full"])
 def test_generate_auto_compiles_the_kernel_decode_step_on_cuda(selector):
     """On a GPU, generate() with a LocksStaticCache compiles the decode step (inductor + CUDA graphs,
-    the kernels as custom ops): same tokens as the eager static cache and as the dynamic LocksCache."""
+    the kernels as custom ops): same tokens as the eager static cache and as the dynamic LocksCache
+    (for ``"full"``: dense decode on our attention kernel = the dynamic cache's SDPA)."""
     import torch._dynamo
 
     from locks_hf.models import tiny_model
