@@ -4,6 +4,7 @@
 * `select_pages` top-(k-2) pages + sink + recent, fixed width, no host sync;
 * `sparse_attention` split-K flash-decoding over the selected pages;
 * `build_summary` batched GPU summary build (Gram matrix eigendecomposition + one quantize pass);
+* `update_completed_pages` a decode step's in-place summary of each row's just-completed page (one launch);
 * `decode_step` the three chained; `sparse_decode` / `summarize` the cache-layer glue, which calls
   the kernels as custom ops (`ops`: ``torch.ops.locks_hf.decode_step`` / ``build_summary``).
 
@@ -23,10 +24,12 @@ if HAVE_TRITON:
     from ._common import SENTINEL
     from .attend import sparse_attention
     from .build import build_summary, fit_pages_eigh, quantize_summary
-    from .decode import decode_step, sparse_decode, summarize, supports
+    from .decode import decode_step, sparse_decode, summarize, supports, update_newest_page
+    from .page_update import update_completed_pages
     from . import ops  # noqa: F401  (registers the torch.ops.locks_hf custom ops)
     from .score import score_pages
     from .select import select_pages
 
 __all__ = ["HAVE_TRITON", "SENTINEL", "build_summary", "decode_step", "fit_pages_eigh", "quantize_summary",
-           "score_pages", "select_pages", "sparse_attention", "sparse_decode", "summarize", "supports"]
+           "score_pages", "select_pages", "sparse_attention", "sparse_decode", "summarize", "supports",
+           "update_completed_pages", "update_newest_page"]

@@ -7,7 +7,8 @@ builds all Gram matrices, ``eigh.sym_eigh`` diagonalises them in one launch (par
 Jacobi in Triton: no host synchronisation, so the per-step build can be captured in a CUDA graph, and
 any batch size in one call), and ``_quantize_kernel`` writes the quantized layout of
 ``locks_hf.summaries`` (int4/int2/int8 basis packed with one bf16 scale per basis row, int8
-coefficients with one bf16 scale per token row, int8 centroid with one bf16 scale) in one pass.
+coefficients with one bf16 scale per token row, int8 centroid with one bf16 scale) in one pass
+(`store_summary`, which the fused page update of `page_update` shares).
 
 Directions with ``sigma <= 1e-3 * sigma_max`` (rank-deficient pages, e.g. a page of few real
 tokens) get a zero basis row and zero coefficients: they carry no score.
@@ -80,54 +81,68 @@ def _scale_of(amax, QMAX: tl.constexpr):
 
 
 @triton.jit
+def quantize_rows(x, QMAX: tl.constexpr):
+    """Symmetric codes of ``x`` along its last axis (float32 in ``[-QMAX, QMAX]``, rounded half to even)
+    and the per-row scales (bf16 values as float32), as ``locks_hf.quant.quantize``."""
+    sc = _scale_of(tl.max(tl.abs(x), axis=-1), QMAX)
+    q = tl.clamp(_rint(x / tl.expand_dims(sc, -1)), -QMAX * 1.0, QMAX * 1.0)
+    return q, sc
+
+
+@triton.jit
+def store_summary(pg, pm, mu, basis, coef, o_basis, o_bscale, o_coef, o_cscale, o_mu, o_mscale,
+                  R: tl.constexpr, BITS: tl.constexpr):
+    """Quantize float32 page parts and store them at pages ``pg [N]`` (mask ``pm``) of the contiguous
+    layout of `summary_shapes`: ``mu [N, D]``, ``basis [N, RP, D]`` (rows ``>= R`` not stored),
+    ``coef [N, B, RP]`` (columns ``>= R`` not stored)."""
+    D: tl.constexpr = mu.shape[1]
+    RP: tl.constexpr = basis.shape[1]
+    B: tl.constexpr = coef.shape[1]
+    PER: tl.constexpr = 8 // BITS
+    DP: tl.constexpr = D // PER
+    r = tl.arange(0, RP)
+    c = tl.arange(0, D)
+    t = tl.arange(0, B)
+    j = tl.arange(0, DP)
+    rm = pm[:, None] & (r < R)[None, :]
+
+    # centroid: int8, one scale per page
+    mq, ms = quantize_rows(mu, 127)
+    tl.store(o_mu + pg[:, None] * D + c[None, :], mq.to(tl.int8), mask=pm[:, None])
+    tl.store(o_mscale + pg, ms.to(tl.bfloat16), mask=pm)
+
+    # coefficients: int8, one scale per token row
+    cq, cs = quantize_rows(coef, 127)
+    tl.store(o_coef + pg[:, None, None] * (B * R) + t[None, :, None] * R + r[None, None, :], cq.to(tl.int8),
+             mask=rm[:, None, :])
+    tl.store(o_cscale + pg[:, None] * B + t[None, :], cs.to(tl.bfloat16), mask=pm[:, None])
+
+    # basis rows: BITS-bit codes packed PER to a byte (element 0 in the low bits), one scale per row
+    bq, bs = quantize_rows(basis, (1 << (BITS - 1)) - 1)
+    fields = (tl.reshape(bq.to(tl.int32), [bq.shape[0], RP, DP, PER]) & ((1 << BITS) - 1)) << (tl.arange(0, PER) * BITS)
+    packed = tl.sum(fields, axis=3)  # disjoint bit fields: the sum is their OR
+    tl.store(o_basis + pg[:, None, None] * (R * DP) + r[None, :, None] * DP + j[None, None, :],
+             packed.to(tl.int8 if BITS == 8 else tl.uint8), mask=rm[:, :, None])
+    tl.store(o_bscale + pg[:, None] * R + r[None, :], bs.to(tl.bfloat16), mask=rm)
+
+
+@triton.jit
 def _quantize_kernel(mu_ptr, basis_ptr, coef_ptr, o_basis, o_bscale, o_coef, o_cscale, o_mu, o_mscale,
                      n_pages, D: tl.constexpr, B: tl.constexpr, R: tl.constexpr, RP: tl.constexpr,
                      BITS: tl.constexpr, BPG: tl.constexpr):
     """Quantize ``BPG`` pages per program: rows of ``basis [n, R, D]``, ``coef [n, B, R]``, ``mu [n, D]``."""
-    PER: tl.constexpr = 8 // BITS
-    DP: tl.constexpr = D // PER
-    QB: tl.constexpr = (1 << (BITS - 1)) - 1
     pg = tl.program_id(0) * BPG + tl.arange(0, BPG)
     pm = pg < n_pages
     r = tl.arange(0, RP)
-    rm = r < R
+    rm = pm[:, None] & (r < R)[None, :]
     c = tl.arange(0, D)
     t = tl.arange(0, B)
-
-    # centroid: int8, one scale per page
     mu = tl.load(mu_ptr + pg[:, None] * D + c[None, :], mask=pm[:, None], other=0.0)
-    ms = _scale_of(tl.max(tl.abs(mu), axis=1), 127)
-    mq = _rint(mu / ms[:, None])
-    tl.store(o_mu + pg[:, None] * D + c[None, :], tl.clamp(mq, -127.0, 127.0).to(tl.int8), mask=pm[:, None])
-    tl.store(o_mscale + pg, ms.to(tl.bfloat16), mask=pm)
-
-    # coefficients: int8, one scale per token row
-    cf = tl.load(coef_ptr + pg[:, None, None] * (B * R) + t[None, :, None] * R + r[None, None, :],
-                 mask=pm[:, None, None] & rm[None, None, :], other=0.0)  # [BPG, B, RP]
-    cs = _scale_of(tl.max(tl.abs(cf), axis=2), 127)
-    cq = tl.clamp(_rint(cf / cs[:, :, None]), -127.0, 127.0).to(tl.int8)
-    tl.store(o_coef + pg[:, None, None] * (B * R) + t[None, :, None] * R + r[None, None, :], cq,
-             mask=pm[:, None, None] & rm[None, None, :])
-    tl.store(o_cscale + pg[:, None] * B + t[None, :], cs.to(tl.bfloat16), mask=pm[:, None])
-
-    # basis rows: BITS-bit codes packed PER to a byte (element 0 in the low bits), one scale per row
-    j = tl.arange(0, DP)
-    bm = pm[:, None] & rm[None, :]
-    amax = tl.zeros([BPG, RP], dtype=tl.float32)
-    for s in tl.static_range(PER):
-        x = tl.load(basis_ptr + pg[:, None, None] * (R * D) + r[None, :, None] * D + (j * PER + s)[None, None, :],
-                    mask=bm[:, :, None], other=0.0)
-        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=2))
-    bs = _scale_of(amax, QB)
-    packed = tl.zeros([BPG, RP, DP], dtype=tl.int32)
-    for s in tl.static_range(PER):
-        x = tl.load(basis_ptr + pg[:, None, None] * (R * D) + r[None, :, None] * D + (j * PER + s)[None, None, :],
-                    mask=bm[:, :, None], other=0.0)
-        code = tl.clamp(_rint(x / bs[:, :, None]), -QB * 1.0, QB * 1.0).to(tl.int32)
-        packed = packed | ((code & ((1 << BITS) - 1)) << (BITS * s))
-    tl.store(o_basis + pg[:, None, None] * (R * DP) + r[None, :, None] * DP + j[None, None, :],
-             packed.to(tl.int8 if BITS == 8 else tl.uint8), mask=bm[:, :, None])
-    tl.store(o_bscale + pg[:, None] * R + r[None, :], bs.to(tl.bfloat16), mask=bm)
+    coef = tl.load(coef_ptr + pg[:, None, None] * (B * R) + t[None, :, None] * R + r[None, None, :],
+                   mask=rm[:, None, :], other=0.0)
+    basis = tl.load(basis_ptr + pg[:, None, None] * (R * D) + r[None, :, None] * D + c[None, None, :],
+                    mask=rm[:, :, None], other=0.0)
+    store_summary(pg, pm, mu, basis, coef, o_basis, o_bscale, o_coef, o_cscale, o_mu, o_mscale, R, BITS)
 
 
 def summary_shapes(lead: tuple, page_size: int, d: int, rank: int, basis_bits: int

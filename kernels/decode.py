@@ -102,6 +102,15 @@ def _sparse_decode(layer, query: torch.Tensor, scale: float) -> torch.Tensor:
     return out
 
 
+def update_newest_page(layer) -> None:
+    """Kernel twin of `LocksStaticLayer`'s per-step page summary: one launch that writes the page the
+    newest token completed, in place, and does nothing on the other ``B - 1`` steps of a page."""
+    cfg = layer.config
+    summary = [layer.summary[n] for n in SUMMARY_NAMES[cfg.selector]]
+    torch.ops.locks_hf.update_completed_pages(cfg.selector, layer._kbuf, layer.slot_valid, layer.row_tensors()[0],
+                                              layer.length_tensor(), summary, cfg.page_size, cfg.rank, cfg.basis_bits)
+
+
 def summarize(layer, keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor] | None:
     """GPU summary build for `LocksLayer.summarize_completed`; ``None`` when the reference must run."""
     cfg = layer.config

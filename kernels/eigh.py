@@ -19,7 +19,9 @@ launch graph-capturable; 8 sweeps reach float32 round-off for n <= 16 (random Gr
 rank-deficient ones, clustered and repeated eigenvalues, indefinite matrices), 10 for n = 32.
 Non-finite input gives unspecified output.
 
-One program (one warp; two for n = 32) holds one matrix in registers.
+One program (one warp; two for n = 32) holds one matrix in registers. The solver itself is the jit
+function `jacobi_eigh` (with `ascending_rank` for the order), which the fused page update
+(`page_update`) calls on a Gram matrix it holds in registers.
 """
 
 from __future__ import annotations
@@ -44,17 +46,13 @@ def _partner(i, s, N: tl.constexpr):
 
 
 @triton.jit
-def _eigh_kernel(a_ptr, w_ptr, v_ptr, N: tl.constexpr, SWEEPS: tl.constexpr):
-    """Eigenpairs of matrix ``program_id`` of ``a [M, N, N]`` into ``w [M, N]`` and ``v [M, N, N]``."""
-    base = tl.program_id(0).to(tl.int64) * (N * N)
+def jacobi_eigh(a, N: tl.constexpr, SWEEPS: tl.constexpr):
+    """Eigenvalues ``w [N]`` and eigenvectors ``v [N, N]`` (column ``j`` belongs to ``w[j]``, unsorted) of
+    the exactly symmetric float32 ``a [N, N]`` in registers (see `lower_symmetric`)."""
     r = tl.arange(0, N)
     rows = r[:, None] + 0 * r[None, :]
     cols = r[None, :] + 0 * r[:, None]
     eye = rows == cols
-    # the lower triangle only, as torch.linalg.eigh; A is then exactly symmetric
-    lower = tl.load(a_ptr + base + rows * N + cols)
-    upper = tl.load(a_ptr + base + cols * N + rows)
-    a = tl.where(rows >= cols, lower, upper)
     # scale-free: the rotation formulas square entries, which must neither overflow nor go subnormal
     amax = tl.max(tl.max(tl.abs(a), axis=1), axis=0)
     scale = tl.where(amax > 0, amax, 1.0)
@@ -94,13 +92,39 @@ def _eigh_kernel(a_ptr, w_ptr, v_ptr, N: tl.constexpr, SWEEPS: tl.constexpr):
         v_row = tl.sum(tl.where(rows == k, v, 0.0), axis=0)
         av += a_col[:, None] * v_row[None, :]
     w = tl.sum(v * av, axis=0) * scale
-    # ascending order by rank (ties: by index), then a scatter store: no sort pass, no second kernel
-    wi = w[:, None]
-    wj = w[None, :]
-    before = (wi < wj) | ((wi == wj) & (rows < cols))
-    rank = tl.sum(before.to(tl.int32), axis=0)
+    return w, v
+
+
+@triton.jit
+def lower_symmetric(a):
+    """The symmetric matrix whose lower triangle is that of ``a [N, N]`` (as ``torch.linalg.eigh`` reads it)."""
+    r = tl.arange(0, a.shape[0])
+    return tl.where(r[:, None] >= r[None, :], a, tl.trans(a))
+
+
+@triton.jit
+def ascending_rank(w, N: tl.constexpr):
+    """Position of each of ``w [N]`` in ascending order (ties: by index): a permutation of ``0..N-1``."""
+    r = tl.arange(0, N)
+    before = (w[:, None] < w[None, :]) | ((w[:, None] == w[None, :]) & (r[:, None] < r[None, :]))
+    return tl.sum(before.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _eigh_kernel(a_ptr, w_ptr, v_ptr, N: tl.constexpr, SWEEPS: tl.constexpr):
+    """Eigenpairs of matrix ``program_id`` of ``a [M, N, N]`` into ``w [M, N]`` and ``v [M, N, N]``."""
+    base = tl.program_id(0).to(tl.int64) * (N * N)
+    r = tl.arange(0, N)
+    # the lower triangle only, as torch.linalg.eigh; A is then exactly symmetric
+    rows = r[:, None] + 0 * r[None, :]
+    cols = r[None, :] + 0 * r[:, None]
+    lower = tl.load(a_ptr + base + rows * N + cols)
+    upper = tl.load(a_ptr + base + cols * N + rows)
+    w, v = jacobi_eigh(tl.where(rows >= cols, lower, upper), N, SWEEPS)
+    # ascending order by rank, then a scatter store: no sort pass, no second kernel
+    rank = ascending_rank(w, N)
     tl.store(w_ptr + tl.program_id(0).to(tl.int64) * N + rank, w)
-    tl.store(v_ptr + base + rows * N + rank[None, :], v)
+    tl.store(v_ptr + base + r[:, None] * N + rank[None, :], v)
 
 
 def sym_eigh(gram: torch.Tensor, sweeps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,7 +2,8 @@
 
 Dynamo cannot see inside a Triton launcher that picks tiles on the host; as custom ops with fake
 (shape-only) implementations, a decode step with the kernels traces into one graph and CUDA graphs
-capture the launches. Two ops: the decode step (score -> select -> attend) and the summary build.
+capture the launches. Three ops: the decode step (score -> select -> attend), the summary build, and
+the in-place summary of the pages a decode step completes (`page_update`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 
 from .build import build_summary, summary_shapes
 from .decode import SUMMARY_NAMES, decode_step
+from .page_update import update_completed_pages
 from .select import page_list_width
 
 
@@ -47,3 +49,17 @@ def build_summary_op(keys: torch.Tensor, valid: torch.Tensor, rank: int, basis_b
 def _(keys, valid, rank, basis_bits):
     shapes = summary_shapes(keys.shape[:-2], keys.shape[-2], keys.shape[-1], rank, basis_bits)
     return [keys.new_empty(shape, dtype=dtype) for shape, dtype in (shapes[n] for n in SUMMARY_NAMES["locks"])]
+
+
+@torch.library.custom_op("locks_hf::update_completed_pages", mutates_args=("summary",))
+def update_completed_pages_op(method: str, key_buf: torch.Tensor, slot_valid: torch.Tensor, row_start: torch.Tensor,
+                              length: torch.Tensor, summary: list[torch.Tensor], page_size: int, rank: int,
+                              basis_bits: int) -> None:
+    """`page_update.update_completed_pages`: the summary (``SUMMARY_NAMES[method]``) written in place."""
+    update_completed_pages(method, key_buf, slot_valid, row_start, length, summary, page_size=page_size, rank=rank,
+                           basis_bits=basis_bits)
+
+
+@update_completed_pages_op.register_fake
+def _(method, key_buf, slot_valid, row_start, length, summary, page_size, rank, basis_bits):
+    return None

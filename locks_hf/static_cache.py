@@ -23,6 +23,7 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, StaticLayer, get_layer_types_and_kwargs
 from transformers.utils import is_torchdynamo_compiling
 
+from .attention import kernel_path
 from .cache import LocksCacheMixin, PagedLayer, compute_summary, pages_to_mask, slot_validity
 from .config import LocksConfig, LocksConfigError
 from .models_support import check_model_supported
@@ -162,8 +163,6 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         switch on the length); with the ``"full"`` selector on the kernels that attends every page:
         dense flash-decoding over the written length, where SDPA would read the whole capacity through
         a mask. Without the kernels ``"full"`` decodes with SDPA (cheaper than gathering every page)."""
-        from .attention import kernel_path  # the attention module imports the caches
-
         return query_len > 1 or (self.selector is None and kernel_path(self) is None)
 
     def _prefill(self, attention_mask: torch.Tensor | None, query_len: int) -> None:
@@ -188,6 +187,10 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
             self.summary[name][:, :, :n] = tensor
 
     def _summarize_newest_page(self) -> None:
+        kernels = kernel_path(self)
+        if kernels is not None:  # [locks_hf.kernels dispatch] only the page this step completed, fused
+            kernels.update_newest_page(self)
+            return
         b, h = self.keys.shape[:2]
         newest = torch.div(self.length_t.long() - 1 - self.row_start.long(), self.config.page_size,
                            rounding_mode="floor").clamp_min(0)  # [b]

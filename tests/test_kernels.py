@@ -323,6 +323,48 @@ def test_layer_glue_matches_reference_path(monkeypatch, static, selector):
     assert ((got.double() - ref.double()).norm() / ref.double().norm()).item() < 1e-5
 
 
+@pytest.mark.parametrize("selector", ["locks", "quest"])
+def test_static_per_step_page_summary_glue(monkeypatch, selector):
+    """`kernels.update_newest_page` on a `LocksStaticLayer` = the layer's reference per-step summary
+    for the page a step completes; on a step that completes none it writes nothing."""
+    monkeypatch.setenv("LOCKS_HF_KERNELS", "0")  # the layer's own calls take the reference path
+    from locks_hf.static_cache import LocksStaticLayer
+
+    c = Cache(7, b=2, pages=20, pad=(0, 0), hole=False)
+    cfg = LocksConfig(rank=4, basis_bits=4, budget=5 * B, selector=selector)
+    L = (c.length // B) * B - 2  # two tokens short of a page boundary
+    keys, values = c.dev("keys"), c.dev("values")
+    ref, ker = (LocksStaticLayer(L + 3 * B, cfg) for _ in range(2))
+    for layer in (ref, ker):
+        layer.update(keys[:, :, :L], values[:, :, :L])
+        layer.prepare(None, L)
+    for step in range(2):  # the first step completes no page, the second completes page L // B
+        before = {n: t.clone() for n, t in ker.summary.items()}
+        for layer in (ref, ker):
+            layer.update(keys[:, :, L + step: L + step + 1], values[:, :, L + step: L + step + 1])
+        ref.prepare(None, 1)
+        kernels.update_newest_page(ker)
+        done = (L + step + 1) % B == 0
+        page = (L + step + 1) // B - 1
+        for name, t in ker.summary.items():
+            others = torch.ones(t.shape[2], dtype=torch.bool)
+            if done:
+                others[page] = False
+            assert torch.equal(t[:, :, others], before[name][:, :, others]), name
+            assert torch.equal(ref.summary[name][:, :, :page], t[:, :, :page]), name
+        if not done:
+            continue
+        got, want = ({n: t[:, :, page: page + 1] for n, t in x.summary.items()} for x in (ker, ref))
+        if selector == "quest":
+            assert all(torch.equal(got[n], want[n]) for n in got)
+        else:  # the fused build and the reference (its own eigensolver: basis signs may differ)
+            assert torch.equal(got["mu"], want["mu"]) and torch.equal(got["mu_scale"], want["mu_scale"])
+            (_, bg, cg), (_, bw, cw) = (dequantize_summary(x, 4, torch.float64) for x in (got, want))
+            rec_g, rec_w = cg @ bg, cw @ bw  # the page's rank-r centered keys
+            assert ((rec_g - rec_w).norm() / rec_w.norm()).item() < 1e-2
+    assert done
+
+
 @pytest.mark.skipif(DEV != "cuda", reason="generate() dispatches to the kernels only for CUDA tensors; "
                     "on the CPU each kernel is checked above under the interpreter")
 @pytest.mark.parametrize("selector", ["locks", "quest", "oracle"])

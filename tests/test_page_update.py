@@ -1,0 +1,195 @@
+"""The fused in-place page summary (locks_hf.kernels.page_update) against the batched build.
+
+Without CUDA the kernel runs under ``TRITON_INTERPRET=1`` (set by conftest, or in the environment) on
+small shapes; with CUDA it runs compiled on the GPU.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no CUDA: run the Triton kernel tests with TRITON_INTERPRET=1", allow_module_level=True)
+pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
+
+from locks_hf.config import LocksConfig  # noqa: E402
+from locks_hf.quant import unpack  # noqa: E402
+from locks_hf.selectors import QuestSelector  # noqa: E402
+from locks_hf.summaries import dequantize_summary, estimated_page_lse, exact_page_lse  # noqa: E402
+
+from locks_hf import kernels  # noqa: E402
+from locks_hf.kernels.build import summary_shapes  # noqa: E402
+from locks_hf.kernels.decode import SUMMARY_NAMES  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+D, P = 64, 4  # head dim, pages per row
+
+
+class Paged:
+    """Two rows of a static cache (``P`` pages of ``B`` slots after each row's first real slot) and
+    summary buffers filled with random bytes."""
+
+    def __init__(self, seed, B, method, rank=4, bits=4, row_start=(0, 5), h=2):
+        g = torch.Generator().manual_seed(seed)
+        self.B, self.method, self.rank, self.bits, self.h = B, method, rank, bits, h
+        self.row_start = torch.tensor(row_start, dtype=torch.int32)
+        self.cap = max(row_start) + P * B + 3
+        pages = torch.randn(2, h, self.cap // B + 1, D, generator=g).repeat_interleave(B, 2)[:, :, :self.cap]
+        self.keys = torch.randn(2, h, self.cap, D, generator=g) + 2 * pages  # page structure, as real keys
+        self.slot_valid = torch.ones(2, self.cap, dtype=torch.bool)
+        for i, s in enumerate(row_start):
+            self.slot_valid[i, :s] = False  # left padding
+            self.slot_valid[i, s + B + 2] = False  # a padding slot inside page 1
+        if method == "locks":
+            shapes = summary_shapes((2, h, P), B, D, rank, bits)
+            shapes = [shapes[n] for n in SUMMARY_NAMES["locks"]]
+        else:
+            shapes = [((2, h, P, D), self.keys.dtype)] * len(SUMMARY_NAMES[method])
+        self.sentinel = []
+        for shape, dtype in shapes:
+            n = torch.Size(shape).numel() * dtype.itemsize
+            self.sentinel.append(torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8).view(dtype).view(shape))
+
+    def run(self, length, op=False):
+        """The summary buffers after one update at ``length`` (on the CPU)."""
+        summary = [t.clone().to(DEV) for t in self.sentinel]
+        args = (self.method, self.keys.to(DEV), self.slot_valid.to(DEV), self.row_start.to(DEV),
+                torch.tensor([length], dtype=torch.int32, device=DEV), summary)
+        if op:
+            torch.ops.locks_hf.update_completed_pages(*args, self.B, self.rank, self.bits)
+        else:
+            kernels.update_completed_pages(*args, page_size=self.B, rank=self.rank, basis_bits=self.bits)
+        return [t.cpu() for t in summary]
+
+    def completed(self, length):
+        """``{row: page}`` of the rows whose newest page ``length`` completes."""
+        out = {}
+        for i, s in enumerate(self.row_start.tolist()):
+            n = length - s
+            if n > 0 and n % self.B == 0:
+                out[i] = n // self.B - 1
+        return out
+
+    def page(self, i, p):
+        """Keys ``[h, 1, B, D]`` and validity ``[h, 1, B]`` of page ``p`` of row ``i``."""
+        slots = int(self.row_start[i]) + p * self.B + torch.arange(self.B)
+        return self.keys[i, :, slots].unsqueeze(1), self.slot_valid[i, slots].expand(self.h, 1, -1)
+
+    def check_untouched(self, got, written):
+        mask = torch.zeros(2, self.h, P, dtype=torch.bool)
+        for i, p in written.items():
+            mask[i, :, p] = True
+        for name, t, s in zip(SUMMARY_NAMES[self.method], got, self.sentinel):
+            assert torch.equal(t.view(torch.uint8)[~mask], s.view(torch.uint8)[~mask]), name
+
+
+def _as_dict(c, summary, i, p):
+    """The summary of page ``p`` of row ``i`` as a dict of ``[1, h, 1, ...]`` tensors."""
+    return {n: t[i, :, p].unsqueeze(1).unsqueeze(0) for n, t in zip(SUMMARY_NAMES[c.method], summary)}
+
+
+def _check_locks_page(c, got, keys, valid, seed):
+    want = kernels.build_summary(keys.to(DEV), valid.to(DEV), c.rank, c.bits)
+    want = {k: v.cpu().unsqueeze(0) for k, v in want.items()}
+    if DEV == "cpu":  # the same float32 sums in the same order (on a GPU: up to their order)
+        assert torch.equal(got["mu"], want["mu"]) and torch.equal(got["mu_scale"], want["mu_scale"])
+    # codes and scales: the same up to the summation order of the products (exact in practice)
+    parts = (dequantize_summary(x, c.bits, torch.float64) for x in (got, want))
+    for g, w, name in zip(*parts, ("mu", "basis", "coef")):
+        step = torch.maximum(got[f"{name}_scale"], want[f"{name}_scale"]).double()
+        assert ((g - w).abs() <= 1.001 * (step if name == "mu" else step.unsqueeze(-1))).all(), name
+    codes = [(got["mu"], want["mu"]), (unpack(got["basis"], c.bits), unpack(want["basis"], c.bits)),
+             (got["coef"], want["coef"])]
+    same = sum((a == b).sum().item() for a, b in codes) / sum(a.numel() for a, _ in codes)
+    assert same >= 0.99, same
+    # and the same page scores
+    q = torch.randn(1, c.h, 4, D, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    v = valid[:1].unsqueeze(0)
+    s_got, s_want = (estimated_page_lse(*dequantize_summary(x, c.bits, torch.float64), v, q, 0.125)
+                     for x in (got, want))
+    exact = exact_page_lse(keys.unsqueeze(0).double(), v, q, 0.125)
+    err_got, err_want = ((s - exact).norm() / exact.norm() for s in (s_got, s_want))
+    assert err_got < 1.1 * err_want + 1e-4, (err_got, err_want)
+
+
+def _check_step(c, length, seed=0, op=False):
+    got = c.run(length, op=op)
+    written = c.completed(length)
+    c.check_untouched(got, written)
+    for i, p in written.items():
+        page = _as_dict(c, got, i, p)
+        keys, valid = c.page(i, p)
+        if c.method == "quest":
+            want = QuestSelector(LocksConfig()).summarize(keys, valid)
+            for name in SUMMARY_NAMES["quest"]:
+                assert torch.equal(page[name], want[name].unsqueeze(0)), name
+        else:
+            _check_locks_page(c, page, keys, valid, seed)
+    return got, written
+
+
+# (page size, method, rank, basis bits)
+CASES = [(16, "locks", 4, 4), (16, "locks", 8, 2), (16, "locks", 4, 8), (8, "locks", 8, 4), (8, "locks", 4, 2),
+         (4, "locks", 8, 8), (32, "locks", 4, 4), (16, "quest", 0, 0), (8, "quest", 0, 0)]
+
+
+@pytest.mark.parametrize("B,method,rank,bits", CASES)
+def test_every_row_completes_a_page(B, method, rank, bits):
+    """Both rows (one left-padded by two pages) complete a page: each is written at its own index;
+    the page holds a padding slot."""
+    for seed in (0, 1) if B <= 16 else (0,):
+        c = Paged(seed, B, method, rank, bits, row_start=(0, 2 * B))
+        _, written = _check_step(c, 4 * B, seed)
+        assert written == {0: 3, 1: 1}
+
+
+@pytest.mark.parametrize("B,method", [(16, "locks"), (8, "quest")])
+def test_only_rows_that_complete_a_page_are_written(B, method):
+    c = Paged(2, B, method, rank=4, bits=4, row_start=(0, 5), h=3)
+    assert c.completed(2 * B) == {0: 1}
+    _check_step(c, 2 * B)  # row 0 completes page 1 (with a padding slot), row 1 does not
+    assert c.completed(B + 5) == {1: 0}
+    _check_step(c, B + 5)  # row 1 completes page 0, row 0 does not
+    for length in (1, B - 1, 2 * B + 3):  # neither: byte-identical buffers
+        assert c.completed(length) == {}
+        _check_step(c, length)
+
+
+@pytest.mark.parametrize("method", ["locks", "quest"])
+def test_rows_with_no_tokens_are_untouched(method):
+    """n = length - row_start <= 0 (a row whose first real slot lies at or past the length)."""
+    for row_start in ((0, 32), (0, 40)):
+        c = Paged(3, 8, method, rank=4, bits=4, row_start=row_start)
+        assert c.completed(32) == {0: 3}
+        _check_step(c, 32)
+
+
+@pytest.mark.parametrize("method", ["locks", "quest"])
+def test_custom_op_matches_launcher(method):
+    c = Paged(4, 16, method, rank=8, bits=4, row_start=(0, 16))
+    for length in (32, 40):
+        got = c.run(length, op=True)
+        want = c.run(length)
+        for a, b in zip(got, want):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    if method == "quest":  # schema, fake tensor and functionalization (the mutated summary list)
+        args = (method, c.keys.to(DEV), c.slot_valid.to(DEV), c.row_start.to(DEV),
+                torch.tensor([32], dtype=torch.int32, device=DEV), [t.to(DEV) for t in c.sentinel], 16, 8, 4)
+        torch.library.opcheck(torch.ops.locks_hf.update_completed_pages.default, args)
+
+
+def test_oracle_and_bad_arguments():
+    c = Paged(5, 16, "locks")
+    args = (c.keys.to(DEV), c.slot_valid.to(DEV), c.row_start.to(DEV),
+            torch.tensor([32], dtype=torch.int32, device=DEV))
+    kernels.update_completed_pages("oracle", *args, [], page_size=16, rank=4, basis_bits=4)  # nothing to build
+    torch.ops.locks_hf.update_completed_pages("oracle", *args, [], 16, 4, 4)
+    summary = [t.to(DEV) for t in c.sentinel]
+    with pytest.raises(ValueError, match="page_size"):
+        kernels.update_completed_pages("locks", *args, summary, page_size=12, rank=4, basis_bits=4)
+    with pytest.raises(ValueError, match="basis"):
+        kernels.update_completed_pages("locks", *args, summary, page_size=16, rank=8, basis_bits=4)  # rank 4 buffers
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.update_completed_pages("locks", *args, summary[:-1] + [summary[-1].transpose(0, 1)], page_size=16,
+                                       rank=4, basis_bits=4)
