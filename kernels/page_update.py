@@ -103,9 +103,13 @@ def default_warps(B: int, RP: int, d: int) -> int:
     A page of 16 keys of 128 dims builds in one warp, which keeps the Jacobi sweeps inside the warp
     (as `eigh.sym_eigh` runs them); more warps for larger tiles, 4 to 8 for the 32 x 32 eigensolver.
     """
+    if B == 4:
+        # one warp, spilling: with more, Triton 3.6 fails to compile the eigensolver's tl.gather for a
+        # 4 x 4 matrix ("GatherLoweringHelper(op).isWarpLocal()" in OptimizeThreadLocality; on the H200)
+        return 1
     w = max(1, max(B, RP) * d // 2048)
-    if B < 16:
-        w = max(w, 2)  # one warp spills on the small B x B layouts
+    if B == 8:
+        w = max(w, 2)  # one warp spills on the 8 x 8 layouts
     elif B == 32:
         w = max(w, 4 if d <= 64 else 8)
     return min(w, 8)

@@ -7,8 +7,11 @@ that changes from step to step. So, compared with `LocksLayer`:
 
 * the page axis always spans the whole capacity (``P = max_cache_len / B``); pages that are not
   complete (or not written) are masked, never sliced off;
-* each decode step re-summarizes the page that holds the newest token (one page per row and KV
-  head), so a page's summary is final the step it completes, with no branch on "did it complete";
+* each decode step summarizes the page it completes, with no host-side branch on "did it complete":
+  on the GPU one fused launch whose programs return at once unless their row's newest page just
+  completed; on the reference path the page holding the newest token is re-summarized every step;
+* decode always takes the page path; ``selector="full"`` on the kernels attends every page (dense
+  flash-decoding over the written length);
 * prefill (several query tokens) runs eagerly, as transformers runs it: it reads padding off the
   mask and summarizes every page in one batched pass.
 
@@ -151,8 +154,8 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
 
     # -- the attention function's hooks ------------------------------------------------------------
     def prepare(self, attention_mask: torch.Tensor | None, query_len: int) -> None:
-        """Before attention: on prefill read padding and summarize every page; on decode
-        re-summarize the page holding the newest token."""
+        """Before attention: on prefill read padding and summarize every page; on decode summarize
+        the page this step completed (see `_summarize_newest_page`)."""
         if query_len > 1:
             self._prefill(attention_mask, query_len)
         elif self.selector is not None and self.summary:
