@@ -107,7 +107,7 @@ def update_newest_page(layer) -> None:
     newest token completed, in place, and does nothing on the other ``B - 1`` steps of a page."""
     cfg = layer.config
     summary = [layer.summary[n] for n in SUMMARY_NAMES[cfg.selector]]
-    torch.ops.locks_hf.update_completed_pages(cfg.selector, layer._kbuf, layer.slot_valid, layer.row_tensors()[0],
+    torch.ops.locks_hf.update_completed_pages(cfg.selector, layer._kbuf, layer.slot_valid, layer.row_start,
                                               layer.length_tensor(), summary, cfg.page_size, cfg.rank, cfg.basis_bits)
 
 
