@@ -82,7 +82,7 @@ def _sparse_attn_kernel(q_ptr, q_sb, q_sh, k_ptr, k_sb, k_sh, k_st, v_ptr, v_sb,
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m = m_new
 
-    if COUNT:  # statistics: tokens attended (this split), real tokens cached (once per row)
+    if COUNT:  # statistics: the real tokens this program attended (the caller adds the cached ones)
         tl.atomic_add(count_ptr, tl.sum(tl.sum(seen, axis=1), axis=0).to(tl.int64))
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
     gm = g[:, None] < G
