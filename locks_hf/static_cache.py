@@ -54,6 +54,7 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         P = self.num_pages
         self.slot_valid = torch.ones((b, self.max_cache_len), dtype=torch.bool, device=dev)
         self.row_start = torch.zeros(b, dtype=torch.int32, device=dev)
+        self.pad = torch.zeros(b, dtype=torch.int32, device=dev)  # padding slots per row (set by prefill)
         self.length_t = torch.zeros(1, dtype=torch.int32, device=dev)  # int32 copy of cumulative_length
         self.counts = torch.zeros(2, dtype=torch.int64, device=dev)  # tokens attended, cached (see record_step)
         self.last_selection = torch.zeros((b, h, P), dtype=torch.bool, device=dev)
@@ -64,7 +65,7 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
                                     torch.ones((b, h, 1, self.config.page_size), dtype=torch.bool, device=dev))
             self.summary = {n: t.new_zeros((b, h, P, *t.shape[3:])) for n, t in probe.items()}
         if not is_torchdynamo_compiling():
-            for t in (self.slot_valid, self.row_start, self.length_t, self.counts, self.last_selection,
+            for t in (self.slot_valid, self.row_start, self.pad, self.length_t, self.counts, self.last_selection,
                       *self.summary.values()):
                 torch._dynamo.mark_static_address(t)
 
@@ -148,9 +149,10 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         return self.summary
 
     def real_tokens(self) -> torch.Tensor:
-        """Real (non-padding) tokens cached in all rows, a scalar tensor."""
-        written = torch.arange(self.max_cache_len, device=self.device) < self.length_t.long()
-        return (self.slot_valid & written).sum()
+        """Real (non-padding) tokens cached in all rows, a scalar tensor. Only a multi-token forward
+        writes padding (decode tokens are real), so the written slots minus the padding counted then:
+        no pass over the capacity on a decode step."""
+        return (self.length_t - self.pad).sum()
 
     # -- the attention function's hooks ------------------------------------------------------------
     def prepare(self, attention_mask: torch.Tensor | None, query_len: int) -> None:
@@ -177,6 +179,7 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
                                                                     self.device)
         slots = torch.arange(end, device=self.device)
         self.row_start.copy_(torch.where(self.slot_valid[:, :end], slots, end).amin(-1).to(torch.int32))
+        self.pad.copy_((~self.slot_valid[:, :end]).sum(-1))
         if self.selector is None:
             return
         n = int(self.row_tensors()[1].max())
@@ -221,7 +224,7 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         if not self.is_initialized:
             return
         idx = beam_idx.to(self.device)
-        for t in (self.keys, self.values, self.slot_valid, self.row_start, self.last_selection,
+        for t in (self.keys, self.values, self.slot_valid, self.row_start, self.pad, self.last_selection,
                   *self.summary.values()):
             t.copy_(t.index_select(0, idx))
 
@@ -230,6 +233,7 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
             super().reset()
             self.slot_valid.fill_(True)
             self.row_start.zero_()
+            self.pad.zero_()
             self.length_t.zero_()
             self.last_selection.zero_()
             self.reset_stats()

@@ -69,6 +69,25 @@ def test_static_left_padded_batch_equals_rows_alone():
         assert torch.equal(out[row, -12:], alone[0, -12:])
 
 
+def test_static_real_tokens_count_padding_and_holes():
+    """The per-step count of real cached tokens (kept from prefill, no pass over the capacity) equals
+    a brute-force count of the real written slots, step after step: left padding and a hole."""
+    model = tiny("llama")
+    ids = _ids(100, b=2)
+    mask = torch.ones_like(ids)
+    mask[1, :30] = 0  # left padding
+    mask[0, 50] = 0  # a hole
+    cache = LocksStaticCache(model.config, max_cache_len=160, locks=LocksConfig(budget=64))
+    token = model(ids, attention_mask=mask, past_key_values=cache).logits[:, -1:].argmax(-1)
+    for step in range(5):
+        mask = torch.cat([mask, torch.ones((2, 1), dtype=mask.dtype)], 1)
+        for layer in cache.locks_layers:
+            written = int(layer.length_t)
+            assert written == 100 + step
+            assert int(layer.real_tokens()) == int(layer.slot_valid[:, :written].sum()) == int(mask[:, :-1].sum())
+        token = model(token, attention_mask=mask, past_key_values=cache).logits[:, -1:].argmax(-1)
+
+
 def test_compiled_decode_is_one_graph_without_recompiles():
     """generate() auto-compiles the decode step of a static cache: fullgraph (no graph break), one
     graph for every step (nothing that changes per step is a Python value), same tokens as eager."""
