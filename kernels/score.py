@@ -509,12 +509,29 @@ def fma_supported(d: int, page_size: int, rank: int, basis_bits: int) -> bool:
             and page_size * rank % 16 == 0 and rank <= 16)
 
 
+def _dot_tiles(m: int, GG: int, B: int, R: int, by_token, block_pages, sub_blocks, num_warps, num_stages):
+    """Default epilogue and tiles of `_score_kernel` for whatever the caller left ``None``."""
+    if by_token is None:
+        # H200 sweep at 512K, GLM-4-9B shape (G = 16), r4i4: per-token epilogue with 32-page blocks and
+        # 4 warps 0.113 ms, per-page 0.146 ms at best and 0.183 ms at the old default tiles (16 pages, 8
+        # warps). For G = 4 the per-token epilogue is 2x slower (0.435 vs 0.215 ms).
+        by_token = m == LOCKS and GG >= 16
+    if by_token:
+        defaults = (32, 8, 4, 2)
+    else:  # about 8K fp32 products of the [GG, BP, B, R] contraction per block; Oracle reads whole pages
+        bp = {LOCKS: min(64, max(16, 8192 // (GG * B * R))), QUEST: 32, ORACLE: 8}[m]
+        bp = bp if block_pages is None else block_pages
+        defaults = (bp, 8 if m != ORACLE else 16, 4 if (m != LOCKS or GG * bp * B * R <= 8192) else 8, 2)
+    given = (block_pages, sub_blocks, num_warps, num_stages)
+    return (by_token, *[d if g is None else g for g, d in zip(given, defaults)])
+
+
 def score_pages(method: str, query: torch.Tensor, *, slot_valid: torch.Tensor, row_start: torch.Tensor,
                 n_complete: torch.Tensor, length: int | torch.Tensor, n_pages: int, scale: float, page_size: int,
                 summary: dict[str, torch.Tensor] | None = None, keys: torch.Tensor | None = None,
                 basis_bits: int = 4, out: torch.Tensor | None = None, partials: torch.Tensor | None = None,
                 block_pages: int | None = None, sub_blocks: int | None = None, num_warps: int | None = None,
-                num_stages: int | None = None, by_token: bool = False, variant: str | None = None,
+                num_stages: int | None = None, by_token: bool | None = None, variant: str | None = None,
                 maxnreg: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Score every page of every row and KV head for one decode query.
 
@@ -525,7 +542,8 @@ def score_pages(method: str, query: torch.Tensor, *, slot_valid: torch.Tensor, r
     (``"locks"``: basis/basis_scale/coef/coef_scale/mu/mu_scale; ``"quest"``: upper/lower);
     ``keys`` the key buffer ``[b, h, cap, d]`` for ``"oracle"``.
 
-    ``variant`` (Locks only): ``"dot"`` (tensor-core projections; ``by_token`` picks its epilogue) or
+    ``variant`` (Locks only): ``"dot"`` (tensor-core projections; ``by_token`` picks its epilogue,
+    by default per token for groups of 16+ heads, see `_dot_tiles`) or
     ``"fma"`` (one thread per page, CUDA-core FMAs; ``block_pages`` must be a multiple of
     ``32*num_warps``, the pages a thread scores per step being the quotient; see `fma_supported`);
     default (``None``): ``"fma"`` where it applies and the GQA group has at most 8 heads (H200, 512K,
@@ -582,15 +600,9 @@ def score_pages(method: str, query: torch.Tensor, *, slot_valid: torch.Tensor, r
         if keys.stride(-1) != 1:
             raise ValueError("keys must have a contiguous last dim")
         xs = [keys]
-    # default tiles: about 8K fp32 logits per block in registers; Oracle reads whole pages
-    if block_pages is None:  # Locks: about 8K products of the [GG, BP, B, R] contraction per block
-        block_pages = {LOCKS: min(64, max(16, 8192 // (GG * B * R))), QUEST: 32, ORACLE: 8}[m]
-    if sub_blocks is None:
-        sub_blocks = 8 if m != ORACLE else 16
-    if num_warps is None:
-        num_warps = 4 if (m != LOCKS or GG * block_pages * B * R <= 8192) else 8
-    if num_stages is None:
-        num_stages = 2
+    if not fma:
+        by_token, block_pages, sub_blocks, num_warps, num_stages = _dot_tiles(
+            m, GG, B, R, by_token, block_pages, sub_blocks, num_warps, num_stages)
     span = block_pages * sub_blocks
     n_blk = max(1, triton.cdiv(n_pages, span))
     if out is None:

@@ -510,7 +510,7 @@ def bench_config(model: str, length: int, batch: int, budget: int, labels, bw: f
                    dense_floor_ms=dense_floor,
                    floor_ms=floor, score_floor_ms=score_floor, speedup=dense_ms / t["total"]["ms"],
                    over_floor=t["total"]["ms"] / floor, score_ns_per_page=t["score"]["ms"] * 1e6 / (batch * h * P),
-                   pages_attended=attended, width=width, summary_build_ms=build_ms,
+                   pages_attended=attended, width=width, summary_build_ms=build_ms, score_cfg=cfg,
                    score_gbps=summ_bytes / t["score"]["ms"] / 1e6)
         rows.append(row)
         log(f"  {label:6s} score {row['score_ms']:.4f} select {row['select_ms']:.4f} attend {row['attend_ms']:.4f} "
@@ -522,7 +522,7 @@ def bench_config(model: str, length: int, batch: int, budget: int, labels, bw: f
     return rows
 
 
-def sweep_score(model: str, length: int, label: str, log, reps: int) -> dict:
+def sweep_score(model: str, length: int, label: str, log, reps: int, variants=("dot", "fma")) -> dict:
     """Try a few scoring tile shapes at one size; return the fastest settings."""
     hq, h, d, _, _ = MODELS[model]
     r, bits = int(label[1]), int(label[3])
@@ -538,9 +538,10 @@ def sweep_score(model: str, length: int, label: str, log, reps: int) -> dict:
                                         (128, 4, 4, 2, True), (64, 4, 8, 2, True), (16, 8, 4, 2, True)]
              if not (G >= 16 and bp > 32 and not bt)]
     cands += [dict(variant="fma"), dict(variant="fma", block_pages=256, num_warps=8),
-              dict(variant="fma", sub_blocks=2)]
+              dict(variant="fma", sub_blocks=2), dict(variant="fma", maxnreg=128),
+              dict(variant="fma", block_pages=256, num_warps=8, maxnreg=128)]
     best, best_ms, res = None, float("inf"), []
-    for cfg in cands:
+    for cfg in [c for c in cands if c["variant"] in variants]:
         try:
             fns = [lambda s=s, cfg=cfg: score_pages("locks", s.query, summary=s.summaries[label], scale=0.1,
                                                      basis_bits=bits, **s.kw(), **cfg) for s in sets]
@@ -582,6 +583,8 @@ def main(argv=None):
     ap.add_argument("--check", action="store_true", help="float64 checks at real shapes first")
     ap.add_argument("--check-context", default="128K")
     ap.add_argument("--sweep", action="store_true", help="try scoring tile shapes at 512K first")
+    ap.add_argument("--sweep-labels", default="r4i4", help="summary labels the sweep tunes (each its own best)")
+    ap.add_argument("--sweep-variants", default="dot,fma", help="scoring variants the sweep tries")
     ap.add_argument("--build", action="store_true", help="summary build vs one prefill layer at --build-context")
     ap.add_argument("--build-context", default="128K")
     ap.add_argument("--dense-all", action="store_true",
@@ -629,18 +632,17 @@ def main(argv=None):
     score_cfgs = {}
     if args.sweep:
         for m in models:
-            try:
-                sw = sweep_score(m, 512 << 10, "r4i4", log, reps=10)
-            except Exception as e:
-                log(f"SWEEP FAILED {m}: {type(e).__name__}: {str(e)[-300:]}")
-                continue
-            result["sweep"][m] = sw
-            if sw["best"]:
-                best = sw["best"]
-                for r, bits in labels:  # the 4-D contraction's tiles depend on the rank: r4i4 only
-                    if best.get("by_token") or (r, bits) == (4, 4):
-                        score_cfgs[(m, f"r{r}i{bits}")] = best
-            save()
+            for label in args.sweep_labels.split(","):
+                try:
+                    sw = sweep_score(m, 512 << 10, label, log, reps=10,
+                                     variants=tuple(args.sweep_variants.split(",")))
+                except Exception as e:
+                    log(f"SWEEP FAILED {m} {label}: {type(e).__name__}: {str(e)[-300:]}")
+                    continue
+                result["sweep"][f"{m} {label}"] = sw
+                if sw["best"]:  # tiles and register caps depend on the rank: each label keeps its own
+                    score_cfgs[(m, label)] = sw["best"]
+                save()
     if args.build:
         T = parse_ctx(args.build_context)
         for m in models:

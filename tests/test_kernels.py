@@ -101,12 +101,24 @@ def _locks_case(rank: int, bits: int, G: int):
 
 
 @pytest.mark.parametrize("rank,bits,G,by_token", [(4, 4, 4, False), (8, 4, 4, True), (2, 4, 16, False),
-                                                 (4, 2, 4, False), (4, 8, 3, True), (4, 4, 16, True)])
+                                                 (4, 2, 4, False), (4, 8, 3, True), (4, 4, 16, True),
+                                                 (4, 4, 16, None)])
 def test_locks_scores_match_reference(rank, bits, G, by_token):
     c, summ, ref = _locks_case(rank, bits, G)
     got, _ = kernels.score_pages("locks", c.dev("query"), summary=summ, scale=0.3, basis_bits=bits, sub_blocks=1,
                                  variant="dot", by_token=by_token, **c.kw())
     _scores_ok(got.view(c.b, c.h, G, c.P), ref, _complete_real(c), 1e-5)
+
+
+def test_dot_scoring_defaults_follow_the_group_size():
+    """Per-token epilogue with 32-page blocks for groups of 16+ heads (GLM), per page otherwise;
+    whatever the caller sets is kept."""
+    from locks_hf.kernels.score import LOCKS, QUEST, _dot_tiles
+    assert _dot_tiles(LOCKS, 16, 16, 4, None, None, None, None, None) == (True, 32, 8, 4, 2)
+    assert _dot_tiles(LOCKS, 4, 16, 4, None, None, None, None, None) == (False, 32, 8, 4, 2)
+    assert _dot_tiles(LOCKS, 8, 16, 8, None, None, None, None, None) == (False, 16, 8, 8, 2)
+    assert _dot_tiles(QUEST, 16, 16, 1, None, None, None, None, None)[0] is False
+    assert _dot_tiles(LOCKS, 16, 16, 4, False, 64, 4, 8, 3) == (False, 64, 4, 8, 3)
 
 
 def test_quest_and_oracle_scores_match_reference():
