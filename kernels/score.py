@@ -509,13 +509,19 @@ def fma_supported(d: int, page_size: int, rank: int, basis_bits: int) -> bool:
             and page_size * rank % 16 == 0 and rank <= 16)
 
 
-def _dot_tiles(m: int, GG: int, B: int, R: int, by_token, block_pages, sub_blocks, num_warps, num_stages):
+# Page-rows (batch x KV heads x pages) from which a group of 16+ heads scores faster per token.
+BY_TOKEN_MIN_PAGE_ROWS = 1 << 16
+
+
+def _dot_tiles(m: int, GG: int, B: int, R: int, page_rows: int, by_token, block_pages, sub_blocks, num_warps,
+               num_stages):
     """Default epilogue and tiles of `_score_kernel` for whatever the caller left ``None``."""
     if by_token is None:
-        # H200 sweep at 512K, GLM-4-9B shape (G = 16), r4i4: per-token epilogue with 32-page blocks and
-        # 4 warps 0.113 ms, per-page 0.146 ms at best and 0.183 ms at the old default tiles (16 pages, 8
-        # warps). For G = 4 the per-token epilogue is 2x slower (0.435 vs 0.215 ms).
-        by_token = m == LOCKS and GG >= 16
+        # H200, GLM-4-9B shape (G = 16, 2 KV heads), r4i4, batch 1: the per-token epilogue with 32-page
+        # blocks and 4 warps scores 512K in 0.112 ms against 0.147 ms per page (1M: 0.221 vs 0.287), but
+        # has a ~0.08 ms floor, so it loses up to 256K (0.096 vs 0.075 ms; 16K: 0.083 vs 0.049).
+        # For G = 4 it is 2x slower at 512K (0.435 vs 0.215 ms).
+        by_token = m == LOCKS and GG >= 16 and page_rows >= BY_TOKEN_MIN_PAGE_ROWS
     if by_token:
         defaults = (32, 8, 4, 2)
     else:  # about 8K fp32 products of the [GG, BP, B, R] contraction per block; Oracle reads whole pages
@@ -543,7 +549,7 @@ def score_pages(method: str, query: torch.Tensor, *, slot_valid: torch.Tensor, r
     ``keys`` the key buffer ``[b, h, cap, d]`` for ``"oracle"``.
 
     ``variant`` (Locks only): ``"dot"`` (tensor-core projections; ``by_token`` picks its epilogue,
-    by default per token for groups of 16+ heads, see `_dot_tiles`) or
+    by default per token for groups of 16+ heads over many pages, see `_dot_tiles`) or
     ``"fma"`` (one thread per page, CUDA-core FMAs; ``block_pages`` must be a multiple of
     ``32*num_warps``, the pages a thread scores per step being the quotient; see `fma_supported`);
     default (``None``): ``"fma"`` where it applies and the GQA group has at most 8 heads (H200, 512K,
@@ -602,7 +608,7 @@ def score_pages(method: str, query: torch.Tensor, *, slot_valid: torch.Tensor, r
         xs = [keys]
     if not fma:
         by_token, block_pages, sub_blocks, num_warps, num_stages = _dot_tiles(
-            m, GG, B, R, by_token, block_pages, sub_blocks, num_warps, num_stages)
+            m, GG, B, R, rows * n_pages, by_token, block_pages, sub_blocks, num_warps, num_stages)
     span = block_pages * sub_blocks
     n_blk = max(1, triton.cdiv(n_pages, span))
     if out is None:

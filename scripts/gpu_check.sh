@@ -5,7 +5,11 @@ source scripts/gpu_env.sh
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 rm -rf /tmp/pk/tests && cp -r tests /tmp/pk/tests
-(cd /tmp/pk && timeout "${TEST_TIMEOUT:-400}" python3 -m pytest tests/test_kernels.py tests/test_eigh.py \
-    tests/test_page_update.py tests/test_static_cache.py -q -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/pytest.txt" | tail -25)
+# Compiling every kernel variant cold is most of the run (the "fma" scoring kernel alone takes 50-145 s
+# per specialization): spread the tests over the host's cores (session 9: 114 tests in 227 s on 14
+# workers; a single process did 58 in 320 s).
+(cd /tmp/pk && timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -n "${WORKERS:-14}" -v --durations=25 -rfE \
+    tests/test_kernels.py tests/test_eigh.py tests/test_page_update.py tests/test_static_cache.py \
+    -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} > "$OUT/pytest.txt" 2>&1; tail -40 "$OUT/pytest.txt" | cut -c1-200)
 [ -n "$SKIP_EIGH" ] || timeout 120 python3 scripts/check_eigh_gpu.py 2>&1 | tail -30
 bash scripts/gpu_step.sh

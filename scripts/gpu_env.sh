@@ -3,7 +3,7 @@
 #   source scripts/gpu_env.sh
 # (.whl/ is git-ignored; fill it on this side with
 #  pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
-#      transformers==5.23.0 -d .whl )
+#      transformers==5.23.0 pytest-xdist execnet -d .whl ; scripts/gpu_check.sh runs the tests on -n 14)
 set -e
 pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
 rm -rf /tmp/pk && mkdir -p /tmp/pk
