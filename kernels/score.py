@@ -35,6 +35,9 @@ from ._common import BIG_PAGE, LOG2E, as_length, dot_precision, next_pow2, slot_
 LOCKS, ORACLE, QUEST = 0, 1, 2
 _METHODS = {"locks": LOCKS, "oracle": ORACLE, "quest": QUEST}
 VARIANTS = ("dot", "fma")  # Locks scoring variants (`score_pages`' ``variant``)
+# "fma" loops over basis chunks instead of unrolling them from this rank on (compile time; see
+# `_locks_fma_proj`). Ranks below keep the unrolled form measured on the H200.
+ROLL_CHUNKS_FROM_RANK: tl.constexpr = tl.constexpr(8)
 
 
 @triton.jit
@@ -308,6 +311,24 @@ def _mu_code(mus, JJ: tl.constexpr, K: tl.constexpr, W: tl.constexpr, magic):
 
 
 @triton.jit
+def _locks_fma_chunk(acc, accm, scr, bas, mu, p, pmask, magic, ch, GG: tl.constexpr, D: tl.constexpr,
+                     R: tl.constexpr, BITS: tl.constexpr):
+    """`_locks_fma_proj`'s accumulators after chunk ``ch`` (``4W`` dimensions)."""
+    BP: tl.constexpr = p.shape[0]
+    W: tl.constexpr = 32 // BITS
+    DW: tl.constexpr = D // W  # words per basis row
+    j4 = tl.arange(0, 4)
+    rows = _rows(bas, p[:, None] * (R * DW) + ch * 4 + j4[None, :], pmask[:, None], DW, R, BITS)
+    mus = _rows(mu, p[:, None] * (D // 4) + ch * W + j4[None, :], pmask[:, None], 4, W // 4, 8)
+    for jj in tl.static_range(4):
+        for k in tl.static_range(W):
+            qv = _qvec(scr + ((ch * 4 + jj) * W + k) * GG, p * 0, GG)  # q[:, d], d = (4ch + jj)W + k
+            acc = tl.fma(tl.reshape(_field(rows[jj], k, BITS, magic), [BP, R, 1]), tl.reshape(qv, [BP, 1, GG]), acc)
+            accm = tl.fma(tl.reshape(_mu_code(mus, jj, k, W, magic), [BP, 1]), qv, accm)
+    return acc, accm
+
+
+@triton.jit
 def _locks_fma_proj(scr, bas, mu, p, pmask, magic, GG: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
                     BITS: tl.constexpr):
     """``(q.V_j[:, i] [BP, R, GG], q.mu_j [BP, GG])`` in code units (scales not applied).
@@ -317,19 +338,18 @@ def _locks_fma_proj(scr, bas, mu, p, pmask, magic, GG: tl.constexpr, D: tl.const
     load from the scratch) feed ``R + 1`` FMAs per head.
     """
     BP: tl.constexpr = p.shape[0]
-    W: tl.constexpr = 32 // BITS
-    DW: tl.constexpr = D // W  # words per basis row
-    j4 = tl.arange(0, 4)
+    DW: tl.constexpr = D // (32 // BITS)
     acc = tl.zeros([BP, R, GG], dtype=tl.float32)
     accm = tl.zeros([BP, GG], dtype=tl.float32)
-    for ch in tl.static_range(DW // 4):
-        rows = _rows(bas, p[:, None] * (R * DW) + ch * 4 + j4[None, :], pmask[:, None], DW, R, BITS)
-        mus = _rows(mu, p[:, None] * (D // 4) + ch * W + j4[None, :], pmask[:, None], 4, W // 4, 8)
-        for jj in tl.static_range(4):
-            for k in tl.static_range(W):
-                qv = _qvec(scr + ((ch * 4 + jj) * W + k) * GG, p * 0, GG)  # q[:, d], d = (4ch + jj)W + k
-                acc = tl.fma(tl.reshape(_field(rows[jj], k, BITS, magic), [BP, R, 1]), tl.reshape(qv, [BP, 1, GG]), acc)
-                accm = tl.fma(tl.reshape(_mu_code(mus, jj, k, W, magic), [BP, 1]), qv, accm)
+    if R >= ROLL_CHUNKS_FROM_RANK:
+        # A real loop over the chunks: unrolled, Triton's coalescing pass (quadratic in the kernel's
+        # size) makes r = 8 compile in 42 s instead of 4 s (Triton 3.6, sm_90 AOT; docs/compile_time.md),
+        # and it needs 148 instead of 119 registers. Same FMAs and loads.
+        for ch in tl.range(DW // 4):
+            acc, accm = _locks_fma_chunk(acc, accm, scr, bas, mu, p, pmask, magic, ch, GG, D, R, BITS)
+    else:  # the unrolled form timed on the H200 (r = 4: 0.100 ms at 512K); compiles in ~22 s
+        for ch in tl.static_range(DW // 4):
+            acc, accm = _locks_fma_chunk(acc, accm, scr, bas, mu, p, pmask, magic, ch, GG, D, R, BITS)
     return acc, accm
 
 
