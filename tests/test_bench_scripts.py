@@ -24,3 +24,25 @@ def test_bench_decode_step_runs_on_cpu(tmp_path):
     assert rows["full"]["attended"] == 1.0
     assert 0.0 < rows["r4i4"]["attended"] < 0.5  # b = 64 of 512 tokens: the step was sparse
     assert all(r["median_ms"] > 0 and len(r["all_ms"]) == 2 for r in rows.values())
+
+
+def test_compile_time_script_compiles_the_rolled_fma_kernel_for_sm90():
+    """scripts/compile_time.py (docs/compile_time.md) drives Triton's private AOT API: keep it working.
+    Rank 8 takes the rolled chunk loop, which compiles in seconds and fits in 128 registers."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    import pytest
+
+    triton = pytest.importorskip("triton")
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("this Triton has no bundled ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(SCRIPT.parent / "compile_time.py"), "--ranks", "8"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    m = re.search(r"rank 8: ([\d.]+) s \{'registers': (\d+), 'local_bytes': (\d+)", run.stdout)
+    assert m, run.stdout
+    assert int(m.group(2)) <= 128 and int(m.group(3)) == 0
