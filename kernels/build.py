@@ -26,10 +26,6 @@ from .eigh import sym_eigh
 _BF16_ROUND_UP = 1.0 + 2.0**-7  # as locks_hf.quant: scales rounded up so |x|/scale <= qmax
 
 
-#: the batched eigensolver (``scripts/bench_decode.py`` times it under this name)
-_batched_eigh = sym_eigh
-
-
 def fit_pages_eigh(keys: torch.Tensor, valid: torch.Tensor, rank: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Float32 centroid ``[..., d]``, basis rows ``[..., r, d]`` and coefficients ``[..., B, r]``."""

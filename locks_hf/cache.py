@@ -451,7 +451,7 @@ class LocksCache(LocksCacheMixin, DynamicCache):
 
     def __init__(self, config: PretrainedConfig | None = None, locks: LocksConfig | None = None,
                  **overrides) -> None:
-        locks = (locks or LocksConfig()).replace(**overrides) if overrides else (locks or LocksConfig())
+        locks = (locks or LocksConfig()).replace(**overrides)
         self.locks_config = locks
         if config is None:
             super().__init__()

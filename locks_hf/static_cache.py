@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 from transformers import PretrainedConfig
-from transformers.cache_utils import Cache, StaticLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING, Cache, StaticLayer, get_layer_types_and_kwargs
 from transformers.utils import is_torchdynamo_compiling
 
 from .attention import kernel_path
@@ -256,7 +256,7 @@ class LocksStaticCache(LocksCacheMixin, Cache):
 
     def __init__(self, config: PretrainedConfig, max_cache_len: int, locks: LocksConfig | None = None,
                  **overrides) -> None:
-        locks = (locks or LocksConfig()).replace(**overrides) if overrides else (locks or LocksConfig())
+        locks = (locks or LocksConfig()).replace(**overrides)
         if locks.selector not in STATIC_SELECTORS:
             raise LocksConfigError(
                 f"LocksStaticCache supports selector in {STATIC_SELECTORS}, got {locks.selector!r}: the "
@@ -268,8 +268,6 @@ class LocksStaticCache(LocksCacheMixin, Cache):
         text_config = config.get_text_config(decoder=True)
         check_model_supported(text_config, locks)
         self.locks_config = locks
-        from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING
-
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
         layers = [LocksStaticLayer(max_cache_len, locks) if kind == "full_attention"
                   else STATIC_LAYER_TYPE_MAPPING[kind](max_cache_len=max_cache_len, **kw)

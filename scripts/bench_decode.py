@@ -426,11 +426,11 @@ def build_cost(model: str, T: int, labels) -> dict:
     # the eigendecomposition alone
     gram = torch.randn((1, h, T // B, B, B), device=DEV)
     gram = gram @ gram.transpose(-1, -2)
-    from locks_hf.kernels.build import _batched_eigh
-    _batched_eigh(gram)
+    from locks_hf.kernels.eigh import sym_eigh
+    sym_eigh(gram)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    _batched_eigh(gram)
+    sym_eigh(gram)
     torch.cuda.synchronize()
     res["eigh_only"] = (time.perf_counter() - t0) * 1e3
     # one page per KV head completed during decode (batch 1)
