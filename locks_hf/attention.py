@@ -14,15 +14,13 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-from transformers.utils import logging
+from transformers.utils import is_torchdynamo_compiling, logging
 
 from .cache import PagedLayer, take_handoff
-from .models_support import UnsupportedModelError
+from .models_support import ATTENTION_NAME, REFUSED_GENERATION, UnsupportedModelError, check_attention_dispatch
 from .selectors import select_pages
 
 logger = logging.get_logger(__name__)
-
-ATTENTION_NAME = "locks"
 
 # kwargs that change the attention math in ways sparse decode does not reproduce.
 _UNSUPPORTED_KWARGS = {
@@ -107,7 +105,7 @@ def locks_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     layers that are not Locks layers (sliding-window layers, or a cache other than `LocksCache` /
     `LocksStaticCache`), the ``"full"`` selector, and what the layer's `attends_densely` says.
     """
-    layer = take_handoff(getattr(module, "layer_idx", None), key)
+    layer = take_handoff(getattr(module, "layer_idx", None), key, kwargs.get("sliding_window"))
     if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
@@ -123,6 +121,8 @@ def locks_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         scaling = 1.0 / math.sqrt(query.shape[-1])
 
     q_len = query.shape[2]
+    if q_len > 1 and layer.recording_past:
+        raise UnsupportedModelError(REFUSED_GENERATION)
     layer.prepare(attention_mask, q_len)
     if layer.attends_densely(q_len):
         if q_len == 1:
@@ -133,7 +133,16 @@ def locks_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     return sparse_decode(layer, query, scaling), None
 
 
+def locks_mask(*args, config=None, **kwargs):
+    """transformers' SDPA mask, after refusing models whose attention cannot run as Locks: the mask is
+    built once per forward with the model's config, also by models that bypass the attention
+    function (MPT's ALiBi)."""
+    if config is not None and not is_torchdynamo_compiling():  # prefill is eager: checked there
+        check_attention_dispatch(config)
+    return sdpa_mask(*args, config=config, **kwargs)
+
+
 def register() -> None:
     """Register ``attn_implementation="locks"`` (attention and mask functions) with transformers."""
     AttentionInterface.register(ATTENTION_NAME, locks_attention_forward)
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    AttentionMaskInterface.register(ATTENTION_NAME, locks_mask)

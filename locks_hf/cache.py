@@ -18,12 +18,14 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import DynamicCache, DynamicLayer, get_layer_types_and_kwargs
 
 from .config import LocksConfig
-from .models_support import check_model_supported
+from .models_support import (REFUSED_GENERATION, UnsupportedModelError, cache_model_mismatch, check_head_dim,
+                             check_model_supported, head_dim_of)
 from .selectors import PageSelector, make_selector
 
 # `Cache.update` runs just before the model calls the attention function, which receives the K/V
 # but not the cache. The layer that produced them is handed over through this thread-local slot and
-# checked there (`take_handoff`) by identity of the key tensor.
+# checked there (`take_handoff`) by identity of the key tensor. A slot still set at the next update
+# means the model's attention is not "locks" (it never took the hand-off).
 class _Handoff(threading.local):
     def __init__(self) -> None:
         # Runs in every thread on first use: the attribute always exists, so a compiled graph's
@@ -72,6 +74,13 @@ class PagedLayer:
     ``count_buffer``, ``note_selection``. The statistics (``record_step``, ``attended``,
     ``context``) are kept here, in the layer's ``count_buffer``.
     """
+
+    #: Set by ``Cache.activate_past_recording`` (assisted / prompt-lookup decoding): a multi-token
+    #: forward is then a verification of drafted tokens, which Locks refuses (see `attention`).
+    recording_past: bool = False
+
+    def activate_past_recording(self) -> None:
+        self.recording_past = True
 
     def record_step(self, attended: torch.Tensor | None, context: torch.Tensor) -> None:
         """Add one decode step: tokens attended and real tokens cached, summed over rows and heads
@@ -154,6 +163,7 @@ class LocksLayer(DynamicLayer, PagedLayer):
         return 0 if self._kbuf is None else self._kbuf.shape[2]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        check_head_dim(self.config, key_states.shape[-1])  # a cache built without a model config
         self.dtype, self.device = key_states.dtype, key_states.device
         b, h, _, d = key_states.shape
         self._kbuf = key_states.new_empty((b, h, 0, d))
@@ -414,12 +424,34 @@ def _resized(buf: torch.Tensor, dim: int, size: int, keep: int, fill=None) -> to
 class LocksCacheMixin:
     """Shared by `LocksCache` and `LocksStaticCache`: the attention hand-off and the statistics."""
 
+    #: ``(layers, kv_heads, head_dim)`` of the model config the cache was built from (``None``: any).
+    model_shape: tuple[int, int, int] | None = None
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
+        _check_handoff_taken()
+        layers = self.layers
+        if self.model_shape is not None:
+            n, h, d = self.model_shape
+            paged = layer_idx < len(layers) and isinstance(layers[layer_idx], PagedLayer)
+            problem = cache_model_mismatch(layer_idx, key_states.shape, n, h if paged else None, d)
+            if problem:
+                raise UnsupportedModelError(problem)
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        layer = self.layers[layer_idx]
-        _HANDOFF.slot = (layer_idx, layer) if isinstance(layer, PagedLayer) else None
+        _HANDOFF.slot = (layer_idx, self.layers[layer_idx], key_states.shape[2])
         return keys, values
+
+    def remember_model_shape(self, text_config: PretrainedConfig) -> None:
+        """Record the layer count, KV heads and head dim of the model ``text_config`` describes, so that
+        use with another model is refused at its first update."""
+        heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+        self.model_shape = (text_config.num_hidden_layers, heads, head_dim_of(text_config))
+
+    def activate_past_recording(self) -> None:
+        """Called by generate() for assisted and prompt-lookup decoding, before their first forward."""
+        if self.get_seq_length() == 0:
+            raise UnsupportedModelError(REFUSED_GENERATION)
+        super().activate_past_recording()  # a prefilled cache: refused at the first verification forward
 
     @property
     def locks_layers(self) -> list[PagedLayer]:
@@ -460,6 +492,7 @@ class LocksCache(LocksCacheMixin, DynamicCache):
         text_config = config.get_text_config(decoder=True)
         check_model_supported(text_config, locks)
         super().__init__(config=text_config)
+        self.remember_model_shape(text_config)
         layer_types, _ = get_layer_types_and_kwargs(text_config)
         for i, layer_type in enumerate(layer_types):
             if layer_type == "full_attention":
@@ -483,17 +516,50 @@ class LocksCache(LocksCacheMixin, DynamicCache):
                 new = copy.deepcopy(layer)
             clone.layers.append(new)
         if locks is not None:
-            clone.locks_config = locks
             for layer in clone.locks_layers:
+                if layer.is_initialized:
+                    check_head_dim(locks, layer._kbuf.shape[-1])
                 layer.set_config(locks)
+            clone.locks_config = locks
         clone.reset_stats()
         return clone
 
 
-def take_handoff(layer_idx: int | None, key: torch.Tensor) -> PagedLayer | None:
-    """The Locks layer whose `update` produced ``key`` just now, if any (consumes the hand-off)."""
+def take_handoff(layer_idx: int | None, key: torch.Tensor, sliding_window: int | None = None
+                 ) -> PagedLayer | None:
+    """The Locks layer whose `update` produced ``key`` just now, if any (consumes the hand-off).
+
+    ``None`` when no Locks cache was updated (another cache, or none) or the layer is one of its
+    non-Locks layers. Raises `UnsupportedModelError` when the keys reaching attention are not the ones
+    the Locks layer just stored (a model that transforms them after the cache, such as MLA), or when
+    the cache's layer kinds do not match the model's.
+    """
     slot = _HANDOFF.slot
     _HANDOFF.slot = None
-    if slot is None or slot[0] != layer_idx or slot[1].keys is not key:
+    if slot is None:
         return None
-    return slot[1]
+    idx, layer, _ = slot
+    if idx != layer_idx or (isinstance(layer, PagedLayer) and layer.keys is not key):
+        raise UnsupportedModelError(
+            f"attention of layer {layer_idx} did not receive the keys the Locks cache stored for layer {idx}: "
+            "this model changes keys after the cache (e.g. multi-head latent attention) or shares caches "
+            "between layers, which Locks cannot select pages for; use attn_implementation='sdpa' and a DynamicCache")
+    if not isinstance(layer, PagedLayer):
+        if getattr(layer, "is_sliding", False) and sliding_window is None:
+            raise UnsupportedModelError(
+                f"layer {layer_idx} of the Locks cache is a sliding-window layer but the model's layer "
+                f"{layer_idx} is full attention: build the cache from this model's config, LocksCache(model.config)")
+        return None
+    return layer
+
+
+def _check_handoff_taken() -> None:
+    """Raise when the previous decode step's hand-off was never taken: the model's attention function
+    is not Locks' (it was loaded with "sdpa" / "eager"), so every step would silently run dense."""
+    slot = _HANDOFF.slot
+    _HANDOFF.slot = None
+    if slot is not None and slot[2] == 1:
+        raise UnsupportedModelError(
+            "the model did not call Locks' attention function on a decode step: load it with "
+            "attn_implementation='locks' (after `import locks_hf`); with 'sdpa' or 'eager' a Locks cache "
+            "would decode densely")

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import math
+import numbers
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 SELECTORS = ("locks", "oracle", "quest", "full", "shared_basis", "shared_all")
 GROUP_COMBINES = ("share_average", "group_max", "group_mass")
 BASIS_BITS = (2, 4, 8, 16)  # 16 = unquantized (stored in the K/V dtype)
 VALUE_BITS = (8, 16)  # for coefficients and centroids
+#: Largest page: selection at a coarser grain than this reads most of a 128K context anyway.
+MAX_PAGE_SIZE = 1024
+_INT_FIELDS = ("page_size", "rank", "basis_bits", "coef_bits", "centroid_bits", "budget", "min_context")
 
 _LABEL = re.compile(r"^r(?P<rank>\d+)(?:i(?P<bits>\d+)|(?P<bf16>bf16))$")
 
@@ -48,16 +52,24 @@ class LocksConfig:
     min_context: int = 0
 
     def __post_init__(self) -> None:
+        for name in _INT_FIELDS:  # 4.0 or True would pass the range checks and fail deep in a kernel
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise LocksConfigError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+            object.__setattr__(self, name, int(value))  # numpy ints become plain ints
+        for name in ("selector", "group_combine"):
+            if not isinstance(getattr(self, name), str):
+                raise LocksConfigError(f"{name} must be a str, got {getattr(self, name)!r}")
         B = self.page_size
-        if not isinstance(B, int) or B < 2 or B & (B - 1):
-            raise LocksConfigError(f"page_size must be a power of two >= 2 (e.g. 16), got {B!r}")
+        if B < 2 or B > MAX_PAGE_SIZE or B & (B - 1):
+            raise LocksConfigError(f"page_size must be a power of two in 2..{MAX_PAGE_SIZE} (e.g. 16), got {B!r}")
         if self.selector not in SELECTORS:
             raise LocksConfigError(f"selector must be one of {SELECTORS}, got {self.selector!r}")
         if self.group_combine not in GROUP_COMBINES:
             raise LocksConfigError(
                 f"group_combine must be one of {GROUP_COMBINES}, got {self.group_combine!r}"
             )
-        if not isinstance(self.rank, int) or self.rank < 1:
+        if self.rank < 1:
             raise LocksConfigError(f"rank must be a positive int, got {self.rank!r}")
         if self.selector == "locks" and self.rank > B:
             raise LocksConfigError(
@@ -69,12 +81,12 @@ class LocksConfig:
         for name in ("coef_bits", "centroid_bits"):
             if getattr(self, name) not in VALUE_BITS:
                 raise LocksConfigError(f"{name} must be one of {VALUE_BITS}, got {getattr(self, name)!r}")
-        if not isinstance(self.budget, int) or self.budget < 2 * B:
+        if self.budget < 2 * B:
             raise LocksConfigError(
                 f"budget must be at least two pages (2 * page_size = {2 * B} tokens) so the sink and "
                 f"most recent pages fit, got {self.budget!r}"
             )
-        if not isinstance(self.min_context, int) or self.min_context < 0:
+        if self.min_context < 0:
             raise LocksConfigError(f"min_context must be a non-negative int, got {self.min_context!r}")
 
     @property
@@ -97,6 +109,8 @@ class LocksConfig:
     @classmethod
     def from_label(cls, label: str, **overrides) -> "LocksConfig":
         """Parse ``r8i4`` / ``r4i2`` / ``r8bf16`` (optionally prefixed ``locks-``) into a Locks config."""
+        if not isinstance(label, str):
+            raise LocksConfigError(f"a summary label is a str such as 'r8i4', got {label!r}")
         match = _LABEL.match(label.removeprefix("locks-"))
         if match is None:
             raise LocksConfigError(
@@ -107,4 +121,7 @@ class LocksConfig:
 
     def replace(self, **changes) -> "LocksConfig":
         """A copy with some fields changed (validated again)."""
+        unknown = sorted(set(changes) - {f.name for f in fields(self)})
+        if unknown:
+            raise LocksConfigError(f"unknown LocksConfig field(s) {unknown}; fields: {[f.name for f in fields(self)]}")
         return replace(self, **changes)

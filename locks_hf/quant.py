@@ -18,7 +18,9 @@ def absmax_scale(x: torch.Tensor, bits: int, dim: int | tuple[int, ...]) -> torc
     """bf16 scale per slice so that ``x / scale`` fits ``[-qmax, qmax]`` (reduced over ``dim``)."""
     amax = x.abs().amax(dim=dim, keepdim=True).float()
     scale = (amax * _BF16_ROUND_UP / qmax(bits)).to(torch.bfloat16)
-    return torch.where(scale > 0, scale, torch.ones_like(scale))
+    # An all-zero slice gets scale 1; a NaN / Inf slice keeps its NaN / Inf scale, so that the
+    # dequantized values (and the page's score) stay non-finite instead of becoming codes of 0.
+    return torch.where(scale == 0, torch.ones_like(scale), scale)
 
 
 def quantize(x: torch.Tensor, bits: int, dim: int | tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:

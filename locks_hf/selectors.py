@@ -113,6 +113,8 @@ class SharedBasisSelector(PageSelector):
         else:
             mu = None
             centered = torch.where(real, k - k.sum(3, keepdim=True) / w.sum(3, keepdim=True).clamp_min(1.0), 0.0)
+        # NaN / Inf keys would make the SVD raise; their pages score NaN through their centroids.
+        centered = torch.where(torch.isfinite(centered), centered, 0.0)
         _, _, vh = torch.linalg.svd(centered.flatten(2, 3), full_matrices=False)
         out = {}
         basis = vh[..., : c.rank, :]
@@ -240,9 +242,13 @@ def select_pages(scores: torch.Tensor, page_real: torch.Tensor, page_complete: t
     sink, recent = forced_pages(page_real)
     forced = ((sink | recent) & page_real)[:, None]  # [b, 1, P]
     candidates = (page_real & page_complete)[:, None] & ~forced  # [b, 1, P]
+    # NaN / +Inf scores come from pages whose keys are not finite: they are taken first, as dense
+    # attention would attend them (and propagate the NaN); they take no part in the group's softmax.
+    poisoned = torch.isnan(scores) | torch.isposinf(scores)
     if per_head:
-        chosen = _top_pages(scores, candidates.unsqueeze(2), slots - 2).any(2)
+        chosen = _top_pages(scores.masked_fill(poisoned, float("inf")), candidates.unsqueeze(2), slots - 2).any(2)
     else:
-        combined = combine_group(scores, candidates.expand(-1, scores.shape[1], -1), rule)
-        chosen = _top_pages(combined, candidates, slots - 2)
+        combined = combine_group(scores.masked_fill(poisoned, NEG_INF), candidates.expand(-1, scores.shape[1], -1),
+                                 rule)
+        chosen = _top_pages(combined.masked_fill(poisoned.any(2), float("inf")), candidates, slots - 2)
     return (chosen | forced).expand(scores.shape[0], scores.shape[1], P)

@@ -41,7 +41,9 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
 
     def __init__(self, max_cache_len: int, config: LocksConfig, **kwargs) -> None:
         B = config.page_size
-        super().__init__(max_cache_len=-(-max_cache_len // B) * B)
+        super().__init__(max_cache_len=-(-max_cache_len // B) * B)  # buffers of whole pages
+        self.requested_len = max_cache_len  # tokens accepted: the page rounding is storage, not capacity
+        self.written = 0  # tokens written by eager forwards (compiled decode steps are not counted)
         self.config = config
         self.selector = make_selector(config)
         self.counts = self.last_selection = None  # tensors from lazy_initialization on
@@ -74,12 +76,15 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         if self.is_initialized and key_states.shape[0] != self.keys.shape[0]:
             raise ValueError(f"LocksStaticCache holds batch size {self.keys.shape[0]} but got {key_states.shape[0]}")
         t = key_states.shape[2]
-        if t > 1 and not is_torchdynamo_compiling():  # prefill is eager: a host check costs nothing there
-            held = int(self.cumulative_length) if self.is_initialized else 0
-            if held + t > self.max_cache_len:
+        if not is_torchdynamo_compiling():  # eager: a host-side count, no device sync per step
+            if t > 1:  # prefill: resynchronise (compiled decode steps do not update the count)
+                self.written = int(self.cumulative_length) if self.is_initialized else 0
+            if self.written + t > self.requested_len:
                 raise ValueError(
-                    f"LocksStaticCache holds {self.max_cache_len} tokens but {held} + {t} were written: create it "
-                    "with max_cache_len >= prompt length + max_new_tokens")
+                    f"LocksStaticCache was created with max_cache_len={self.requested_len} tokens but "
+                    f"{self.written} + {t} were written: create it with max_cache_len >= prompt length + "
+                    "max_new_tokens")
+            self.written += t
         keys, values = super().update(key_states, value_states, *args, **kwargs)
         self.length_t.copy_(self.cumulative_length.view(1))
         return keys, values
@@ -229,6 +234,7 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
             t.copy_(t.index_select(0, idx))
 
     def reset(self) -> None:
+        self.written = 0
         if self.is_initialized:
             super().reset()
             self.slot_valid.fill_(True)
@@ -245,7 +251,9 @@ class LocksStaticCache(LocksCacheMixin, Cache):
     Args:
         config: the model's config; full-attention layers become `LocksStaticLayer`s, the others
             transformers' static layers.
-        max_cache_len: tokens the cache holds (prompt + generated), rounded up to whole pages.
+        max_cache_len: tokens the cache holds (prompt + generated); storage is rounded up to whole
+            pages, but writing more than ``max_cache_len`` tokens raises (checked on eager forwards;
+            a compiled decode step cannot check it).
         locks: the method's settings (or keyword overrides, as for `LocksCache`).
 
     ``model.generate(..., past_key_values=LocksStaticCache(model.config, max_cache_len=...))``
@@ -257,6 +265,8 @@ class LocksStaticCache(LocksCacheMixin, Cache):
     def __init__(self, config: PretrainedConfig, max_cache_len: int, locks: LocksConfig | None = None,
                  **overrides) -> None:
         locks = (locks or LocksConfig()).replace(**overrides)
+        if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
+            raise LocksConfigError(f"max_cache_len must be a positive int (prompt + new tokens), got {max_cache_len!r}")
         if locks.selector not in STATIC_SELECTORS:
             raise LocksConfigError(
                 f"LocksStaticCache supports selector in {STATIC_SELECTORS}, got {locks.selector!r}: the "
@@ -273,6 +283,7 @@ class LocksStaticCache(LocksCacheMixin, Cache):
                   else STATIC_LAYER_TYPE_MAPPING[kind](max_cache_len=max_cache_len, **kw)
                   for kind, kw in zip(layer_types, layer_kwargs)]
         super().__init__(layers=layers)
+        self.remember_model_shape(text_config)
 
     def crop(self, max_length: int) -> None:
         raise ValueError("LocksStaticCache cannot be cropped (assisted decoding): use LocksCache")

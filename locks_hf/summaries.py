@@ -45,11 +45,15 @@ def fit_pages(keys: torch.Tensor, valid: torch.Tensor, rank: int
     """Unquantized page fit: centroid ``[..., d]``, basis rows ``[..., r, d]``, coefficients ``[..., B, r]``.
 
     ``keys`` is ``[..., B, d]``, ``valid`` ``[..., B]``; invalid (padding) slots take no part in the
-    centroid or the basis, and get zero coefficients.
+    centroid or the basis, and get zero coefficients. A page whose real keys hold NaN or Inf gets a
+    NaN centroid (its score is then NaN, and selection always keeps it, as dense attention would
+    attend it) and is otherwise fitted as all zeros: an SVD of non-finite values raises.
     """
     # torch.where, not a multiply by the mask: unwritten slots may hold NaN, and NaN * 0 is NaN.
     real = valid.unsqueeze(-1)
     k = torch.where(real, keys.to(_compute_dtype(keys)), 0.0)
+    finite = torch.isfinite(k).flatten(-2).all(-1, keepdim=True)  # [..., 1]
+    k = torch.where(finite.unsqueeze(-1), k, 0.0)
     w = real.to(k.dtype)
     mu = k.sum(-2) / w.sum(-2).clamp_min(1.0)
     centered = torch.where(real, k - mu.unsqueeze(-2), 0.0)
@@ -59,7 +63,7 @@ def fit_pages(keys: torch.Tensor, valid: torch.Tensor, rank: int
     if basis.shape[-2] < rank:  # rank > head_dim cannot happen (validated), but d < B can
         basis = torch.nn.functional.pad(basis, (0, 0, 0, rank - basis.shape[-2]))
     coef = centered @ basis.transpose(-1, -2)
-    return mu, basis, coef
+    return torch.where(finite, mu, float("nan")), basis, coef
 
 
 def build_summary(keys: torch.Tensor, valid: torch.Tensor, rank: int, basis_bits: int = 4,

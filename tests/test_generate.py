@@ -158,13 +158,13 @@ def _pages_of(layer):
     return keys, valid
 
 
-def test_crop_and_assisted_decoding():
+def test_crop():
+    """Cropping (generate's deferred stop check rolls back its last step) drops incomplete pages.
+    Assisted decoding, the other user of crop, is refused (tests/test_refusals.py)."""
     ids = _ids(200)
-    ref = tiny("llama", "sdpa").generate(ids, max_new_tokens=10, do_sample=False, prompt_lookup_num_tokens=3)
     model = tiny("llama")
     cache = LocksCache(model.config, LocksConfig(budget=1024))
-    out = model.generate(ids, max_new_tokens=10, do_sample=False, prompt_lookup_num_tokens=3, past_key_values=cache)
-    assert torch.equal(out, ref)
+    model.generate(ids, max_new_tokens=10, do_sample=False, past_key_values=cache)
     layer = cache.layers[0]
     layer.crop(-(layer.length - 150))
     assert layer.length == 150 and layer.n_summarized == [150 // 16] and layer.keys.shape[2] == 150

@@ -1,0 +1,51 @@
+"""NaN / Inf inputs propagate as in dense attention: the affected row gives what dense gives, the
+other rows of the batch are untouched, and nothing raises."""
+
+import pytest
+import torch
+
+from locks_hf import LocksCache, LocksConfig
+from locks_hf.selectors import LocksSelector, select_pages
+from locks_hf.summaries import build_summary
+
+from conftest import tiny
+
+SELECTORS = ["locks", "quest", "oracle", "shared_basis", "shared_all"]
+
+
+@pytest.mark.parametrize("selector,poison", [(s, float("nan")) for s in SELECTORS] + [("locks", float("inf"))])
+def test_a_nonfinite_row_decodes_like_dense_and_spares_the_others(selector, poison):
+    dense, model = tiny("llama", "sdpa"), tiny("llama")
+    for m in (dense, model):
+        with torch.no_grad():
+            m.model.embed_tokens.weight[7] = poison  # token 7 puts NaN / Inf into the keys of its row
+    ids = torch.randint(8, 256, (2, 120), generator=torch.Generator().manual_seed(0))
+    ids[1, 50] = 7
+    cfg = LocksConfig(selector=selector, budget=32, rank=4)
+    want = dense.generate(ids, max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    got = model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=LocksCache(model.config, cfg),
+                         output_scores=True, return_dict_in_generate=True)
+    alone = model.generate(ids[:1], max_new_tokens=6, do_sample=False, past_key_values=LocksCache(model.config, cfg))
+    assert torch.equal(got.sequences[1], want.sequences[1])
+    assert all(torch.isnan(s[1]).all() for s in got.scores) == all(torch.isnan(s[1]).all() for s in want.scores)
+    assert torch.equal(got.sequences[:1], alone)
+
+
+def test_summary_of_a_nonfinite_page_scores_nan_and_is_always_selected():
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(1, 1, 6, 16, 8, generator=g, dtype=torch.float64)
+    keys[0, 0, 3, 5, 2] = float("nan")
+    valid = torch.ones(1, 1, 6, 16, dtype=torch.bool)
+    cfg = LocksConfig(rank=4, budget=48)
+    summary = build_summary(keys, valid, 4)  # no _LinAlgError
+    finite_pages = [0, 1, 2, 4, 5]
+    clean = build_summary(keys[:, :, finite_pages], valid[:, :, finite_pages], 4)
+    for name, tensor in clean.items():  # the finite pages are summarized as without the NaN page
+        assert torch.equal(summary[name][:, :, finite_pages], tensor), name
+    query = torch.randn(1, 1, 2, 8, generator=g, dtype=torch.float64)
+    scores = LocksSelector(cfg).page_scores(summary, None, valid[:, :1], query, 0.3)
+    assert torch.isnan(scores[..., 3]).all() and torch.isfinite(scores[..., finite_pages]).all()
+    real = torch.ones(1, 6, dtype=torch.bool)
+    for per_head in (False, True):
+        chosen = select_pages(scores, real, real, cfg.page_slots, "share_average", per_head)
+        assert chosen[0, 0].tolist() == [True, False, False, True, False, True]  # sink, NaN page, recent
