@@ -225,10 +225,11 @@ def _gen_niah(rng, n, cfg, base, src, seed):
 
 
 def _vt_chain(rng, num_hops, k):
-    names = set()
+    names: list[str] = []  # a list, not a set: a set's order depends on PYTHONHASHSEED
     while len(names) < num_hops + 1:
-        names.add("".join(rng.choices(string.ascii_uppercase, k=k)))
-    names = list(names)
+        name = "".join(rng.choices(string.ascii_uppercase, k=k))
+        if name not in names:
+            names.append(name)
     rng.shuffle(names)
     chain = [f"VAR {names[0]} = {rng.randint(10000, 99999)}"]
     chain += [f"VAR {names[j + 1]} = VAR {names[j]} " for j in range(num_hops)]

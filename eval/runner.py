@@ -140,19 +140,28 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", str(name))
 
 
-def _jsonl(path: Path) -> list[dict]:
+def _jsonl(path: Path, required: tuple[str, ...] = ("id",)) -> list[dict]:
+    """The rows of a JSON-lines file this harness wrote. A line cut by a kill (invalid JSON, or
+    bytes cut inside a multi-byte UTF-8 character) is skipped: that work is redone. A complete row
+    that is not an object or lacks a ``required`` key was not written here: a ValueError names it."""
     if not path.exists():
         return []
     out = []
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line:
-            continue
+    for number, raw in enumerate(path.read_bytes().split(b"\n"), 1):
         try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut by a kill: that work is redone
-            pass
+            row = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            continue  # blank, or torn by a kill
+        missing = [k for k in required if k not in row] if isinstance(row, dict) else list(required)
+        if missing:
+            raise ValueError(f"{path}:{number}: a row without {missing} (not written by locks-hf-eval): "
+                             "remove that line, or use another --out folder")
+        out.append(row)
     return out
+
+
+#: Keys every prediction row has (`merge` reads them all).
+PREDICTION_KEYS = ("id", "arm", "task", "length", "family", "budget", "selector")
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -241,7 +250,7 @@ class SweepRunner:
     def done_keys(self) -> set[tuple]:
         done = set()
         for path in (self.run_dir / "predictions").glob("shard-*.jsonl"):
-            for r in _jsonl(path):
+            for r in _jsonl(path, PREDICTION_KEYS):
                 done.add((r["id"], r["arm"], r.get("sample", 0)))
         return done
 
@@ -402,7 +411,7 @@ def merge(run_dir) -> dict:
     rows: dict[tuple, dict] = {}
     timing: dict[str, list] = defaultdict(lambda: [0.0, 0])
     for path in sorted((run_dir / "predictions").glob("shard-*.jsonl")):
-        for r in _jsonl(path):
+        for r in _jsonl(path, PREDICTION_KEYS):
             key = (r["id"], r["arm"], r.get("sample", 0))
             if key not in rows:
                 rows[key] = r
