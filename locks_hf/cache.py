@@ -21,6 +21,7 @@ from .config import LocksConfig
 from .models_support import check_model_supported
 from .selectors import PageSelector, make_selector
 
+
 # `Cache.update` runs just before the model calls the attention function, which receives the K/V
 # but not the cache. The layer that produced them is handed over through this thread-local slot and
 # checked there (`take_handoff`) by identity of the key tensor.
@@ -391,7 +392,7 @@ class LocksLayer(DynamicLayer, PagedLayer):
     prefetch = offload
 
 
-def _kernel_summary(layer: "LocksLayer", keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor] | None:
+def _kernel_summary(layer: LocksLayer, keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor] | None:
     """[locks_hf.kernels dispatch] Summaries built by the GPU kernels for CUDA keys, else ``None``."""
     if not keys.is_cuda or os.environ.get("LOCKS_HF_KERNELS", "1") == "0":
         return None
@@ -465,7 +466,7 @@ class LocksCache(LocksCacheMixin, DynamicCache):
             if layer_type == "full_attention":
                 self.layers[i] = LocksLayer(locks)
 
-    def fork(self, locks: LocksConfig | None = None) -> "LocksCache":
+    def fork(self, locks: LocksConfig | None = None) -> LocksCache:
         """An independent copy (e.g. of a prefilled prompt) that decodes with other settings.
 
         The K/V are copied once; summaries are reused when their layout is unchanged and rebuilt in

@@ -269,8 +269,9 @@ def load_model(name: str = DEFAULT_MODEL, *, attn_implementation: str = "locks",
         ValueError: unknown ``name``.
         ImportError: the package carrying the GGUF (or ``gguf``) is missing, with the pip command.
     """
-    import locks_hf  # noqa: F401  (registers attn_implementation="locks")
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import locks_hf  # noqa: F401  (registers attn_implementation="locks")
 
     info = _info(name)
     folder = convert(name, cache_dir)
@@ -339,8 +340,9 @@ def tiny_model(arch: str, *, attn_implementation: str = "locks", seed: int = 0, 
     ``arch``: one of `TINY_ARCHS` (Gemma 3 is the text-only `Gemma3ForCausalLM`, sliding and full
     layers mixed, ``sliding_window=32``). ``overrides`` change config fields.
     """
-    import locks_hf  # noqa: F401
     from transformers import AutoModelForCausalLM
+
+    import locks_hf  # noqa: F401
 
     config = tiny_config(arch, **overrides)
     with torch.random.fork_rng(devices=[]):

@@ -277,10 +277,9 @@ def rel(a, b):
 
 
 def check_real_shapes(model: str, length: int, slots: int, log) -> dict:
-    from locks_hf.selectors import QuestSelector, select_pages as ref_select
-    from locks_hf.summaries import build_summary as ref_build
-    from locks_hf.summaries import dequantize_summary, estimated_page_lse, exact_page_lse
     from locks_hf.config import LocksConfig
+    from locks_hf.selectors import QuestSelector, select_pages as ref_select
+    from locks_hf.summaries import build_summary as ref_build, dequantize_summary, estimated_page_lse, exact_page_lse
 
     hq, h, d, _, _ = MODELS[model]
     G = hq // h

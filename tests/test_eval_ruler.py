@@ -2,8 +2,15 @@
 
 import pytest
 
-from locks_hf.eval.ruler import (TASKS, RulerGenerator, postprocess_pred, score_record, split_sentences,
-                                 string_match_all, string_match_part)
+from locks_hf.eval.ruler import (
+    TASKS,
+    RulerGenerator,
+    postprocess_pred,
+    score_record,
+    split_sentences,
+    string_match_all,
+    string_match_part,
+)
 from locks_hf.eval.testing import ByteTokenizer
 
 TOK = ByteTokenizer()
