@@ -14,6 +14,7 @@ the decode wall time.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 
@@ -102,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the one-time model conversion
     parser = build_parser()
     args = parser.parse_args(argv)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
