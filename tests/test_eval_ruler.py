@@ -88,6 +88,7 @@ def _gemma_tokenizer():
         return None
 
 
+@pytest.mark.slow  # tokenizes full-length haystacks with the real Gemma 3 tokenizer
 def test_hits_length_with_real_tokenizer():
     tok = _gemma_tokenizer()
     if tok is None:

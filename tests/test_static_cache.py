@@ -87,6 +87,7 @@ def test_static_real_tokens_count_padding_and_holes():
         token = model(token, attention_mask=mask, past_key_values=cache).logits[:, -1:].argmax(-1)
 
 
+@pytest.mark.slow  # torch.compile of a whole decode step
 def test_compiled_decode_is_one_graph_without_recompiles():
     """generate() auto-compiles the decode step of a static cache: fullgraph (no graph break), one
     graph for every step (nothing that changes per step is a Python value), same tokens as eager."""
