@@ -11,7 +11,7 @@ device bandwidth. ``--check`` first compares every kernel with a float64 referen
 
 Prints a markdown table and writes JSON::
 
-    python scripts/bench_decode.py --check --out docs/bench_h200.json --md docs/bench_h200.md
+    python scripts/bench_decode.py --check --out runs/bench_h200.json --md runs/bench_h200.md   # summarised in docs/performance.md
 
 Needs torch with CUDA and triton; not transformers (``locks_hf`` is loaded without its
 transformers integration when that cannot be imported).
