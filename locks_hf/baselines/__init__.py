@@ -3,8 +3,10 @@
 Each module holds one method; `POLICIES` maps the `LocksConfig.selector` name to its class.
 """
 
+from .lazy_eviction import LazyEvictionPolicy
+from .rkv import RKVPolicy
 from .rocketkv import RocketKVPolicy
 
-POLICIES = {cls.name: cls for cls in (RocketKVPolicy,)}
+POLICIES = {cls.name: cls for cls in (RocketKVPolicy, RKVPolicy, LazyEvictionPolicy)}
 
-__all__ = ["POLICIES", "RocketKVPolicy"]
+__all__ = ["POLICIES", "LazyEvictionPolicy", "RKVPolicy", "RocketKVPolicy"]
