@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from locks_hf.config import BASELINE_POLICIES, LocksConfig
+from locks_hf.config import BASELINE_POLICIES, BudgetDoesNotFit, LocksConfig
 
 DEFAULT_ARMS = ("full", "oracle", "locks-r8i4", "locks-r4i4", "quest")
 DEFAULT_BUDGETS = (64, 128, 256, 512)
@@ -45,8 +45,12 @@ def family_config(family: str, budget: int, page_size: int = 16, **extra) -> Loc
                      f"shared_basis-r<rank>, shared_all-r<rank>, or a baseline: {', '.join(BASELINE_POLICIES)}")
 
 
-def parse_arms(families, budgets, page_size: int = 16) -> list[Arm]:
-    """Expand arm families x budgets (``full`` once, without a budget)."""
+def parse_arms(families, budgets, page_size: int = 16, not_run: list | None = None) -> list[Arm]:
+    """Expand arm families x budgets (``full`` once, without a budget).
+
+    An arm whose method does not fit its budget (`BudgetDoesNotFit`, e.g. ShadowKV below 424 tokens)
+    raises, or with a ``not_run`` list is left out and appended there as ``(name, reason)``.
+    """
     arms: list[Arm] = []
     for fam in families:
         fam = fam.strip()
@@ -59,7 +63,12 @@ def parse_arms(families, budgets, page_size: int = 16) -> list[Arm]:
             arms.append(Arm("full", None, family_config("full", 128, page_size)))
             continue
         for b in budgets:
-            arms.append(Arm(fam, int(b), family_config(fam, int(b), page_size)))
+            try:
+                arms.append(Arm(fam, int(b), family_config(fam, int(b), page_size)))
+            except BudgetDoesNotFit as err:
+                if not_run is None:
+                    raise
+                not_run.append((f"{fam}-b{b}", str(err)))
     names = [a.name for a in arms]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate arms in {names}")

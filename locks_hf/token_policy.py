@@ -104,7 +104,8 @@ class TokenPolicy(ABC):
     def __init__(self, config: LocksConfig) -> None:
         self.config = config
 
-    def validate(self, config: LocksConfig, head_dim: int | None = None) -> None:
+    @classmethod
+    def validate_config(cls, config: LocksConfig) -> None:
         """Raise `LocksConfigError` for settings the method cannot run with."""
 
     def start(self, layer, query: torch.Tensor, scale: float) -> PolicyState:

@@ -129,29 +129,86 @@ def test_rocketkv_needs_a_prefill_with_queries():
         _decode(model, cache, _ids(1), 2)
 
 
-@pytest.mark.parametrize("selector", ["rocketkv", "rkv", "lazy_eviction"])
+@pytest.mark.parametrize("selector", ["rocketkv", "rkv", "lazy_eviction", "shadowkv"])
 def test_covering_budget_generates_the_dense_tokens(arch, selector):
     ids = _ids(40)
     ref = tiny(arch, "sdpa").generate(ids, max_new_tokens=8, do_sample=False)
     model = tiny(arch)
-    cache = LocksCache(model.config, LocksConfig(selector=selector, budget=256))
+    cache = LocksCache(model.config, LocksConfig(selector=selector, budget=512))
     out = model.generate(ids, max_new_tokens=8, do_sample=False, past_key_values=cache)
     assert torch.equal(out, ref)
     assert cache.attended_fraction() == 1.0
 
 
-# enough new tokens for each method to evict (R-KV: its first compression at 128 generated tokens)
-NEW_TOKENS = {"rocketkv": 10, "rkv": 140, "lazy_eviction": 40}
+# (prompt, budget, new tokens) for each method to leave tokens out (R-KV: its first compression at
+# 128 generated tokens; ShadowKV: its smallest budget and a prompt beyond its 48 outlier chunks)
+SPARSE_RUN = {"rocketkv": (300, 64, 10), "rkv": (300, 64, 140), "lazy_eviction": (300, 64, 40),
+              "shadowkv": (1000, 512, 6)}
 
 
-@pytest.mark.parametrize("selector", list(NEW_TOKENS))
+@pytest.mark.parametrize("selector", list(SPARSE_RUN))
 def test_small_budget_generate_runs(arch, selector):
     model = tiny(arch)
-    cache = LocksCache(model.config, LocksConfig(selector=selector, budget=64))
-    n = NEW_TOKENS[selector]
-    out = model.generate(_ids(300), max_new_tokens=n, do_sample=False, past_key_values=cache)
-    assert out.shape == (1, 300 + n)
+    prompt, budget, n = SPARSE_RUN[selector]
+    cache = LocksCache(model.config, LocksConfig(selector=selector, budget=budget))
+    out = model.generate(_ids(prompt), max_new_tokens=n, do_sample=False, past_key_values=cache)
+    assert out.shape == (1, prompt + n)
     assert 0 < cache.attended_fraction() < 1
+
+
+# -- ShadowKV --------------------------------------------------------------------------------------
+def test_shadowkv_landmarks_outliers_and_chunk_scores_follow_the_published_rule():
+    from locks_hf.baselines.shadowkv import chunk_scores, landmarks_and_outliers
+
+    h, C, d, G, n_out = 2, 12, 6, 3, 5
+    keys = _randn(h, C * 8, d)
+    marks, outliers = landmarks_and_outliers(keys, n_out)
+    q = _randn(h, G, d)
+    scores = chunk_scores(marks, q, 0.7)
+    for j in range(h):
+        lowest = []
+        for c in range(C):
+            chunk = keys[j, c * 8:(c + 1) * 8]
+            mean = chunk.mean(0)
+            assert torch.allclose(marks[j, c], mean, atol=1e-12)
+            lowest.append(min(float(k @ mean / (k.norm() * mean.norm())) for k in chunk))
+        want = set(sorted(range(C), key=lambda c: (lowest[c], c))[:n_out])
+        assert set(torch.nonzero(outliers[j]).flatten().tolist()) == want
+        per_head = torch.stack([torch.softmax(0.7 * marks[j] @ q[j, g], 0) for g in range(G)])
+        assert torch.allclose(scores[j], per_head.amax(0), atol=1e-12)
+
+
+def test_shadowkv_attends_outliers_local_window_and_the_budgets_chunks():
+    from locks_hf.baselines.shadowkv import CHUNK, OUTLIER_CHUNKS
+
+    model = tiny("llama")
+    cache = LocksCache(model.config, LocksConfig(selector="shadowkv", budget=512))
+    T = 1003  # 121 chunks of context, then a local window of 4 chunks + 3 tokens
+    out = model(_ids(T), past_key_values=cache)
+    token = out.logits[:, -1:].argmax(-1)
+    model(token, past_key_values=cache)
+    state = cache.locks_layers[0].policy_state
+    chunks = T // CHUNK - 4
+    fixed = state.keep[0, :, 0, :T]
+    assert (fixed[:, chunks * CHUNK:]).all()  # the local window
+    assert (fixed[:, : chunks * CHUNK].sum(-1) == OUTLIER_CHUNKS * CHUNK).all()
+    selected = (512 - 416) // CHUNK * CHUNK
+    # every step: the outliers, the local window, the selected chunks and the generated tokens
+    assert cache.decode_traffic()["attended_tokens"] == OUTLIER_CHUNKS * CHUNK + (T - chunks * CHUNK) + selected + 1
+
+
+def test_shadowkv_below_its_fixed_blocks_does_not_fit_and_the_sweep_skips_it():
+    from locks_hf.config import BudgetDoesNotFit
+    from locks_hf.eval.arms import parse_arms
+
+    with pytest.raises(BudgetDoesNotFit, match="424"):
+        LocksConfig(selector="shadowkv", budget=256)
+    not_run = []
+    arms = parse_arms(["quest", "shadowkv"], [256, 512], not_run=not_run)
+    assert [a.name for a in arms] == ["quest-b256", "quest-b512", "shadowkv-b512"]
+    assert [n for n, _ in not_run] == ["shadowkv-b256"]
+    with pytest.raises(BudgetDoesNotFit):
+        parse_arms(["shadowkv"], [256])
 
 
 # -- the sweep -------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ Each module holds one method; `POLICIES` maps the `LocksConfig.selector` name to
 from .lazy_eviction import LazyEvictionPolicy
 from .rkv import RKVPolicy
 from .rocketkv import RocketKVPolicy
+from .shadowkv import ShadowKVPolicy
 
-POLICIES = {cls.name: cls for cls in (RocketKVPolicy, RKVPolicy, LazyEvictionPolicy)}
+POLICIES = {cls.name: cls for cls in (RocketKVPolicy, RKVPolicy, LazyEvictionPolicy, ShadowKVPolicy)}
 
-__all__ = ["POLICIES", "LazyEvictionPolicy", "RKVPolicy", "RocketKVPolicy"]
+__all__ = ["POLICIES", "LazyEvictionPolicy", "RKVPolicy", "RocketKVPolicy", "ShadowKVPolicy"]
