@@ -124,7 +124,7 @@ def cmd_sweep(args):
     arms = parse_arms(_split(args.arms), [int(b) for b in _split(args.budgets)], page_size=args.page_size,
                       not_run=not_run)
     for name, reason in not_run:
-        print(f"not run: {name}: {reason}", file=sys.stderr)
+        logger.warning("not run: %s: %s", name, reason)
     t0 = time.time()
     model, tok = load_any_model(args.model, _device(args.device), args.dtype)
     logger.info("loaded %s in %.0f s", args.model, time.time() - t0)
