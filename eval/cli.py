@@ -65,6 +65,38 @@ def load_tokenizer_only(name: str):
     return tok
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _positive_int_list(text: str) -> str:
+    """argparse type: comma-separated ints >= 1 (kept as text; the commands split it)."""
+    for item in _split(text):
+        _positive_int(item)
+    return text
+
+
+def _shard(text: str) -> str:
+    """argparse type: ``i/n`` with ``0 <= i < n``, checked before any model loads."""
+    from .runner import parse_shard
+
+    try:
+        parse_shard(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
 def _device(arg):
     import torch
 
@@ -152,7 +184,11 @@ def cmd_sweep(args):
 def cmd_merge(args):
     from .runner import merge
 
-    print(json.dumps(merge(args.out)))
+    try:
+        info = merge(args.out)
+    except FileNotFoundError as err:
+        raise SystemExit(f"locks-hf-eval merge: {err}") from None
+    print(json.dumps(info))
 
 
 def cmd_report(args):
@@ -236,27 +272,27 @@ def cmd_ib_score(args):
         print(f"| {row['task']} | {row['n']} | {row['score']:.2f} | {row.get('reported', '')} |")
 
 
-def main(argv=None):
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+def build_parser() -> argparse.ArgumentParser:
+    """The ``locks-hf-eval`` argument parser (every sub-command)."""
     p = argparse.ArgumentParser(prog="locks-hf-eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def common(sp):
         sp.add_argument("--model", default="gemma3-270m", help="gemma3-270m | smollm2-135m | tiny-<llama|gemma3|qwen3>[-d<head_dim>]")
         sp.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when available, else cpu)")
-        sp.add_argument("--dtype", default="float32", help="model weights and K/V dtype: float32 | bfloat16 | float16")
-        sp.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+        sp.add_argument("--dtype", default="float32", choices=DTYPES, help="model weights and K/V dtype")
+        sp.add_argument("--threads", type=_positive_int, default=None, help="torch.set_num_threads (CPU)")
         sp.add_argument("--arms", default="full,oracle,locks-r8i4,locks-r4i4,locks-r2i4,quest",
                         help="comma-separated arm families: full, oracle, quest, locks-r<rank>i<bits> (or r8i4), "
                         "locks-r<rank>bf16, shared_basis-r<rank>, shared_all-r<rank>; each but full runs at every budget")
-        sp.add_argument("--budgets", default="64,128,256,512,1024,2048",
+        sp.add_argument("--budgets", default="64,128,256,512,1024,2048", type=_positive_int_list,
                         help="comma-separated token budgets b per layer and KV head")
-        sp.add_argument("--page-size", type=int, default=16, help="tokens per page B")
+        sp.add_argument("--page-size", type=_positive_int, default=16, help="tokens per page B")
         sp.add_argument("--tasks", default=None, help="comma-separated task names of the benchmark (default: RULER all 13, "
                         "LongBench multi_news, InfiniteBench passkey, math math500)")
-        sp.add_argument("--lengths", default=None, help="comma-separated prompt lengths in tokens for generated tasks "
+        sp.add_argument("--lengths", default=None, type=_positive_int_list, help="comma-separated prompt lengths in tokens for generated tasks "
                         "(RULER, InfiniteBench; default 4096)")
-        sp.add_argument("--num-samples", type=int, default=10, help="records per task (and length)")
+        sp.add_argument("--num-samples", type=_positive_int, default=10, help="records per task (and length)")
         sp.add_argument("--seed", type=int, default=None, help="seed of record generation (default: the benchmark's)")
         sp.add_argument("--data-dir", default=None, help="evaluation data (layout of shared/data); default: "
                         "$LOCKS_HF_DATA, ../shared/data, else packaged samples")
@@ -264,25 +300,28 @@ def main(argv=None):
 
     s = sub.add_parser("sweep", help="run arms over a benchmark (resumable)")
     common(s)
-    s.add_argument("--benchmark", default="ruler", choices=["ruler", "longbench", "infinitebench", "math"])
-    s.add_argument("--protocol", default="dense-question", choices=["dense-question", "sparse-question"])
-    s.add_argument("--shard", default=None, help="i/n: this process runs records j with j %% n == i")
-    s.add_argument("--limit", type=int, default=None, help="first N records only")
-    s.add_argument("--max-new-tokens", type=int, default=None, help="cap on generated tokens (math: the generation cap)")
+    s.add_argument("--benchmark", default="ruler", choices=["ruler", "longbench", "infinitebench", "math"],
+                   help="which benchmark the records come from")
+    s.add_argument("--protocol", default="dense-question", choices=["dense-question", "sparse-question"],
+                   help="dense-question: the whole prompt is prefilled densely; sparse-question: the question "
+                   "tokens are fed one by one through sparse decode steps")
+    s.add_argument("--shard", default=None, type=_shard, help="i/n: this process runs records j with j %% n == i")
+    s.add_argument("--limit", type=_positive_int, default=None, help="first N records only")
+    s.add_argument("--max-new-tokens", type=_positive_int, default=None, help="cap on generated tokens (math: the generation cap)")
     s.add_argument("--haystack", default=None, help="RULER essay haystack text file")
     s.add_argument("--wordlists", default=None, help="folder with wonderwords-2.2.0_{noun,adjective,verb}list.txt")
     s.add_argument("--no-stop-newline", action="store_true", help="RULER: do not stop at the first newline")
     s.add_argument("--records-dir", default=None, help="LongBench / InfiniteBench local <task>.jsonl folder")
-    s.add_argument("--max-length", type=int, default=None, help="LongBench/InfiniteBench prompt truncation (tokens)")
+    s.add_argument("--max-length", type=_positive_int, default=None, help="LongBench/InfiniteBench prompt truncation (tokens)")
     s.add_argument("--chat", action="store_true", help="LongBench: apply the tokenizer's chat template")
-    s.add_argument("--k", type=int, default=1, help="math: samples per problem (avg@k)")
-    s.add_argument("--temperature", type=float, default=0.6)
-    s.add_argument("--top-p", type=float, default=0.95)
-    s.add_argument("--no-thinking", action="store_true")
+    s.add_argument("--k", type=_positive_int, default=1, help="math: samples per problem (avg@k)")
+    s.add_argument("--temperature", type=float, default=0.6, help="math: sampling temperature")
+    s.add_argument("--top-p", type=float, default=0.95, help="math: nucleus sampling threshold")
+    s.add_argument("--no-thinking", action="store_true", help="math: disable the chat template's thinking mode")
     s.set_defaults(func=cmd_sweep)
 
     m = sub.add_parser("merge", help="combine shard predictions into results.jsonl / scores.csv")
-    m.add_argument("--out", required=True)
+    m.add_argument("--out", required=True, help="the sweep run folder whose predictions/ to merge")
     m.set_defaults(func=cmd_merge)
 
     r = sub.add_parser("report", help="markdown tables + PNG plots from run folders")
@@ -297,8 +336,8 @@ def main(argv=None):
     f = sub.add_parser("fidelity", help="selection fidelity on captured decode queries/keys")
     common(f)
     f.add_argument("--records-from", default=None, help="a sweep run folder: use its records' prompts")
-    f.add_argument("--num-prompts", type=int, default=2, help="prompts per task (and length)")
-    f.add_argument("--steps", type=int, default=8, help="decode steps captured per prompt")
+    f.add_argument("--num-prompts", type=_positive_int, default=2, help="prompts per task (and length)")
+    f.add_argument("--steps", type=_positive_int, default=8, help="decode steps captured per prompt")
     f.add_argument("--drop-full", action="store_true")
     f.set_defaults(func=cmd_fidelity)
 
@@ -313,7 +352,12 @@ def main(argv=None):
     i.add_argument("--data-dir", default=None)
     i.set_defaults(func=cmd_ib_score)
 
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
     args.func(args)
 
 

@@ -2,12 +2,15 @@
 
 Records: from the HF Hub by name (``datasets.load_dataset("THUDM/LongBench", task, split="test")``)
 when online, or a local folder of ``<task>.jsonl`` files in the official layout (``--records-dir``;
-default: ``shared/data/longbench/records``, then the packaged 2-record multi_news sample).
+default: ``shared/data/longbench/records``); the packaged 2-record multi_news sample only with
+``LOCKS_HF_DATA=none``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +19,8 @@ from .metrics import longbench_sample_score
 from .paths import data_file, package_data, shared_data_dir
 
 HF_DATASET = "THUDM/LongBench"
+
+logger = logging.getLogger(__name__)
 
 
 def load_spec(data_dir=None) -> dict:
@@ -36,7 +41,23 @@ def truncate_middle_text(prompt: str, tokenizer, max_length: int) -> str:
     return tokenizer.decode(ids[:half], skip_special_tokens=True) + tokenizer.decode(ids[-half:], skip_special_tokens=True)
 
 
+def _hub_records(task: str) -> list[dict]:  # pragma: no cover - needs network
+    from datasets import load_dataset
+
+    return list(load_dataset(HF_DATASET, task, split="test"))
+
+
+def samples_only() -> bool:
+    """``LOCKS_HF_DATA=none``: the user asked for the packaged samples (tests, smoke runs)."""
+    return os.environ.get("LOCKS_HF_DATA", "").lower() == "none"
+
+
 def load_records(task: str, records_dir=None, data_dir=None) -> list[dict]:
+    """The test records of ``task``: ``records_dir/<task>.jsonl``, the data folder's, else the HF Hub.
+
+    The packaged 2-record sample is used only when asked for (``LOCKS_HF_DATA=none``), never as a
+    silent stand-in for a missing dataset.
+    """
     candidates = []
     if records_dir:
         candidates.append(Path(records_dir) / f"{task}.jsonl")
@@ -46,16 +67,19 @@ def load_records(task: str, records_dir=None, data_dir=None) -> list[dict]:
     for p in candidates:
         if p.exists():
             return [json.loads(l) for l in p.read_text().splitlines() if l.strip()]
-    try:  # pragma: no cover - needs network
-        from datasets import load_dataset
-
-        return list(load_dataset(HF_DATASET, task, split="test"))
+    sample = package_data(f"longbench_{task}_sample2.jsonl")
+    if samples_only():
+        if not sample.exists():
+            raise FileNotFoundError(f"LongBench {task}: no packaged sample ({sample.name}); unset LOCKS_HF_DATA=none")
+        logger.warning("LongBench %s: the packaged %s (LOCKS_HF_DATA=none), not the dataset", task, sample.name)
+        return [json.loads(l) for l in sample.read_text().splitlines() if l.strip()]
+    try:
+        return _hub_records(task)
     except Exception as err:
-        sample = package_data(f"longbench_{task}_sample2.jsonl")
-        if sample.exists():
-            return [json.loads(l) for l in sample.read_text().splitlines() if l.strip()]
-        raise FileNotFoundError(f"LongBench {task}: no local records ({', '.join(map(str, candidates)) or 'none given'}) "
-                                f"and the HF Hub is unreachable ({err})") from err
+        raise FileNotFoundError(
+            f"LongBench {task}: no local records ({', '.join(map(str, candidates)) or 'none given'}) and the HF Hub "
+            f"is unreachable ({type(err).__name__}: {err}). Pass --records-dir <folder of <task>.jsonl> or --data-dir, "
+            "or set LOCKS_HF_DATA=none to run the packaged 2-record sample (a smoke test, not the benchmark)") from err
 
 
 @dataclass

@@ -417,6 +417,10 @@ class RulerGenerator:
             if ok or n <= step:
                 break
             n -= step
+        if not ok:
+            raise ValueError(
+                f"RULER {task} at length {length}: the smallest record has {total} prompt tokens + "
+                f"{self.tokens_to_generate(task)} to generate, more than {length}; choose a longer --lengths")
         rec = {
             "task": task, "length": length, "index": index, "id": f"{task}-{length}-{index}",
             "input": text, "answer_prefix": prefix, "outputs": outs,

@@ -127,10 +127,10 @@ def _cut_at_stop(text: str, stop: str) -> str:
 def parse_shard(shard: str | None) -> tuple[int, int]:
     """``"i/n"`` -> (i, n); ``None`` -> from accelerate/torchrun env (RANK, WORLD_SIZE) or (0, 1)."""
     if shard:
-        i, n = (int(x) for x in shard.split("/"))
-        if not 0 <= i < n:
-            raise ValueError(f"--shard {shard}: need 0 <= i < n")
-        return i, n
+        i, _, n = str(shard).partition("/")
+        if not (i.strip().isdigit() and n.strip().isdigit()) or not 0 <= int(i) < int(n):
+            raise ValueError(f"--shard {shard!r}: expected i/n with 0 <= i < n, e.g. 0/2")
+        return int(i), int(n)
     n = int(os.environ.get("WORLD_SIZE", "1"))
     i = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
     return i, n
@@ -421,6 +421,8 @@ def merge(run_dir) -> dict:
     The merged files depend only on the predictions, not on how the work was sharded.
     """
     run_dir = Path(run_dir)
+    if not (run_dir / "predictions").is_dir():
+        raise FileNotFoundError(f"{run_dir} is not a sweep run folder (no predictions/ in it): check --out")
     cfg = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else {}
     arm_order = {a["name"]: i for i, a in enumerate(cfg.get("arms", []))}
     rows: dict[tuple, dict] = {}

@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import time
 from dataclasses import dataclass
@@ -179,12 +180,13 @@ def convert(name: str, cache_dir: str | os.PathLike | None = None, *, force: boo
 
     info = _info(name)
     target = model_cache_dir(name, cache_dir)
+    remove_stale_work(target)
     if not force and _cache_valid(target):
         return target
     _require(info)
     target.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_work_prefix(name, 'tmp')}{_owner()}-", dir=target.parent))
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private
@@ -212,7 +214,7 @@ def convert(name: str, cache_dir: str | os.PathLike | None = None, *, force: boo
             if _cache_valid(target) and not force:
                 shutil.rmtree(tmp, ignore_errors=True)
                 return target
-            old = target.with_name(f".{name}.old-{os.getpid()}")
+            old = target.with_name(f"{_work_prefix(name, 'old')}{_owner()}")
             target.rename(old)
             shutil.rmtree(old, ignore_errors=True)
         try:
@@ -226,6 +228,54 @@ def convert(name: str, cache_dir: str | os.PathLike | None = None, *, force: boo
         raise
     logger.info("converted %s in %.0f s", name, time.perf_counter() - start)
     return target
+
+
+def _owner() -> str:
+    """Names this process in its work folders: ``<host>@<pid>`` (a cache folder may be shared by hosts)."""
+    return f"{socket.gethostname()}@{os.getpid()}"
+
+
+#: Work folders of an unknown owner (written before owners were recorded) older than this are stale.
+_UNOWNED_STALE_SECONDS = 24 * 3600
+
+
+def _work_prefix(name: str, kind: str) -> str:
+    return f".{name}.{kind}-"
+
+
+def _owner_gone(owner: str) -> bool:
+    """Whether the process ``<host>@<pid>`` is known to have exited (only this host's can be known)."""
+    host, _, pid = owner.rpartition("@")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
+
+
+def remove_stale_work(target: Path) -> list[Path]:
+    """Delete the temporary folders that conversions of ``target`` killed before their cleanup ran
+    (``kill -9``, power loss) left beside it; folders of running conversions are kept. Returns those removed."""
+    removed = []
+    name = target.name
+    for kind in ("tmp", "old"):
+        for folder in target.parent.glob(f"{_work_prefix(name, kind)}*"):
+            host, at, pid_and_suffix = folder.name[len(_work_prefix(name, kind)):].rpartition("@")
+            owner = f"{host}@{pid_and_suffix.split('-', 1)[0]}" if at else ""
+            try:
+                age = time.time() - folder.stat().st_mtime
+            except FileNotFoundError:  # removed by a concurrent cleanup
+                continue
+            if (_owner_gone(owner) if owner else age > _UNOWNED_STALE_SECONDS) and folder.is_dir():
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(folder)
+    if removed:
+        logger.info("removed %d stale conversion folder(s) beside %s", len(removed), target)
+    return removed
 
 
 def _as_plain_model(model) -> None:

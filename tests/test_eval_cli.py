@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from locks_hf.eval.cli import main
 
 
@@ -48,3 +50,60 @@ def test_tiny_model_names_set_head_dim():
     model, _ = load_any_model("tiny-llama-d64")
     assert model.config.head_dim == 64 and model.model.layers[0].self_attn.k_proj.out_features == 2 * 64
     assert load_any_model("tiny-llama")[0].config.head_dim == 16
+
+
+SWEEP = ["sweep", "--model", "tiny-llama", "--tasks", "niah_single_1", "--lengths", "768", "--num-samples", "1",
+         "--arms", "full", "--budgets", "64", "--max-new-tokens", "2"]
+
+
+@pytest.mark.parametrize("flag,value,needle", [
+    ("--max-new-tokens", "0", "positive integer"),
+    ("--lengths", "0", "positive integer"),
+    ("--num-samples", "-3", "positive integer"),
+    ("--budgets", "64,abc", "positive integer"),
+    ("--shard", "abc", "expected i/n"),
+    ("--shard", "3/2", "0 <= i < n"),
+    ("--dtype", "float99", "invalid choice"),
+])
+def test_sweep_arguments_that_mean_nothing_are_refused_before_loading(tmp_path, capsys, monkeypatch, flag, value,
+                                                                      needle):
+    import locks_hf.eval.cli as cli
+
+    monkeypatch.setattr(cli, "load_any_model", _must_not_load)
+    args = list(SWEEP)
+    if flag in args:
+        args[args.index(flag) + 1] = value
+    else:
+        args += [flag, value]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args + ["--out", str(tmp_path / "run")])
+    assert exit_info.value.code == 2 and needle in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def _must_not_load(*args, **kwargs):
+    raise AssertionError("the model was loaded before the arguments were checked")
+
+
+def test_merge_of_a_folder_that_is_not_a_run_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match="not a sweep run folder"):
+        main(["merge", "--out", str(tmp_path / "typo")])
+    assert not (tmp_path / "typo").exists()
+
+
+def test_ruler_length_too_short_for_the_task_is_refused():
+    from locks_hf.eval.ruler import RulerGenerator
+    from locks_hf.eval.testing import ByteTokenizer
+
+    with pytest.raises(ValueError, match="choose a longer --lengths"):
+        RulerGenerator(ByteTokenizer()).record("niah_single_1", 100, 0)
+
+
+def test_every_sweep_argument_has_a_help_text():
+    from locks_hf.eval.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "cmd")
+    sweep = sub.choices["sweep"]
+    options = {o for a in sweep._actions for o in a.option_strings}
+    assert {"--arms", "--budgets", "--tasks", "--lengths", "--out", "--device", "--dtype"} <= options
+    assert [a.dest for a in sweep._actions if not a.help] == []

@@ -9,7 +9,8 @@ TOK = ByteTokenizer()
 
 
 @pytest.mark.slow  # ROUGE over a full multi_news record: about a minute of CPU
-def test_prompt_truncation_and_score():
+def test_prompt_truncation_and_score(monkeypatch):
+    monkeypatch.setenv("LOCKS_HF_DATA", "none")  # the packaged 2-record sample
     spec = load_spec()
     assert spec["tasks"]["multi_news"]["max_new_tokens"] == 512 and spec["tasks"]["multi_news"]["metric"] == "rouge"
     rec = load_records("multi_news")[0]
@@ -27,3 +28,24 @@ def test_prompt_truncation_and_score():
     assert b.max_new_tokens(recs[0]) == 512
     assert b.score(recs[0], recs[0]["answers"][0])["score"] > 0.99
     assert b.score(recs[0], "")["score"] == 0.0
+
+
+def _no_hub(task):
+    raise ConnectionError("offline")
+
+
+def test_no_data_and_no_hub_is_an_error_not_the_sample(tmp_path, monkeypatch):
+    import locks_hf.eval.longbench as lb
+
+    monkeypatch.setattr(lb, "_hub_records", _no_hub)
+    monkeypatch.setenv("LOCKS_HF_DATA", str(tmp_path))  # a data folder without LongBench records
+    with pytest.raises(FileNotFoundError, match="LOCKS_HF_DATA=none"):
+        LongBenchBenchmark(TOK, ["multi_news"], num_samples=50).records()
+
+
+def test_the_sample_runs_only_when_asked_for(monkeypatch):
+    import locks_hf.eval.longbench as lb
+
+    monkeypatch.setattr(lb, "_hub_records", _no_hub)
+    monkeypatch.setenv("LOCKS_HF_DATA", "none")
+    assert len(load_records("multi_news")) == 2
