@@ -54,6 +54,10 @@ class Benchmark(ABC):
     def describe(self) -> dict:
         return {"name": self.name}
 
+    def data_files(self) -> dict:
+        """``{role: path}`` of the local files the records are made from (hashed into the run manifest)."""
+        return {}
+
 
 def encode_text(tokenizer, text: str):
     try:
@@ -125,6 +129,9 @@ class RulerBenchmark(Benchmark):
         from .ruler import METRICS, postprocess_pred
 
         return {"score": METRICS[rec["metric"]](postprocess_pred(pred), rec["outputs"])}
+
+    def data_files(self):
+        return self._gen.data_files(self.tasks)
 
     def describe(self):
         return {"name": self.name, "tasks": self.tasks, "lengths": self.lengths, "num_samples": self.num_samples,

@@ -163,8 +163,14 @@ def cmd_sweep(args):
     bench = build_benchmark(args, tok)
     runner = SweepRunner(model, tok, bench, arms, args.out, protocol=args.protocol, shard=args.shard,
                          model_name=args.model, limit=args.limit, max_new_tokens=args.max_new_tokens
-                         if args.benchmark != "math" else None, seed=args.seed or 0, not_run=not_run)
-    runner.run()
+                         if args.benchmark != "math" else None, seed=args.seed or 0, not_run=not_run,
+                         allow_manifest_change=args.allow_manifest_change)
+    from .manifest import ManifestMismatch
+
+    try:
+        runner.run()
+    except ManifestMismatch as err:
+        raise SystemExit(f"locks-hf-eval sweep: {err}") from None
     i, n = runner.shard
     if n > 1 and not args.shard:  # accelerate / torchrun: rank 0 merges after everyone finished
         try:
@@ -306,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dense-question: the whole prompt is prefilled densely; sparse-question: the question "
                    "tokens are fed one by one through sparse decode steps")
     s.add_argument("--shard", default=None, type=_shard, help="i/n: this process runs records j with j %% n == i")
+    s.add_argument("--allow-manifest-change", action="store_true",
+                   help="resume a run folder although its manifest.json (library version, git commit, "
+                   "transformers / torch versions, data file hashes, seeds) differs; the change is recorded")
     s.add_argument("--limit", type=_positive_int, default=None, help="first N records only")
     s.add_argument("--max-new-tokens", type=_positive_int, default=None, help="cap on generated tokens (math: the generation cap)")
     s.add_argument("--haystack", default=None, help="RULER essay haystack text file")

@@ -52,21 +52,31 @@ def samples_only() -> bool:
     return os.environ.get("LOCKS_HF_DATA", "").lower() == "none"
 
 
-def load_records(task: str, records_dir=None, data_dir=None) -> list[dict]:
-    """The test records of ``task``: ``records_dir/<task>.jsonl``, the data folder's, else the HF Hub.
-
-    The packaged 2-record sample is used only when asked for (``LOCKS_HF_DATA=none``), never as a
-    silent stand-in for a missing dataset.
-    """
+def _record_candidates(task: str, records_dir=None, data_dir=None) -> list[Path]:
     candidates = []
     if records_dir:
         candidates.append(Path(records_dir) / f"{task}.jsonl")
     root = shared_data_dir(data_dir)
     if root is not None:
         candidates.append(root / "longbench" / "records" / f"{task}.jsonl")
-    for p in candidates:
-        if p.exists():
-            return [json.loads(l) for l in p.read_text().splitlines() if l.strip()]
+    return candidates
+
+
+def local_records_file(task: str, records_dir=None, data_dir=None) -> Path | None:
+    """The local ``<task>.jsonl`` the records are read from (``records_dir`` first), or ``None``."""
+    return next((p for p in _record_candidates(task, records_dir, data_dir) if p.exists()), None)
+
+
+def load_records(task: str, records_dir=None, data_dir=None) -> list[dict]:
+    """The test records of ``task``: ``records_dir/<task>.jsonl``, the data folder's, else the HF Hub.
+
+    The packaged 2-record sample is used only when asked for (``LOCKS_HF_DATA=none``), never as a
+    silent stand-in for a missing dataset.
+    """
+    local = local_records_file(task, records_dir, data_dir)
+    if local is not None:
+        return [json.loads(l) for l in local.read_text().splitlines() if l.strip()]
+    candidates = _record_candidates(task, records_dir, data_dir)
     sample = package_data(f"longbench_{task}_sample2.jsonl")
     if samples_only():
         if not sample.exists():
@@ -137,6 +147,16 @@ class LongBenchBenchmark(Benchmark):
     def score(self, rec, pred):
         t = self.spec["tasks"][rec["task"]]
         return {"score": longbench_sample_score(rec["task"], t["metric"], pred, rec["answers"], rec.get("all_classes"))}
+
+    def data_files(self):
+        files = {"spec": data_file("longbench/longbench_tasks.json", "longbench_tasks.json", self.data_dir)}
+        for task in self.tasks:
+            path = local_records_file(task, self.records_dir, self.data_dir)
+            if path is None and samples_only():
+                path = package_data(f"longbench_{task}_sample2.jsonl")
+            if path is not None:  # else the HF Hub's (its revision is not recorded)
+                files[f"records_{task}"] = path
+        return files
 
     def describe(self):
         return {"name": self.name, "tasks": self.tasks, "max_length": self.max_length, "num_samples": self.num_samples,

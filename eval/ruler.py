@@ -92,9 +92,31 @@ class RulerSources:
     def _file(self, explicit, rel, sample):
         return Path(explicit) if explicit else data_file(rel, sample, self.data_dir)
 
+    def haystack_file(self) -> Path:
+        return self._file(self.haystack_path, "haystack/paul_graham_essays.txt", "haystack_sample.txt")
+
+    def wordlist_file(self, kind: str) -> Path:
+        name = f"wonderwords-2.2.0_{kind}list.txt"
+        return Path(self.wordlist_dir) / name if self.wordlist_dir else data_file(f"ruler/wordlists/{name}", name,
+                                                                                 self.data_dir)
+
+    def squad_file(self) -> Path:
+        return self._file(self.squad_path, "ruler/qa_sources/squad_v2_dev_sample500.jsonl",
+                          "ruler_squad_v2_dev_sample12.jsonl")
+
+    def hotpotqa_file(self) -> Path:
+        return self._file(self.hotpotqa_path, "ruler/qa_sources/hotpotqa_dev_distractor_subset1100.json",
+                          "ruler_hotpotqa_dev_distractor_sample5.json")
+
+    def files(self) -> dict[str, Path]:
+        """``{role: path}`` of every source file (resolved, not read)."""
+        out = {"haystack": self.haystack_file(), "squad": self.squad_file(), "hotpotqa": self.hotpotqa_file()}
+        out.update({f"wordlist_{kind}": self.wordlist_file(kind) for kind in ("noun", "adjective", "verb")})
+        return out
+
     def essay_words(self) -> list[str]:
         if "essay" not in self._cache:
-            path = self._file(self.haystack_path, "haystack/paul_graham_essays.txt", "haystack_sample.txt")
+            path = self.haystack_file()
             self._cache["essay"] = re.sub(r"\s+", " ", path.read_text()).strip().split(" ")
             self._cache["essay_path"] = str(path)
         return self._cache["essay"]
@@ -102,8 +124,7 @@ class RulerSources:
     def words(self, kind: str) -> list[str]:
         key = f"w_{kind}"
         if key not in self._cache:
-            name = f"wonderwords-2.2.0_{kind}list.txt"
-            path = Path(self.wordlist_dir) / name if self.wordlist_dir else data_file(f"ruler/wordlists/{name}", name, self.data_dir)
+            path = self.wordlist_file(kind)
             self._cache[key] = [w for w in path.read_text().split("\n") if w.strip()]
         return self._cache[key]
 
@@ -122,8 +143,7 @@ class RulerSources:
 
     def squad(self):
         if "squad" not in self._cache:
-            path = self._file(self.squad_path, "ruler/qa_sources/squad_v2_dev_sample500.jsonl",
-                              "ruler_squad_v2_dev_sample12.jsonl")
+            path = self.squad_file()
             rows = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
             docs = sorted({r["context"] for r in rows})
             index = {d: i for i, d in enumerate(docs)}
@@ -135,8 +155,7 @@ class RulerSources:
 
     def hotpotqa(self):
         if "hotpot" not in self._cache:
-            path = self._file(self.hotpotqa_path, "ruler/qa_sources/hotpotqa_dev_distractor_subset1100.json",
-                              "ruler_hotpotqa_dev_distractor_sample5.json")
+            path = self.hotpotqa_file()
             data = json.loads(path.read_text())
             doc_of = lambda c: f"{c[0]}\n{''.join(c[1])}"
             docs = sorted({doc_of(c) for r in data for c in r["context"]})
@@ -353,11 +372,25 @@ class RulerGenerator:
 
     def __init__(self, tokenizer, sources: RulerSources | None = None, seed: int | None = None, spec: dict | None = None,
                  data_dir=None):
-        self.spec = spec or load_spec(data_dir)
+        self.spec_path = None if spec else data_file("ruler/ruler_tasks.json", "ruler_tasks.json", data_dir)
+        self.spec = spec or json.loads(self.spec_path.read_text())
         self.count = make_token_counter(tokenizer)
         self.src = sources or RulerSources(data_dir=data_dir)
         self.seed = self.spec["global"]["random_seed"] if seed is None else seed
         self._sizes: dict = {}
+
+    def data_files(self, tasks) -> dict[str, Path]:
+        """``{role: path}`` of the spec and of the sources ``tasks`` draw from (the run manifest hashes them)."""
+        files = self.src.files()
+        bases = {self.spec["tasks"][t]["base"] for t in tasks}
+        used = {"haystack"} if bases & {"niah", "variable_tracking"} else set()
+        if bases & {"niah", "common_words_extraction"}:
+            used |= {"wordlist_noun", "wordlist_adjective", "wordlist_verb"}
+        used |= {self.spec["tasks"][t]["dataset"] for t in tasks if self.spec["tasks"][t]["base"] == "qa"}
+        out = {role: files[role] for role in sorted(used)}
+        if self.spec_path is not None:
+            out["spec"] = self.spec_path
+        return out
 
     def tokens_to_generate(self, task: str) -> int:
         return self.spec["base_tasks"][self.spec["tasks"][task]["base"]]["tokens_to_generate"]

@@ -37,6 +37,7 @@ import torch
 
 from .arms import Arm
 from .benchmarks import STOP_NEWLINE, STOP_SENTENCE, Benchmark
+from .manifest import build_manifest, check_or_write
 
 VOLATILE = ("seconds", "prefill_seconds", "host", "shard")
 
@@ -205,7 +206,7 @@ class SweepRunner:
 
     def __init__(self, model, tokenizer, bench: Benchmark, arms: list[Arm], run_dir, *, protocol: str = "dense-question",
                  shard: str | None = None, model_name: str = "model", progress: bool = True, limit: int | None = None,
-                 max_new_tokens: int | None = None, seed: int = 0, not_run=()):
+                 max_new_tokens: int | None = None, seed: int = 0, not_run=(), allow_manifest_change: bool = False):
         if protocol not in ("dense-question", "sparse-question"):
             raise ValueError("protocol must be 'dense-question' or 'sparse-question'")
         self.model, self.tokenizer, self.bench, self.arms = model, tokenizer, bench, arms
@@ -214,6 +215,7 @@ class SweepRunner:
         self.shard = parse_shard(shard)
         self.model_name, self.progress, self.limit = model_name, progress, limit
         self.max_new_cap, self.seed = max_new_tokens, seed
+        self.allow_manifest_change = allow_manifest_change  # resume although the manifest differs
         self.not_run = list(not_run)  # (arm, reason): arms whose method does not fit their budget
         self.device = next(model.parameters()).device
 
@@ -261,6 +263,9 @@ class SweepRunner:
 
         i, n = self.shard
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        seeds = {"sweep": self.seed, "benchmark": self.bench.describe().get("seed")}
+        check_or_write(self.run_dir, build_manifest(self.bench.data_files(), seeds),
+                       allow_change=self.allow_manifest_change, write=_write_atomic)
         if i == 0:
             self._write_config()
         records = load_or_make_records(self.run_dir, self.bench)

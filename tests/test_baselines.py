@@ -225,7 +225,7 @@ def test_sweep_rows_report_attended_tokens_and_bytes(tmp_path):
     torch.manual_seed(0)
     model = tiny_model("gemma3", vocab_size=256, max_position_embeddings=8192)
     tok = ByteTokenizer()
-    bench = RulerBenchmark(tok, ["niah_single_1"], [768], num_samples=1)
+    bench = RulerBenchmark(tok, ["niah_single_1"], [1024], num_samples=1)
     arms = parse_arms(["full", "locks-r4i4", *SWEEP_FAMILIES], [64])
     SweepRunner(model, tok, bench, arms, tmp_path, model_name="tiny", progress=False, max_new_tokens=5).run()
     merge(tmp_path)

@@ -9,11 +9,11 @@ from locks_hf.eval.cli import main
 
 def test_cli_sweep_report(tmp_path, capsys):
     out = tmp_path / "run"
-    main(["sweep", "--model", "tiny-gemma3", "--tasks", "niah_single_1", "--lengths", "768", "--num-samples", "2",
+    main(["sweep", "--model", "tiny-gemma3", "--tasks", "niah_single_1", "--lengths", "1024", "--num-samples", "2",
           "--arms", "full,locks-r4i4", "--budgets", "64", "--max-new-tokens", "3", "--out", str(out), "--threads", "1"])
     rows = [json.loads(l) for l in (out / "results.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and {r["arm"] for r in rows} == {"full", "locks-r4i4-b64"}
-    main(["sweep", "--model", "tiny-gemma3", "--tasks", "niah_single_1", "--lengths", "768", "--num-samples", "2",
+    main(["sweep", "--model", "tiny-gemma3", "--tasks", "niah_single_1", "--lengths", "1024", "--num-samples", "2",
           "--arms", "full,locks-r4i4", "--budgets", "64", "--max-new-tokens", "3", "--out", str(out), "--shard", "0/1"])
     assert len((out / "predictions" / "shard-0-of-1.jsonl").read_text().splitlines()) == 4  # resumed: nothing new
     main(["report", "--run", str(out), "--out", str(tmp_path / "docs"), "--name", "r"])
@@ -52,7 +52,7 @@ def test_tiny_model_names_set_head_dim():
     assert load_any_model("tiny-llama")[0].config.head_dim == 16
 
 
-SWEEP = ["sweep", "--model", "tiny-llama", "--tasks", "niah_single_1", "--lengths", "768", "--num-samples", "1",
+SWEEP = ["sweep", "--model", "tiny-llama", "--tasks", "niah_single_1", "--lengths", "1024", "--num-samples", "1",
          "--arms", "full", "--budgets", "64", "--max-new-tokens", "2"]
 
 

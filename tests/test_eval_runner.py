@@ -21,7 +21,7 @@ def model():
 
 
 def _bench():
-    return RulerBenchmark(TOK, ["niah_single_1", "niah_multikey_2"], [768], num_samples=1)
+    return RulerBenchmark(TOK, ["niah_single_1", "niah_multikey_2"], [1024], num_samples=1)
 
 
 def _arms():
