@@ -22,9 +22,9 @@ def test_cli_sweep_report(tmp_path, capsys):
 
 
 def test_cli_ruler_generate(tmp_path):
-    main(["ruler-generate", "--model", "tiny-llama", "--tasks", "vt,cwe", "--lengths", "4096", "--num-samples", "2",
+    main(["ruler-generate", "--model", "tiny-llama", "--tasks", "vt,cwe", "--lengths", "8192", "--num-samples", "2",
           "--out", str(tmp_path)])
-    recs = [json.loads(l) for l in (tmp_path / "cwe-4096.jsonl").read_text().splitlines()]
+    recs = [json.loads(l) for l in (tmp_path / "cwe-8192.jsonl").read_text().splitlines()]
     assert len(recs) == 2 and len(recs[0]["outputs"]) == 10
 
 
