@@ -140,6 +140,7 @@ class LocksLayer(DynamicLayer, PagedLayer):
         self.prompt_queries: torch.Tensor | None = None  # [b, Hq, <=PROMPT_QUERY_WINDOW, d]
         self.policy_state = None  # a token-level policy's `PolicyState`, built at the first decode step
         self.expected_new_tokens = 0  # decode length announced by `LocksCache.expect_new_tokens`
+        self.text_config = None  # the model's text config, set by `LocksCache` (rotary frequencies)
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -515,6 +516,7 @@ class LocksCache(LocksCacheMixin, DynamicCache):
         for i, layer_type in enumerate(layer_types):
             if layer_type == "full_attention":
                 self.layers[i] = LocksLayer(locks)
+                self.layers[i].text_config = text_config
 
     def expect_new_tokens(self, count: int) -> None:
         """Announce how many tokens the next decode will generate (policies whose budget rule uses
