@@ -443,7 +443,7 @@ class LocksLayer(DynamicLayer, PagedLayer):
     prefetch = offload
 
 
-def _kernel_summary(layer: "LocksLayer", keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor] | None:
+def _kernel_summary(layer: LocksLayer, keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor] | None:
     """[locks_hf.kernels dispatch] Summaries built by the GPU kernels for CUDA keys, else ``None``."""
     if not keys.is_cuda or os.environ.get("LOCKS_HF_KERNELS", "1") == "0":
         return None
@@ -542,7 +542,7 @@ class LocksCache(LocksCacheMixin, DynamicCache):
             return None
         return {"attended_tokens": attended / head_steps, "read_bytes": read / head_steps}
 
-    def fork(self, locks: LocksConfig | None = None) -> "LocksCache":
+    def fork(self, locks: LocksConfig | None = None) -> LocksCache:
         """An independent copy (e.g. of a prefilled prompt) that decodes with other settings.
 
         The K/V are copied once; summaries are reused when their layout is unchanged and rebuilt in

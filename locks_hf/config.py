@@ -106,7 +106,7 @@ class LocksConfig:
         return f"{self.selector}-b{self.budget}"
 
     @classmethod
-    def from_label(cls, label: str, **overrides) -> "LocksConfig":
+    def from_label(cls, label: str, **overrides) -> LocksConfig:
         """Parse ``r8i4`` / ``r4i2`` / ``r8bf16`` (optionally prefixed ``locks-``) into a Locks config."""
         match = _LABEL.match(label.removeprefix("locks-"))
         if match is None:
@@ -116,6 +116,6 @@ class LocksConfig:
         bits = 16 if match["bf16"] else int(match["bits"])
         return cls(rank=int(match["rank"]), basis_bits=bits, **overrides)
 
-    def replace(self, **changes) -> "LocksConfig":
+    def replace(self, **changes) -> LocksConfig:
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)

@@ -5,12 +5,11 @@ import math
 
 import pytest
 import torch
+from conftest import tiny
 
 from locks_hf import LocksCache, LocksConfig
-from locks_hf.baselines.rocketkv import OBSERVATION_WINDOW, POOL_KERNEL, hybrid_scores, rocket_budgets, snapkv_keep
+from locks_hf.baselines.rocketkv import POOL_KERNEL, hybrid_scores, rocket_budgets, snapkv_keep
 from locks_hf.token_policy import attend_slots
-
-from conftest import tiny
 
 GEN = torch.Generator().manual_seed(0)
 
