@@ -248,7 +248,9 @@ def main(argv=None):
         sp.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
         sp.add_argument("--arms", default="full,oracle,locks-r8i4,locks-r4i4,locks-r2i4,quest",
                         help="comma-separated arm families: full, oracle, quest, locks-r<rank>i<bits> (or r8i4), "
-                        "locks-r<rank>bf16, shared_basis-r<rank>, shared_all-r<rank>; each but full runs at every budget")
+                        "locks-r<rank>bf16, shared_basis-r<rank>, shared_all-r<rank>, the baselines rocketkv, shadowkv, rkv, "
+                        "triattention, lazy_eviction; each but full runs at every budget (an arm whose method does not "
+                        "fit its budget is listed as not run)")
         sp.add_argument("--budgets", default="64,128,256,512,1024,2048",
                         help="comma-separated token budgets b per layer and KV head")
         sp.add_argument("--page-size", type=int, default=16, help="tokens per page B")
