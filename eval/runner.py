@@ -280,6 +280,18 @@ class SweepRunner:
         bar.close()
         return out_path
 
+    def _score_context(self, rec: dict, prefilled: torch.Tensor, base, arms) -> None:
+        """Once per record, the prefill-time work of the arms' methods that need one (KVzip's
+        reconstruction passes), kept on ``base`` for every fork."""
+        from locks_hf.baselines import POLICIES
+
+        if not any(getattr(POLICIES.get(arm.selector), "needs_context_scores", False) for arm in arms):
+            return
+        from locks_hf.baselines.kvzip import score_context
+
+        n = _context_length(self.bench, rec, self.tokenizer, prefilled.shape[1])
+        score_context(self.model, self.tokenizer, base, prefilled[:, :n])
+
     @torch.no_grad()
     def _run_record(self, rec: dict, work, bar):
         from locks_hf import LocksCache, LocksConfig
@@ -296,21 +308,15 @@ class SweepRunner:
         if sampled:
             split = T - 1
         elif self.protocol == "sparse-question":
-            q = self.bench.question_start_text(rec)
-            if q is not None:
-                text = self.bench.prompt_text(rec)
-                from .benchmarks import encode_text
-
-                split = min(encode_text(tok, text[:q]).shape[1], T - 1)
-            else:
-                split = T - 1
+            split = min(_context_length(self.bench, rec, tok, T), T - 1)
 
         t0 = time.perf_counter()
         base = LocksCache(model.config, LocksConfig(selector="full"))
         out = model(ids[:, :split], past_key_values=base, use_cache=True)
         first = out.logits[:, -1].argmax(-1, keepdim=True)
-        prefill_s = time.perf_counter() - t0
         del out
+        self._score_context(rec, ids[:, :split], base, [arm for arm, _ in work])
+        prefill_s = time.perf_counter() - t0
         eos = _eos_ids(model, tok)
 
         for arm, s in work:
@@ -368,6 +374,16 @@ class SweepRunner:
             bar.update(1)
             bar.set_postfix_str(f"{rec['id']} {arm.name} score={metrics.get('score', float('nan')):.2f}")
             yield row
+
+
+def _context_length(bench, rec: dict, tok, prefilled: int) -> int:
+    """Tokens of the prompt's context (before the question), at most the ``prefilled`` tokens."""
+    q = bench.question_start_text(rec)
+    if q is None:
+        return prefilled
+    from .benchmarks import encode_text
+
+    return min(encode_text(tok, bench.prompt_text(rec)[:q]).shape[1], prefilled)
 
 
 def _rounded(value: float | None, digits: int = 2) -> float | None:
