@@ -146,7 +146,9 @@ SPARSE_RUN = {"rocketkv": (300, 64, 10), "rkv": (300, 64, 140), "lazy_eviction":
               "shadowkv": (1000, 512, 6), "triattention": (30, 64, 120)}
 
 
-@pytest.mark.parametrize("selector", list(SPARSE_RUN))
+# Runs of 100+ generated tokens take most of this file's time: `slow` (CI runs them).
+@pytest.mark.parametrize("selector", [pytest.param(s, marks=pytest.mark.slow) if SPARSE_RUN[s][2] >= 100 else s
+                                      for s in SPARSE_RUN])
 def test_small_budget_generate_runs(arch, selector):
     model = tiny(arch)
     prompt, budget, n = SPARSE_RUN[selector]
@@ -249,7 +251,7 @@ def test_trig_scores_match_the_published_expectation_over_future_offsets():
 
 
 def test_triattention_keeps_the_prompt_and_the_best_generated_tokens():
-    from locks_hf.baselines.triattention import TriAttentionPolicy, trig_scores
+    from locks_hf.baselines.triattention import trig_scores
 
     model = tiny("qwen3")
     budget, prompt = 64, 30
@@ -275,7 +277,6 @@ def test_triattention_keeps_the_prompt_and_the_best_generated_tokens():
 
 
 def test_triattention_needs_the_model_config():
-    from locks_hf import LocksLayer
 
     model = tiny("llama")
     cache = LocksCache(None, LocksConfig(selector="triattention", budget=64))
@@ -366,6 +367,7 @@ def test_rkv_compression_keeps_the_best_scores_and_the_newest_tokens():
     assert torch.equal(policy.compressed(layer, state, window, 0.3), state.keep)
 
 
+@pytest.mark.slow  # generates past two compressions
 def test_rkv_decode_compresses_every_128_generated_tokens():
     model = tiny("qwen3")
     cache = LocksCache(model.config, LocksConfig(selector="rkv", budget=64))
