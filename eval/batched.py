@@ -70,7 +70,7 @@ def run_batches(runner, batches, work: dict[str, list], bar):
                 if (rec["id"], arm.name, s) not in wanted:
                     continue
                 frac = res.attended / res.context if res.context else math.nan
-                line = runner.result_row(rec, arm, s, plan, res.tokens, frac, run.seconds / len(rows),
+                line = runner.result_row(rec, arm, s, plan, res.tokens, frac, res.traffic, run.seconds / len(rows),
                                          run.prefill_seconds / len(rows))
                 bar.update(1)
                 bar.set_postfix_str(f"{rec['id']} {arm.name} score={line.get('score', float('nan')):.2f}")

@@ -118,15 +118,19 @@ def cmd_sweep(args):
     from .arms import parse_arms
     from .runner import SweepRunner, merge
 
-    arms = parse_arms(_split(args.arms), [int(b) for b in _split(args.budgets)], page_size=args.page_size)
+    not_run: list[tuple[str, str]] = []
+    arms = parse_arms(_split(args.arms), [int(b) for b in _split(args.budgets)], page_size=args.page_size,
+                      not_run=not_run)
+    for name, reason in not_run:
+        print(f"not run: {name}: {reason}", file=sys.stderr)
     t0 = time.time()
     model, tok = load_any_model(args.model, _device(args.device), args.dtype)
     print(f"loaded {args.model} in {time.time() - t0:.0f} s", file=sys.stderr)
     bench = build_benchmark(args, tok)
     runner = SweepRunner(model, tok, bench, arms, args.out, protocol=args.protocol, shard=args.shard,
                          model_name=args.model, limit=args.limit, max_new_tokens=args.max_new_tokens
-                         if args.benchmark != "math" else None, seed=args.seed or 0, engine=args.engine,
-                         batch_rows=args.batch_rows, step=args.step)
+                         if args.benchmark != "math" else None, seed=args.seed or 0, not_run=not_run,
+                         engine=args.engine, batch_rows=args.batch_rows, step=args.step)
     runner.run()
     i, n = runner.shard
     if n > 1 and not args.shard:  # accelerate / torchrun: rank 0 merges after everyone finished

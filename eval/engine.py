@@ -57,6 +57,7 @@ class RowResult:
     tokens: list[int]  # new tokens, as generated (an ending EOS included)
     attended: int | None  # tokens attended / cached over the row's decode steps (None: no step)
     context: int | None
+    traffic: dict | None = None  # as `LocksCache.decode_traffic` reports it for the row run alone
 
 
 @dataclass
@@ -137,7 +138,7 @@ def check_arms(arms) -> None:
     bad = [a.name for a in arms if a.config.selector not in STATIC_SELECTORS or a.config.min_context]
     if bad:
         raise ValueError(f"the static engine decodes selectors {STATIC_SELECTORS} with min_context=0; arms {bad} "
-                         "need --engine eager (the shared-basis controls fit state on the whole prompt)")
+                         "need --engine eager")
 
 
 class PrefilledBatch:
@@ -162,16 +163,16 @@ class PrefilledBatch:
         for i, (r, n) in enumerate(zip(rows, lengths)):
             ids[i, L - n:] = r.prefix
             mask[i, L - n:] = 1
-        self.mask = mask.to(dev)
+        prefill_mask = mask[:, :L].to(dev)
         mask[:, L:] = 1  # decode slots are real
         self.decode_mask = mask.to(dev)
         t0 = time.perf_counter()
         if prefill is None:
-            self.first = self._prefill(ids.to(dev), self.mask[:, :L])
+            self.first = self._prefill(ids.to(dev), prefill_mask)
         else:
             self.first = prefill(self.cache)
+        self.cache.mark_prefix()  # reads the length: the prefill has finished on the device
         self.prefill_seconds = time.perf_counter() - t0
-        self.cache.mark_prefix()
         self.length = L
         self.pad = torch.tensor([L - n for n in lengths], device=dev)
         self.seeds = torch.tensor([r.seed if r.seed is not None else 0 for r in rows], dtype=torch.long, device=dev)
@@ -234,10 +235,30 @@ class PrefilledBatch:
                 continue
             n_steps = max(self.n_forced - 1, 0) + len(res.tokens) - len(pre[i])
             res.attended, res.context = counts[n_steps - 1][i]
+            res.traffic = self._traffic(locks, int(rows[i].prefix.numel()), n_steps, res.attended)
         missing = [i for i, r in enumerate(results) if r is None]
         if missing:
             raise RuntimeError(f"rows {missing} did not finish within {self.steps} decode steps")
         return ArmRun(results, time.perf_counter() - t0, warmup, done_steps, self.prefill_seconds)
+
+    def _traffic(self, locks: LocksConfig, prompt: int, steps: int, attended: int) -> dict:
+        """Per (layer, KV head) and decode step, what `LocksCache.decode_traffic` reports for this row
+        run alone: tokens attended, and bytes read (their K/V, plus the page summaries scored, or every
+        key for the oracle, on the steps the dynamic cache selects: those whose context exceeds the
+        budget; it attends densely below)."""
+        layers = self.cache.locks_layers
+        _, h, _, dk = layers[0].keys.shape
+        size = layers[0].keys.element_size()
+        B = locks.page_size
+        page_bytes = sum(t[0, 0, 0].numel() * t.element_size() for t in layers[0].summary.values())
+        estimate = 0
+        if locks.selector != "full":
+            for length in range(prompt + 1, prompt + steps + 1):  # tokens cached at each step
+                if length > locks.page_slots * B:
+                    estimate += h * (length * dk * size if locks.selector == "oracle" else length // B * page_bytes)
+        head_steps = len(layers) * steps * h
+        read = attended * (dk + layers[0].values.shape[-1]) * size + len(layers) * estimate
+        return {"attended_tokens": attended / head_steps, "read_bytes": read / head_steps}
 
     def _check(self, host: list[list[int]], pre, checked, results) -> bool:
         """Finish the rows whose answer ended among the new steps; True when every row is done."""

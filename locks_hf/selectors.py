@@ -32,6 +32,8 @@ class PageSelector(ABC):
     per_head: bool = False
     #: Scoring reads every cached key (the exact oracle) rather than summaries only.
     reads_keys: bool = False
+    #: Chooses single tokens through a keep mask (`locks_hf.token_policy`) instead of pages.
+    token_level: bool = False
 
     def __init__(self, config: LocksConfig) -> None:
         self.config = config
@@ -180,8 +182,11 @@ _SELECTORS: dict[str, type[PageSelector]] = {
 
 
 def make_selector(config: LocksConfig) -> PageSelector | None:
-    """The selector for ``config.selector``; ``None`` for ``"full"`` (dense decode)."""
-    cls = _SELECTORS.get(config.selector)
+    """The selector for ``config.selector``; ``None`` for ``"full"`` (dense decode). The paper's
+    baselines are token-level policies (`locks_hf.token_policy.TokenPolicy`)."""
+    from .baselines import POLICIES
+
+    cls = _SELECTORS.get(config.selector) or POLICIES.get(config.selector)
     return None if cls is None else cls(config)
 
 

@@ -201,7 +201,7 @@ def job_memory(model, args, vocab):
         run = batch.decode(arm.config)
         per_arm.append({"arm": arm.name, "tokens": len(run.results[0].tokens), "seconds": run.seconds,
                         "warmup_s": run.warmup_seconds, "peak_gb_so_far": _peak_gb(device)})
-        print(f"  memory {ctx // 1024}K {arm.name}: {run.seconds:.1f} s, peak {per_arm[-1]['peak_gb_so_far']} GB",
+        print(f"  memory {ctx} tokens, {arm.name}: {run.seconds:.1f} s, peak {_fmt(per_arm[-1]['peak_gb_so_far'])} GB",
               flush=True)
     kv = sum(t.numel() * t.element_size() for layer in batch.cache.locks_layers for t in (layer.keys, layer.values))
     batch.close()
@@ -241,7 +241,7 @@ def print_table(results: list[dict], header: str) -> None:
                   f"attended fractions equal: {c['attended_equal']} (float32, context {c['context']}, budget "
                   f"{c['budget']}, {c['new']} new tokens, arms {','.join(c['arms'])})")
         if r["job"] == "memory":
-            print(f"\nmemory: {r['context'] // 1024}K prefix (synthetic K/V, {r['kv_gb']:.1f} GB) served "
+            print(f"\nmemory: {r['context']}-token prefix (synthetic K/V, {r['kv_gb']:.1f} GB) served "
                   f"{len(r['arms'])} arms ({','.join(r['arms'])}) on one cache; peak {_fmt(r['peak_gb'])} GB")
 
 
