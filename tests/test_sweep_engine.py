@@ -144,6 +144,39 @@ def test_arms_one_after_another_equal_a_fresh_prefill_each():
     assert shared["locks-r8i4-b64"] != shared["locks-r8i4-b96"]
 
 
+def test_rewind_and_layout_switches_leave_the_cache_as_a_fresh_prefill():
+    """LocksStaticCache.rewind / set_config: after decoding under r8i4, then Quest, then rewinding and
+    switching back, the summaries, length and statistics are a fresh prefill's, and the next decode
+    step gives its logits (tiny Llama, float64)."""
+    from locks_hf import LocksConfig, LocksStaticCache
+
+    model = tiny("llama")
+    ids = torch.randint(3, 256, (1, 250), generator=torch.Generator().manual_seed(4))
+    r8, quest = LocksConfig(budget=64), LocksConfig(budget=64, selector="quest")
+    cache = LocksStaticCache(model.config, max_cache_len=320, locks=r8)
+    model(ids, past_key_values=cache)
+    cache.mark_prefix()
+    for locks in (r8, quest, r8.replace(budget=96)):  # decode 30 tokens (pages complete), then rewind
+        cache.rewind()
+        cache.set_config(locks)
+        token = ids[:, -1:]
+        for _ in range(30):
+            token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+    cache.rewind()
+    cache.set_config(r8)
+    fresh = LocksStaticCache(model.config, max_cache_len=320, locks=r8)
+    model(ids, past_key_values=fresh)
+    for layer, ref in zip(cache.locks_layers, fresh.locks_layers):
+        assert int(layer.length_t) == 250 and not layer.row_counts.any() and not layer.counts.any()
+        n = 250 // 16
+        assert set(layer.summary) == set(ref.summary)
+        for name, t in ref.summary.items():
+            assert torch.equal(layer.summary[name][:, :, :n], t[:, :, :n]), name
+    step = ids[:, -1:]
+    assert torch.equal(model(step, past_key_values=cache).logits, model(step, past_key_values=fresh).logits)
+    assert torch.equal(cache.row_stats(), fresh.row_stats())
+
+
 def test_prefill_in_chunks_equals_one_prefill():
     model = tiny("llama")
     rows = _rows((300, 250), max_new=6)  # the short row's padding spans most of the first chunk
