@@ -135,6 +135,7 @@ class LocksLayer(DynamicLayer, PagedLayer):
         self.prompt_queries: torch.Tensor | None = None  # [b, Hq, <=PROMPT_QUERY_WINDOW, d]
         self.policy_state = None  # a token-level policy's `PolicyState`, built at the first decode step
         self.expected_new_tokens = 0  # decode length announced by `LocksCache.expect_new_tokens`
+        self.text_config = None  # the model's text config, set by `LocksCache` (rotary frequencies)
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -437,7 +438,7 @@ class LocksLayer(DynamicLayer, PagedLayer):
     prefetch = offload
 
 
-def _kernel_summary(layer: "LocksLayer", keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor] | None:
+def _kernel_summary(layer: LocksLayer, keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor] | None:
     """[locks_hf.kernels dispatch] Summaries built by the GPU kernels for CUDA keys, else ``None``."""
     if not keys.is_cuda or os.environ.get("LOCKS_HF_KERNELS", "1") == "0":
         return None
@@ -510,6 +511,7 @@ class LocksCache(LocksCacheMixin, DynamicCache):
         for i, layer_type in enumerate(layer_types):
             if layer_type == "full_attention":
                 self.layers[i] = LocksLayer(locks)
+                self.layers[i].text_config = text_config
 
     def expect_new_tokens(self, count: int) -> None:
         """Announce how many tokens the next decode will generate (policies whose budget rule uses
@@ -535,7 +537,7 @@ class LocksCache(LocksCacheMixin, DynamicCache):
             return None
         return {"attended_tokens": attended / head_steps, "read_bytes": read / head_steps}
 
-    def fork(self, locks: LocksConfig | None = None) -> "LocksCache":
+    def fork(self, locks: LocksConfig | None = None) -> LocksCache:
         """An independent copy (e.g. of a prefilled prompt) that decodes with other settings.
 
         The K/V are copied once; summaries are reused when their layout is unchanged and rebuilt in

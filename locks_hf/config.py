@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, replace
 
 #: The paper's baselines, token-level cache policies (`locks_hf.baselines`).
-BASELINE_POLICIES = ("rocketkv", "rkv", "lazy_eviction", "shadowkv")
+BASELINE_POLICIES = ("rocketkv", "rkv", "lazy_eviction", "shadowkv", "triattention")
 SELECTORS = ("locks", "oracle", "quest", "full", "shared_basis", "shared_all", *BASELINE_POLICIES)
 GROUP_COMBINES = ("share_average", "group_max", "group_mass")
 BASIS_BITS = (2, 4, 8, 16)  # 16 = unquantized (stored in the K/V dtype)
@@ -112,7 +112,7 @@ class LocksConfig:
         return f"{self.selector}-b{self.budget}"
 
     @classmethod
-    def from_label(cls, label: str, **overrides) -> "LocksConfig":
+    def from_label(cls, label: str, **overrides) -> LocksConfig:
         """Parse ``r8i4`` / ``r4i2`` / ``r8bf16`` (optionally prefixed ``locks-``) into a Locks config."""
         match = _LABEL.match(label.removeprefix("locks-"))
         if match is None:
@@ -122,6 +122,6 @@ class LocksConfig:
         bits = 16 if match["bf16"] else int(match["bits"])
         return cls(rank=int(match["rank"]), basis_bits=bits, **overrides)
 
-    def replace(self, **changes) -> "LocksConfig":
+    def replace(self, **changes) -> LocksConfig:
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)

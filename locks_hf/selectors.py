@@ -9,7 +9,7 @@ A selector sees one layer's paged cache at a decode step:
 * ``query``  ``[b, h, G, d]`` the step's query heads grouped by KV head.
 
 `page_scores` returns ``[b, h, G, P]`` per query head; `select_pages` turns them into the page set
-of SPEC §1: sink and most recent page forced, the best ``k - 2`` remaining complete pages added.
+of the paper's §4: sink and most recent page forced, the best ``k - 2`` remaining complete pages added.
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ def forced_pages(page_real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def select_pages(scores: torch.Tensor, page_real: torch.Tensor, page_complete: torch.Tensor,
                  slots: int, rule: str, per_head: bool) -> torch.Tensor:
-    """Boolean page set ``[b, h, P]`` under SPEC §1.
+    """Boolean page set ``[b, h, P]`` under the paper's §4 selection rule.
 
     ``scores [b, h, G, P]``; ``page_real [b, P]`` pages holding a real token; ``page_complete``
     ``[b, P]`` or ``[P]`` pages whose last slot is written.

@@ -75,7 +75,7 @@ class PolicyState:
     def truncate(self, length: int) -> None:
         self.slot = {n: t[..., :length] for n, t in self.slot.items()}
 
-    def mapped(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "PolicyState":
+    def mapped(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> PolicyState:
         """A new state with a batch-dim transform (beam reorder, row selection, clone) of every tensor."""
         new = copy.copy(self)
         new.slot = {n: fn(t) for n, t in self.slot.items()}

@@ -5,12 +5,11 @@ import math
 
 import pytest
 import torch
+from conftest import tiny
 
 from locks_hf import LocksCache, LocksConfig
-from locks_hf.baselines.rocketkv import OBSERVATION_WINDOW, POOL_KERNEL, hybrid_scores, rocket_budgets, snapkv_keep
+from locks_hf.baselines.rocketkv import POOL_KERNEL, hybrid_scores, rocket_budgets, snapkv_keep
 from locks_hf.token_policy import attend_slots
-
-from conftest import tiny
 
 GEN = torch.Generator().manual_seed(0)
 
@@ -130,7 +129,7 @@ def test_rocketkv_needs_a_prefill_with_queries():
         _decode(model, cache, _ids(1), 2)
 
 
-@pytest.mark.parametrize("selector", ["rocketkv", "rkv", "lazy_eviction", "shadowkv"])
+@pytest.mark.parametrize("selector", ["rocketkv", "rkv", "lazy_eviction", "shadowkv", "triattention"])
 def test_covering_budget_generates_the_dense_tokens(arch, selector):
     ids = _ids(40)
     ref = tiny(arch, "sdpa").generate(ids, max_new_tokens=8, do_sample=False)
@@ -144,7 +143,7 @@ def test_covering_budget_generates_the_dense_tokens(arch, selector):
 # (prompt, budget, new tokens) for each method to leave tokens out (R-KV: its first compression at
 # 128 generated tokens; ShadowKV: its smallest budget and a prompt beyond its 48 outlier chunks)
 SPARSE_RUN = {"rocketkv": (300, 64, 10), "rkv": (300, 64, 140), "lazy_eviction": (300, 64, 40),
-              "shadowkv": (1000, 512, 6)}
+              "shadowkv": (1000, 512, 6), "triattention": (30, 64, 120)}
 
 
 @pytest.mark.parametrize("selector", list(SPARSE_RUN))
@@ -212,8 +211,80 @@ def test_shadowkv_below_its_fixed_blocks_does_not_fit_and_the_sweep_skips_it():
         parse_arms(["shadowkv"], [256])
 
 
+# -- TriAttention ----------------------------------------------------------------------------------
+def test_rope_frequencies_are_the_models(arch):
+    from locks_hf.rope import rope_frequencies
+
+    model = tiny(arch)
+    rotary = model.model.rotary_emb
+    buffers = dict(rotary.named_buffers())
+    want = buffers.get("full_attention_inv_freq", buffers.get("inv_freq"))
+    assert torch.allclose(rope_frequencies(model.config.get_text_config(decoder=True)), want.double())
+
+
+def test_trig_scores_match_the_published_expectation_over_future_offsets():
+    from locks_hf.baselines.triattention import OFFSETS, trig_scores
+
+    h, G, R, d, now = 2, 3, 9, 8, 300.0
+    F = d // 2
+    omega = 1.0 / 100.0 ** (torch.arange(F, dtype=torch.float64) / F)
+    pre = _randn(h, R, d)  # pre-RoPE keys at positions p
+    positions = torch.randint(0, 290, (R,), generator=GEN).double()
+    angle = positions[:, None] * omega  # [R, F]
+    x1, x2 = pre[..., :F], pre[..., F:]
+    post = torch.cat([x1 * angle.cos() - x2 * angle.sin(), x2 * angle.cos() + x1 * angle.sin()], -1)
+    q_mean = torch.complex(_randn(h, G, F), _randn(h, G, F))
+    q_abs = q_mean.abs() + torch.rand(h, G, F, generator=GEN, dtype=torch.float64)
+    got = trig_scores(post, q_mean, q_abs, omega, now)
+    for j in range(h):
+        for g in range(G):
+            for r in range(R):
+                k = torch.complex(pre[j, r, :F], pre[j, r, F:])
+                phi = torch.angle(q_mean[j, g] * k.conj())
+                amp = q_mean[j, g].abs() * k.abs()
+                trig = sum(float((amp * torch.cos(omega * (now + off - positions[r]) + phi)).sum())
+                           for off in OFFSETS.tolist()) / len(OFFSETS)
+                extra = float(((q_abs[j, g] - q_mean[j, g].abs()) * k.abs()).sum())
+                assert got[j, g, r] == pytest.approx(trig + extra, abs=1e-9)
+
+
+def test_triattention_keeps_the_prompt_and_the_best_generated_tokens():
+    from locks_hf.baselines.triattention import TriAttentionPolicy, trig_scores
+
+    model = tiny("qwen3")
+    budget, prompt = 64, 30
+    cache = LocksCache(model.config, LocksConfig(selector="triattention", budget=budget))
+    out = model(_ids(prompt), past_key_values=cache)
+    token = out.logits[:, -1:].argmax(-1)
+    layer = cache.locks_layers[0]
+    for _ in range(128 - prompt):  # the step that reaches position 128 compresses
+        out = model(token, past_key_values=cache)
+        token = out.logits[:, -1:].argmax(-1)
+    state = layer.policy_state
+    assert (state.keep[..., :prompt]).all()  # the prompt is protected
+    assert (state.keep.sum(-1) == budget).all()  # budget - prompt generated tokens stay
+    # the kept generated tokens are the best by the group-max score under the statistics of the step
+    count = state.tensors["count"]
+    q_mean, q_abs = state.tensors["q_sum"] / count, state.tensors["abs_sum"] / count
+    for j in range(layer.keys.shape[1]):
+        candidates = torch.arange(prompt, 128)  # every generated token was resident
+        scores = trig_scores(layer.keys[0, j, candidates], q_mean[0, j], q_abs[0, j], state.info["omega"], 128.0)
+        ranked = _ranked(scores.amax(0).tolist())[: budget - prompt]
+        assert set(torch.nonzero(state.keep[0, j, 0, prompt:]).flatten().add(prompt).tolist()) == \
+            {int(candidates[i]) for i in ranked}
+
+
+def test_triattention_needs_the_model_config():
+    from locks_hf import LocksLayer
+
+    model = tiny("llama")
+    cache = LocksCache(None, LocksConfig(selector="triattention", budget=64))
+    with pytest.raises(Exception, match="model config"):
+        _decode(model, cache, _ids(20), 1)
+
+
 # -- the sweep -------------------------------------------------------------------------------------
-SWEEP_FAMILIES = ["rocketkv", "rkv", "lazy_eviction"]
+SWEEP_FAMILIES = ["rocketkv", "rkv", "lazy_eviction", "triattention"]
 
 
 def test_sweep_rows_report_attended_tokens_and_bytes(tmp_path):

@@ -7,7 +7,8 @@ from .lazy_eviction import LazyEvictionPolicy
 from .rkv import RKVPolicy
 from .rocketkv import RocketKVPolicy
 from .shadowkv import ShadowKVPolicy
+from .triattention import TriAttentionPolicy
 
-POLICIES = {cls.name: cls for cls in (RocketKVPolicy, RKVPolicy, LazyEvictionPolicy, ShadowKVPolicy)}
+POLICIES = {cls.name: cls for cls in (RocketKVPolicy, RKVPolicy, LazyEvictionPolicy, ShadowKVPolicy, TriAttentionPolicy)}
 
-__all__ = ["POLICIES", "LazyEvictionPolicy", "RKVPolicy", "RocketKVPolicy", "ShadowKVPolicy"]
+__all__ = ["POLICIES", "LazyEvictionPolicy", "RKVPolicy", "RocketKVPolicy", "ShadowKVPolicy", "TriAttentionPolicy"]
