@@ -101,7 +101,7 @@ class StaticEngine:
         self._compiled = None
 
     # -- batches -------------------------------------------------------------------------------------
-    def prepare(self, rows: list[Row], locks: LocksConfig, prefill: Callable | None = None) -> "PrefilledBatch":
+    def prepare(self, rows: list[Row], locks: LocksConfig, prefill: Callable | None = None) -> PrefilledBatch:
         """Prefill ``rows`` (left padded) into a static cache sized for their generation. ``prefill``
         (``cache -> None``, rows with forced tokens only) replaces the model's prefill, e.g. to
         write synthetic K/V for a memory check."""
@@ -274,7 +274,7 @@ class PrefilledBatch:
             checked[i] = len(new)
         return all(res is not None for res in results)
 
-    def advance(self, state: "_StepState", next_token) -> None:
+    def advance(self, state: _StepState, next_token) -> None:
         """One step: the next tokens, recorded with the rows' statistics; the buffers move on by one."""
         b = len(self.rows)
         nxt = next_token(self.cache, state.token, state.position, self.decode_mask, self.seeds, state.step)
@@ -284,7 +284,7 @@ class PrefilledBatch:
         state.position.add_(1)
         state.step.add_(1)
 
-    def _stepper(self, state: "_StepState"):
+    def _stepper(self, state: _StepState):
         """A callable that runs one step as the engine's step mode says (warm-up done here)."""
         mode = self.engine.step_mode
         windowed = len(self.cache.locks_layers) < len(self.cache.layers)

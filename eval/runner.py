@@ -307,7 +307,7 @@ class SweepRunner:
         bar.close()
         return out_path
 
-    def plan(self, rec: dict) -> "RecordPlan":
+    def plan(self, rec: dict) -> RecordPlan:
         """How ``rec`` is run: its prompt ids, the prefilled part, the generation cap, the stop rule."""
         tok = self.tokenizer
         ids = self.bench.prompt_ids(rec, tok)
@@ -330,7 +330,7 @@ class SweepRunner:
                 split = T - 1
         return RecordPlan(ids, split, max_new, self.bench.stop(rec), sampled)
 
-    def result_row(self, rec: dict, arm: Arm, sample: int, plan: "RecordPlan", new: list[int], frac: float,
+    def result_row(self, rec: dict, arm: Arm, sample: int, plan: RecordPlan, new: list[int], frac: float,
                    traffic: dict | None, seconds: float, prefill_seconds: float) -> dict:
         """The prediction line of (``rec``, ``arm``, ``sample``) from its new tokens (as generated), its
         attended fraction and decode traffic (`LocksCache.decode_traffic`)."""

@@ -23,8 +23,13 @@ from __future__ import annotations
 
 import torch
 from transformers import PretrainedConfig
-from transformers.cache_utils import (STATIC_LAYER_TYPE_MAPPING, Cache, StaticLayer, StaticSlidingWindowLayer,
-                                      get_layer_types_and_kwargs)
+from transformers.cache_utils import (
+    STATIC_LAYER_TYPE_MAPPING,
+    Cache,
+    StaticLayer,
+    StaticSlidingWindowLayer,
+    get_layer_types_and_kwargs,
+)
 from transformers.utils import is_torchdynamo_compiling
 
 from .attention import kernel_path

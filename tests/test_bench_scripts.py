@@ -51,6 +51,7 @@ def test_compile_time_script_compiles_the_rolled_fma_kernel_for_sm90():
     assert int(m.group(2)) <= 128 and int(m.group(3)) == 0
 
 
+@pytest.mark.slow  # both engines on three tiny jobs: about a minute of CPU
 def test_bench_sweep_runs_on_cpu(tmp_path):
     """scripts/bench_sweep.py at a tiny shape: both engines on jobs a and b, the identity check at a
     covering budget, and the memory job (one prefix, every arm) write their table and JSON."""

@@ -4,14 +4,13 @@ import json
 
 import pytest
 import torch
+from conftest import count_forwards
 
 from locks_hf.eval.arms import parse_arms
 from locks_hf.eval.benchmarks import RulerBenchmark
 from locks_hf.eval.runner import SweepRunner, looping, merge
 from locks_hf.eval.testing import ByteTokenizer
 from locks_hf.models import tiny_model
-
-from conftest import count_forwards
 
 TOK = ByteTokenizer()
 

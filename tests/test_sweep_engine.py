@@ -7,14 +7,13 @@ import random
 
 import pytest
 import torch
+from conftest import count_forwards, tiny
 
 from locks_hf.eval.arms import parse_arms
 from locks_hf.eval.benchmarks import STOP_NEWLINE, Benchmark, RulerBenchmark
 from locks_hf.eval.engine import Row, StaticEngine, choose_tokens, hash_uniform
 from locks_hf.eval.runner import SweepRunner, merge
 from locks_hf.eval.testing import ByteTokenizer
-
-from conftest import count_forwards, tiny
 
 TOK = ByteTokenizer()
 ARMS = ("full", "oracle", "locks-r4i4", "quest")
@@ -53,6 +52,7 @@ class ToyBench(Benchmark):
         return {"score": float("a" in pred)}
 
 
+@pytest.mark.slow  # five sweeps of a tiny model: minutes of CPU
 def test_static_engine_gives_the_eager_runners_results_and_resumes_and_shards(tmp_path, monkeypatch):
     """Gemma 3 (sliding-window layers restored from the prefix, Locks layers rewound): every field of
     every merged line equal to the eager runner's, for full / oracle / Locks / Quest; then resume
@@ -79,6 +79,7 @@ def test_static_engine_gives_the_eager_runners_results_and_resumes_and_shards(tm
     assert (sharded / "results.jsonl").read_text() == eager
 
 
+@pytest.mark.slow  # two sweeps: about a minute of CPU
 def test_sampled_protocol_k_samples_in_one_batch_equal_the_eager_runner(tmp_path):
     """avg@k layout (prefill all but the last token, k rows per record) and records of different
     lengths in one left-padded batch: greedy results equal the eager runner's, sample by sample."""
@@ -111,6 +112,7 @@ def _decode(engine, rows, arms):
     return {arm.name: [(r.tokens, r.attended, r.context) for r in run.results] for arm, run in engine.run(rows, arms)}
 
 
+@pytest.mark.slow  # eight batches decoded: about a minute of CPU
 def test_batch_rows_equal_rows_alone_greedy_and_sampled():
     """A left-padded batch (different prompt lengths, k sampled rows of one prompt) gives every row
     the tokens and statistics it gets alone; sampling depends on the row's seed only."""
@@ -131,6 +133,7 @@ def test_batch_rows_equal_rows_alone_greedy_and_sampled():
             assert len({tuple(t) for t, _, _ in batch["quest-b64"]}) > 1  # different seeds, different samples
 
 
+@pytest.mark.slow  # ten decodes: minutes of CPU
 def test_arms_one_after_another_equal_a_fresh_prefill_each():
     """Rewinding the decode tail and switching summary layouts (r8i4 -> quest -> r4i4 -> r8i4 again,
     another budget) gives each arm what a fresh prefill gives it: tokens and attended counts."""
@@ -144,6 +147,7 @@ def test_arms_one_after_another_equal_a_fresh_prefill_each():
     assert shared["locks-r8i4-b64"] != shared["locks-r8i4-b96"]
 
 
+@pytest.mark.slow  # 90 reference decode steps: about a minute of CPU
 def test_rewind_and_layout_switches_leave_the_cache_as_a_fresh_prefill():
     """LocksStaticCache.rewind / set_config: after decoding under r8i4, then Quest, then rewinding and
     switching back, the summaries, length and statistics are a fresh prefill's, and the next decode
@@ -239,7 +243,7 @@ def test_static_engine_refuses_arms_it_cannot_run(tmp_path):
         StaticEngine(model, sampling={"temperature": 0.7, "top_k": 20})
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the compiled kernels need a GPU")
+@pytest.mark.gpu  # CUDA graphs and the compiled kernels
 @pytest.mark.parametrize("step", ["graph", "compile"])
 def test_cuda_graph_and_compiled_steps_equal_the_eager_step_on_cuda(step):
     """On a GPU (the kernels): a left-padded batch decoded by replayed CUDA graphs, or by the compiled
