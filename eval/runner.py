@@ -307,6 +307,18 @@ class SweepRunner:
         bar.close()
         return out_path
 
+    def _score_context(self, rec: dict, prefilled: torch.Tensor, base, arms) -> None:
+        """Once per record, the prefill-time work of the arms' methods that need one (KVzip's
+        reconstruction passes), kept on ``base`` for every fork."""
+        from locks_hf.baselines import POLICIES
+
+        if not any(getattr(POLICIES.get(arm.selector), "needs_context_scores", False) for arm in arms):
+            return
+        from locks_hf.baselines.kvzip import score_context
+
+        n = _context_length(self.bench, rec, self.tokenizer, prefilled.shape[1])
+        score_context(self.model, self.tokenizer, base, prefilled[:, :n])
+
     def plan(self, rec: dict) -> RecordPlan:
         """How ``rec`` is run: its prompt ids, the prefilled part, the generation cap, the stop rule."""
         tok = self.tokenizer
@@ -320,14 +332,7 @@ class SweepRunner:
         if sampled:
             split = T - 1
         elif self.protocol == "sparse-question":
-            q = self.bench.question_start_text(rec)
-            if q is not None:
-                text = self.bench.prompt_text(rec)
-                from .benchmarks import encode_text
-
-                split = min(encode_text(tok, text[:q]).shape[1], T - 1)
-            else:
-                split = T - 1
+            split = min(_context_length(self.bench, rec, tok, T), T - 1)
         return RecordPlan(ids, split, max_new, self.bench.stop(rec), sampled)
 
     def result_row(self, rec: dict, arm: Arm, sample: int, plan: RecordPlan, new: list[int], frac: float,
@@ -366,8 +371,9 @@ class SweepRunner:
         base = LocksCache(model.config, LocksConfig(selector="full"))
         out = model(ids[:, :split], past_key_values=base, use_cache=True)
         first = out.logits[:, -1].argmax(-1, keepdim=True)
-        prefill_s = time.perf_counter() - t0
         del out
+        self._score_context(rec, ids[:, :split], base, [arm for arm, _ in work])
+        prefill_s = time.perf_counter() - t0
         eos = _eos_ids(model, tok)
 
         for arm, s in work:
@@ -425,6 +431,16 @@ class RecordPlan:
     @property
     def T(self) -> int:
         return self.ids.shape[1]
+
+
+def _context_length(bench, rec: dict, tok, prefilled: int) -> int:
+    """Tokens of the prompt's context (before the question), at most the ``prefilled`` tokens."""
+    q = bench.question_start_text(rec)
+    if q is None:
+        return prefilled
+    from .benchmarks import encode_text
+
+    return min(encode_text(tok, bench.prompt_text(rec)[:q]).shape[1], prefilled)
 
 
 def _rounded(value: float | None, digits: int = 2) -> float | None:

@@ -126,7 +126,7 @@ def locks_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     q_len = query.shape[2]
     layer.prepare(attention_mask, q_len)
     if q_len > 1:
-        layer.observe_prompt_queries(query)
+        layer.observe_prompt_queries(query, scaling)
     if layer.attends_densely(q_len):
         if q_len == 1:
             real = layer.real_tokens() * key.shape[1]

@@ -80,7 +80,7 @@ class PagedLayer:
             counts[0] += attended
         counts[1] += context
 
-    def observe_prompt_queries(self, query: torch.Tensor) -> None:
+    def observe_prompt_queries(self, query: torch.Tensor, scale: float) -> None:
         """Prefill hook (``query [b, Hq, t, d]``, t > 1): layers that keep prompt queries override it."""
 
     def record_selection_traffic(self) -> None:
@@ -136,6 +136,8 @@ class LocksLayer(DynamicLayer, PagedLayer):
         self.policy_state = None  # a token-level policy's `PolicyState`, built at the first decode step
         self.expected_new_tokens = 0  # decode length announced by `LocksCache.expect_new_tokens`
         self.text_config = None  # the model's text config, set by `LocksCache` (rotary frequencies)
+        self.prefill_scores: dict[str, torch.Tensor] = {}  # per-token scores computed once per prompt (KVzip)
+        self.score_request = None  # collects scores from the queries of multi-token forwards (KVzip)
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -164,10 +166,13 @@ class LocksLayer(DynamicLayer, PagedLayer):
     def record_selection_traffic(self) -> None:
         self.record_estimate(self.selection_read_bytes())
 
-    def observe_prompt_queries(self, query: torch.Tensor) -> None:
-        """Keep the last `PROMPT_QUERY_WINDOW` queries ``[b, Hq, t, d]`` of multi-token forwards."""
+    def observe_prompt_queries(self, query: torch.Tensor, scale: float) -> None:
+        """Keep the last `PROMPT_QUERY_WINDOW` queries ``[b, Hq, t, d]`` of multi-token forwards (and
+        hand them to a pending score request)."""
         held = query if self.prompt_queries is None else torch.cat([self.prompt_queries, query], dim=2)
         self.prompt_queries = held[:, :, -PROMPT_QUERY_WINDOW:].detach()
+        if self.score_request is not None:
+            self.score_request.update(query, self.keys, scale)
 
     def count_buffer(self) -> torch.Tensor:
         """The running ``(attended, cached)`` token counts, ``int64 [2]`` on the layer's device (the
@@ -394,6 +399,7 @@ class LocksLayer(DynamicLayer, PagedLayer):
         self.shared = {n: fn(t) for n, t in self.shared.items()}
         if self.prompt_queries is not None:
             self.prompt_queries = fn(self.prompt_queries)
+        self.prefill_scores = {n: fn(t) for n, t in self.prefill_scores.items()}
         if self.policy_state is not None:
             self.policy_state = self.policy_state.mapped(fn)
         self.row_start = [self.row_start[r] for r in rows]

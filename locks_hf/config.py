@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, replace
 
 #: The paper's baselines, token-level cache policies (`locks_hf.baselines`).
-BASELINE_POLICIES = ("rocketkv", "rkv", "lazy_eviction", "shadowkv", "triattention")
+BASELINE_POLICIES = ("rocketkv", "rkv", "lazy_eviction", "shadowkv", "triattention", "kvzip")
 SELECTORS = ("locks", "oracle", "quest", "full", "shared_basis", "shared_all", *BASELINE_POLICIES)
 GROUP_COMBINES = ("share_average", "group_max", "group_mass")
 BASIS_BITS = (2, 4, 8, 16)  # 16 = unquantized (stored in the K/V dtype)
