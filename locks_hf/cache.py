@@ -41,11 +41,6 @@ _HANDOFF = _Handoff()
 _MIN_HEADROOM = 256
 
 
-def _summary_fields(config: LocksConfig) -> tuple:
-    return (config.selector, config.page_size, config.rank, config.basis_bits,
-            config.coef_bits, config.centroid_bits)
-
-
 def slot_validity(attention_mask: torch.Tensor | None, query_len: int, batch: int, device) -> torch.Tensor:
     """``[b, Tq]`` validity of the slots just written, read off the model's attention mask.
 
@@ -388,7 +383,7 @@ class LocksLayer(DynamicLayer, PagedLayer):
 
     def set_config(self, config: LocksConfig) -> None:
         """Switch selector settings; summaries are rebuilt (lazily) when their layout changes."""
-        if _summary_fields(config) != _summary_fields(self.config):
+        if config.summary_layout != self.config.summary_layout:
             self.summary, self.shared, self.n_summarized = {}, {}, [0] * len(self.row_start)
         self.config = config
         self.selector = make_selector(config)

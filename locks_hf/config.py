@@ -94,6 +94,12 @@ class LocksConfig:
         return math.ceil(self.budget / self.page_size)
 
     @property
+    def summary_layout(self) -> tuple:
+        """What the per-page summaries depend on: configs with equal layouts (e.g. differing only in
+        budget or group rule) share the same summaries."""
+        return (self.selector, self.page_size, self.rank, self.basis_bits, self.coef_bits, self.centroid_bits)
+
+    @property
     def label(self) -> str:
         """Short name of the arm, e.g. ``locks-r8i4-b128`` or ``quest-b128``."""
         if self.selector == "locks":
