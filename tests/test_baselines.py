@@ -285,7 +285,7 @@ def test_triattention_needs_the_model_config():
 
 
 # -- the sweep -------------------------------------------------------------------------------------
-SWEEP_FAMILIES = ["rocketkv", "rkv", "lazy_eviction", "triattention"]
+SWEEP_FAMILIES = ["rocketkv", "rkv", "lazy_eviction", "triattention", "kvzip"]
 
 
 def test_sweep_rows_report_attended_tokens_and_bytes(tmp_path):
@@ -448,3 +448,67 @@ def test_lazy_eviction_decode_keeps_each_query_heads_budget():
             assert (counts == budget).all()
     G = keep.shape[2]
     assert cache.decode_traffic()["attended_tokens"] <= G * (budget + W)
+
+
+# -- KVzip -------------------------------------------------------------------------------------------
+def test_kvzip_repeat_inputs_follow_the_published_chunking():
+    from locks_hf.baselines.kvzip import CHUNK, FIRST_PROMPT, NEXT_PROMPT, SINK, repeat_inputs
+
+    def encode(text):
+        return torch.tensor([[ord(c) % 200 for c in text]])
+
+    context = torch.randint(3, 256, (1, SINK + CHUNK + 100), generator=GEN)
+    chunks = repeat_inputs(encode, context)
+    assert [(s, e) for s, e, _ in chunks] == [(SINK, SINK + CHUNK), (SINK + CHUNK, SINK + CHUNK + 100)]
+    assert torch.equal(chunks[0][2], torch.cat([encode(FIRST_PROMPT), context[:, SINK:SINK + CHUNK]], 1))
+    tail = context[:, SINK + CHUNK - 8:SINK + CHUNK]
+    assert torch.equal(chunks[1][2], torch.cat([encode(NEXT_PROMPT), tail, context[:, SINK + CHUNK:]], 1))
+
+
+def test_kvzip_scores_are_the_max_reconstruction_attention():
+    from locks_hf.baselines.kvzip import SINK, ReconstructionScores
+
+    b, h, G, n_ctx, t, d = 1, 2, 2, 300, 40, 8
+    start, end = 100, 170
+    keys, q = _randn(b, h, n_ctx + t, d), _randn(b, h * G, t, d)
+    store = torch.zeros(b, h, n_ctx, dtype=torch.float64)
+    ReconstructionScores(store, start, end).update(q, keys, 0.4)
+    for j in range(h):
+        for r in range(start, end):
+            best = 0.0
+            for g in range(G):
+                for i in range(t):
+                    visible = list(range(SINK)) + list(range(start, end)) + list(range(n_ctx, n_ctx + i + 1))
+                    p = torch.softmax(0.4 * keys[0, j, visible] @ q[0, j * G + g, i], 0)
+                    best = max(best, float(p[SINK + r - start]))
+            assert float(store[0, j, r]) == pytest.approx(best, abs=1e-12)
+    assert (store[..., :start] == 0).all() and (store[..., end:] == 0).all()
+
+
+def test_kvzip_keeps_the_best_context_tokens_the_question_and_the_generated():
+    from locks_hf.baselines.kvzip import SINK, score_context
+    from locks_hf.eval.testing import ByteTokenizer
+
+    model, budget, context, T = tiny("gemma3"), 64, 250, 300
+    ids = _ids(T)
+    base = LocksCache(model.config, LocksConfig(selector="full"))
+    with torch.no_grad():
+        model(ids, past_key_values=base)
+        score_context(model, ByteTokenizer(), base, ids[:, :context])
+        cache = base.fork(LocksConfig(selector="kvzip", budget=budget))
+        _decode(model, cache, ids[:, -1:], 3)  # the prompt's last token again, then 3 generated
+    for base_layer, layer in zip(base.locks_layers, cache.locks_layers):
+        scores = base_layer.prefill_scores["kvzip"]
+        keep = layer.policy_state.keep[0, :, 0]
+        assert (keep[:, context:]).all()  # question and generated tokens beyond the budget
+        for j in range(keep.shape[0]):
+            want = set(_ranked(scores[0, j].tolist())[:budget])
+            assert set(torch.nonzero(keep[j, :context]).flatten().tolist()) == want
+            assert set(range(SINK)) <= want
+
+
+def test_kvzip_needs_its_scores():
+    model = tiny("llama")
+    cache = LocksCache(model.config, LocksConfig(selector="kvzip", budget=64))
+    with pytest.raises(Exception, match="reconstruction scores"):
+        _decode(model, cache, _ids(100), 1)
