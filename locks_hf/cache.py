@@ -8,6 +8,7 @@ where the decode query exists.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
@@ -15,11 +16,17 @@ from collections.abc import Callable
 
 import torch
 from transformers import PretrainedConfig
-from transformers.cache_utils import DynamicCache, DynamicLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import DynamicCache, DynamicLayer, StaticLayer, get_layer_types_and_kwargs
+from transformers.masking_utils import find_first_full_attention_index
+from transformers.utils import is_torchdynamo_compiling
 
-from .config import LocksConfig
+from .config import LocksConfig, LocksConfigError
+from .layout import (CapacityPlan, build_static_layers, choose_layout, crop_hf_layer, page_slots_width,
+                     reallocate_hf_layer)
 from .models_support import check_model_supported
 from .selectors import PageSelector, make_selector
+
+logger = logging.getLogger(__name__)
 
 # `Cache.update` runs just before the model calls the attention function, which receives the K/V
 # but not the cache. The layer that produced them is handed over through this thread-local slot and
@@ -439,31 +446,138 @@ class LocksCacheMixin:
 
 
 class LocksCache(LocksCacheMixin, DynamicCache):
-    """A `DynamicCache` whose full-attention layers select pages for sparse decoding.
+    """A transformers `Cache` whose full-attention layers select pages for sparse decoding.
 
     Args:
-        config: the model's config (its text config is used); full-attention layers become
-            `LocksLayer`s, others keep transformers' layers. ``None``: every layer is a `LocksLayer`.
+        config: the model's config (its text config is used); full-attention layers become Locks
+            layers, others keep transformers' layers. ``None``: every layer is a `LocksLayer`.
         locks: the method's settings; keyword overrides build one (``LocksCache(cfg, budget=256)``).
+        max_cache_len: tokens the cache will hold (prompt + generated). Optional: without it the
+            static layout starts at the first forward's length plus headroom and grows (each growth
+            re-allocates once and recompiles the decode step once).
+        max_budget: the widest budget the cache will decode with (`set_budget`); default the
+            config's. The static layout sizes its page lists for it, so that budgets up to it share
+            one compiled graph.
+        layout: ``"auto"`` (default): the static layout (compiled decode: torch.compile + CUDA graphs
+            through ``generate``) when a CUDA device and the Triton kernels are available and the
+            configuration allows it, else the dynamic layout (eager; the CPU reference path);
+            ``"static"`` or ``"dynamic"`` to choose.
 
     Use with a model loaded with ``attn_implementation="locks"``.
     """
 
-    def __init__(self, config: PretrainedConfig | None = None, locks: LocksConfig | None = None,
+    #: Whether the static layout may grow past its capacity (`LocksStaticCache`: no).
+    _growable = True
+
+    def __init__(self, config: PretrainedConfig | None = None, locks: LocksConfig | None = None, *,
+                 max_cache_len: int | None = None, max_budget: int | None = None, layout: str = "auto",
                  **overrides) -> None:
         locks = (locks or LocksConfig()).replace(**overrides)
         self.locks_config = locks
+        self.max_budget = max_budget
+        self._plan: CapacityPlan | None = None  # the static layout's capacity (None: dynamic layout)
         if config is None:
+            choose_layout(layout, locks, None)
             super().__init__()
             self.layer_class_to_replicate = lambda: LocksLayer(locks)
             return
         text_config = config.get_text_config(decoder=True)
         check_model_supported(text_config, locks)
         super().__init__(config=text_config)
-        layer_types, _ = get_layer_types_and_kwargs(text_config)
-        for i, layer_type in enumerate(layer_types):
+        self._layer_types, self._layer_kwargs = get_layer_types_and_kwargs(text_config)
+        for i, layer_type in enumerate(self._layer_types):
             if layer_type == "full_attention":
                 self.layers[i] = LocksLayer(locks)
+        if choose_layout(layout, locks, self._layer_types):
+            if max_budget is not None and max_budget < locks.budget:
+                raise LocksConfigError(f"max_budget={max_budget} is below the budget {locks.budget}")
+            self._plan = CapacityPlan(max_cache_len, locks.page_size, self._growable)
+            if max_cache_len is not None:
+                self._allocate(self._plan.capacity)
+
+    # -- the static layout ---------------------------------------------------------------------------
+    @property
+    def is_static(self) -> bool:
+        """Whether the cache keeps the static layout (compiled decode on a GPU)."""
+        return self._plan is not None
+
+    @property
+    def is_compileable(self) -> bool:
+        # Asked by generate() before the first forward, when the static layers may not exist yet.
+        return self._plan is not None
+
+    @property
+    def capacity(self) -> int | None:
+        """Tokens the static layout holds before it grows (``None``: dynamic, or before the first forward)."""
+        return None if self._plan is None else self._plan.capacity
+
+    def _allocate(self, capacity: int) -> None:
+        self.layers = build_static_layers(self._layer_types, self._layer_kwargs, self.locks_config, capacity,
+                                          page_slots_width(self.locks_config, self.max_budget))
+
+    def _ensure(self, capacity: int | None) -> None:
+        """Re-allocate every static layer to ``capacity`` slots (``None``: nothing to do)."""
+        if capacity is None:
+            return
+        if not any(layer.is_initialized for layer in self.layers if isinstance(layer, StaticLayer)):
+            self._plan.capacity = capacity  # nothing written yet: (re)build the static layers at this size
+            self._allocate(capacity)
+            return
+        logger.warning("LocksCache: growing the static cache from %d to %d tokens (one re-allocation; a compiled "
+                       "decode step recompiles once). Pass max_cache_len to allocate it once.",
+                       self._plan.capacity, capacity)
+        self._plan.capacity = capacity
+        for layer, kw in zip(self.layers, self._layer_kwargs):
+            if isinstance(layer, PagedLayer):
+                layer.reallocate(capacity)
+            elif isinstance(layer, StaticLayer):
+                reallocate_hf_layer(layer, capacity, window=kw.get("sliding_window"))
+
+    def _first_kv_layer(self) -> int:
+        return next(i for i, kind in enumerate(self._layer_types) if kind != "dummy")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._plan is not None and layer_idx == self._first_kv_layer():
+            if is_torchdynamo_compiling():
+                self._plan.compiled_ran = True  # a constant store: replayed after the graph, no guard
+            else:  # an eager forward (prefill, or a step not compiled): counted before any layer writes
+                t = key_states.shape[2]
+                if self._plan.capacity is None:
+                    self._ensure(self._plan.first_capacity(t))
+                self._ensure(self._plan.eager_write(t))
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        # Runs eagerly before every forward that builds a mask, compiled decode steps included (generate
+        # prepares their 4D mask outside the graph): the place to grow the static buffers.
+        if self._plan is not None and not is_torchdynamo_compiling() and \
+                layer_idx == find_first_full_attention_index(self):
+            if self._plan.capacity is None:
+                self._ensure(self._plan.first_capacity(query_length))
+            self._ensure(self._plan.announce(query_length))
+        return super().get_mask_sizes(query_length, layer_idx)
+
+    def set_budget(self, budget: int) -> None:
+        """Decode with budget ``budget`` from the next step on; the static layout switches in place
+        (no recompile) up to ``max_budget``."""
+        self.locks_config = self.locks_config.replace(budget=budget)
+        for layer in self.locks_layers:
+            if isinstance(layer, LocksLayer):
+                layer.set_config(self.locks_config)
+            else:
+                layer.set_budget(budget)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if self._plan is None or not any(l.is_initialized for l in self.layers if isinstance(l, StaticLayer)):
+            return super().crop(tokens_to_remove)
+        for layer in self.layers:
+            if isinstance(layer, PagedLayer):
+                layer.crop(tokens_to_remove)
+            elif isinstance(layer, StaticLayer):
+                crop_hf_layer(layer, -tokens_to_remove)
+        self._plan.written = int(self.locks_layers[0].length_tensor())  # exact again (a host op may sync)
+        self._plan.announced, self._plan.compiled_ran = 0, False
 
     def fork(self, locks: LocksConfig | None = None) -> "LocksCache":
         """An independent copy (e.g. of a prefilled prompt) that decodes with other settings.
@@ -474,20 +588,35 @@ class LocksCache(LocksCacheMixin, DynamicCache):
         import copy
 
         clone = copy.copy(self)
+        clone._plan = copy.copy(self._plan)
         clone.layers = []
         for layer in self.layers:
             new = copy.copy(layer)
             if isinstance(layer, LocksLayer):
                 new._apply(lambda t: t.clone(), list(range(len(layer.row_start))))
+            elif isinstance(layer, PagedLayer):
+                new.reallocate()
+            elif isinstance(layer, StaticLayer):
+                reallocate_hf_layer(new)
             else:
                 new = copy.deepcopy(layer)
             clone.layers.append(new)
         if locks is not None:
-            clone.locks_config = locks
-            for layer in clone.locks_layers:
-                layer.set_config(locks)
+            clone._reconfigure(locks)
         clone.reset_stats()
         return clone
+
+    def _reconfigure(self, locks: LocksConfig) -> None:
+        if self._plan is not None and locks.replace(budget=self.locks_config.budget) == self.locks_config:
+            self.set_budget(locks.budget)  # the static layout switches budgets in place
+            return
+        if self._plan is not None:
+            raise LocksConfigError(
+                f"fork({locks.label}) of a cache in the static layout changes more than the budget: create a "
+                "LocksCache with these settings for the prompt (or use layout='dynamic')")
+        self.locks_config = locks
+        for layer in self.locks_layers:
+            layer.set_config(locks)
 
 
 def take_handoff(layer_idx: int | None, key: torch.Tensor) -> PagedLayer | None:
