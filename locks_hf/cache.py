@@ -80,6 +80,11 @@ class PagedLayer:
     ``context``) are kept here, in the layer's ``count_buffer``.
     """
 
+    def page_slots(self) -> tuple[int, torch.Tensor | None]:
+        """Width of the kernels' page lists and the budget in use as a device tensor (``None``: the
+        width is the budget)."""
+        return self.config.page_slots, None
+
     def record_step(self, attended: torch.Tensor | None, context: torch.Tensor) -> None:
         """Add one decode step: tokens attended and real tokens cached, summed over rows and heads
         (``attended=None``: the kernels already added it)."""
