@@ -573,6 +573,12 @@ class LocksCache(LocksCacheMixin, DynamicCache):
             else:
                 layer.set_budget(budget)
 
+    def reset(self) -> None:
+        super().reset()
+        if self._plan is not None:  # buffers kept (same addresses: a compiled step serves the next prompt)
+            self._plan.written = self._plan.announced = 0
+            self._plan.compiled_ran = False
+
     def crop(self, tokens_to_remove: int) -> None:
         if self._plan is None or not any(l.is_initialized for l in self.layers if isinstance(l, StaticLayer)):
             return super().crop(tokens_to_remove)
