@@ -21,8 +21,8 @@ from transformers.masking_utils import find_first_full_attention_index
 from transformers.utils import is_torchdynamo_compiling
 
 from .config import LocksConfig, LocksConfigError
-from .layout import (CapacityPlan, build_static_layers, choose_layout, crop_hf_layer, page_slots_width,
-                     reallocate_hf_layer)
+from .layout import (CapacityPlan, build_static_layers, choose_layout, config_refusal, crop_hf_layer, hf_copy,
+                     page_slots_width, reallocate_hf_layer, to_dynamic_layer)
 from .models_support import check_model_supported
 from .selectors import PageSelector, make_selector
 
@@ -355,6 +355,21 @@ class LocksLayer(DynamicLayer, PagedLayer):
         self.config = config
         self.selector = make_selector(config)
 
+    @classmethod
+    def from_paged(cls, layer: PagedLayer, config: LocksConfig, length: int) -> "LocksLayer":
+        """A dynamic layer holding a copy of the first ``length`` slots of another Locks layer (e.g. a
+        static one); its summaries are rebuilt, in one batched pass, at the next forward."""
+        new = cls(config)
+        new.lazy_initialization(layer._kbuf, layer._vbuf)
+        new._kbuf = layer._kbuf[:, :, :length].clone()
+        new._vbuf = layer._vbuf[:, :, :length].clone()
+        new.slot_valid = layer.slot_valid[:, :length].clone()
+        new.length = length
+        new.row_start = layer.row_tensors()[0].tolist()
+        new.n_summarized = [0] * len(new.row_start)
+        new._refresh_views()
+        return new
+
     # -- state hooks used by generate() -----------------------------------------------------------
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], rows: list[int]) -> None:
         """Apply a batch-dim transform to every stored tensor; ``rows`` says where each new row came from."""
@@ -594,40 +609,54 @@ class LocksCache(LocksCacheMixin, DynamicCache):
         """An independent copy (e.g. of a prefilled prompt) that decodes with other settings.
 
         The K/V are copied once; summaries are reused when their layout is unchanged and rebuilt in
-        one batched pass at the next forward otherwise. The fork's statistics start at zero.
+        one batched pass otherwise. A fork of a static-layout cache stays static when ``locks`` allows
+        it and converts to the dynamic layout (logged) when not. The fork's statistics start at zero.
         """
         import copy
 
         clone = copy.copy(self)
-        clone._plan = copy.copy(self._plan)
-        clone.layers = []
-        for layer in self.layers:
-            new = copy.copy(layer)
-            if isinstance(layer, LocksLayer):
-                new._apply(lambda t: t.clone(), list(range(len(layer.row_start))))
-            elif isinstance(layer, PagedLayer):
-                new.reallocate()
-            elif isinstance(layer, StaticLayer):
-                reallocate_hf_layer(new)
-            else:
-                new = copy.deepcopy(layer)
-            clone.layers.append(new)
-        if locks is not None:
-            clone._reconfigure(locks)
+        clone.locks_config = locks or self.locks_config
+        refusal = None if self._plan is None else config_refusal(clone.locks_config, self._layer_types)
+        if self._plan is not None and refusal is None:
+            clone._plan = copy.copy(self._plan)
+            width = page_slots_width(clone.locks_config, self.max_budget)
+            clone.layers = [_copied_layer(layer, locks, width) for layer in self.layers]
+        elif self._plan is not None:
+            logger.warning("LocksCache.fork(%s): %s; the fork decodes with the dynamic layout",
+                           clone.locks_config.label, refusal)
+            clone._plan = None
+            clone.layers = self._dynamic_layers(clone.locks_config)
+        else:
+            clone.layers = [_copied_layer(layer, locks, None) for layer in self.layers]
         clone.reset_stats()
         return clone
 
-    def _reconfigure(self, locks: LocksConfig) -> None:
-        if self._plan is not None and locks.replace(budget=self.locks_config.budget) == self.locks_config:
-            self.set_budget(locks.budget)  # the static layout switches budgets in place
-            return
-        if self._plan is not None:
-            raise LocksConfigError(
-                f"fork({locks.label}) of a cache in the static layout changes more than the budget: create a "
-                "LocksCache with these settings for the prompt (or use layout='dynamic')")
-        self.locks_config = locks
-        for layer in self.locks_layers:
-            layer.set_config(locks)
+    def _dynamic_layers(self, locks: LocksConfig) -> list:
+        """Dynamic copies of this static-layout cache's layers (Locks layers decoding with ``locks``)."""
+        if not any(l.is_initialized for l in self.layers if isinstance(l, StaticLayer)):
+            return [_copied_layer(layer, locks, None) for layer in self.layers]
+        length = int(self.locks_layers[0].length_tensor())  # a host op: one sync
+        return [LocksLayer.from_paged(layer, locks, length) if isinstance(layer, PagedLayer)
+                else to_dynamic_layer(layer, length, kw.get("sliding_window")) if isinstance(layer, StaticLayer)
+                else _copied_layer(layer, locks, None)
+                for layer, kw in zip(self.layers, self._layer_kwargs)]
+
+
+def _copied_layer(layer, locks: LocksConfig | None, width: int | None):
+    """An independent copy of one cache layer, its Locks settings switched to ``locks`` if given."""
+    import copy
+
+    if isinstance(layer, LocksLayer):
+        new = copy.copy(layer)
+        new._apply(lambda t: t.clone(), list(range(len(layer.row_start))))
+        if locks is not None:
+            new.set_config(locks)
+        return new
+    if isinstance(layer, PagedLayer):  # a static Locks layer
+        return layer.fork(locks, width)
+    if isinstance(layer, StaticLayer):
+        return hf_copy(layer)
+    return copy.deepcopy(layer)
 
 
 def take_handoff(layer_idx: int | None, key: torch.Tensor) -> PagedLayer | None:

@@ -213,32 +213,19 @@ def crop_hf_layer(layer: StaticLayer, tokens: int) -> None:
     layer.cumulative_length.sub_(tokens)
 
 
-def to_dynamic_layer(layer: StaticLayer, length: int):
-    """A transformers dynamic layer holding what the static ``layer`` holds (``length`` tokens written)."""
-    if isinstance(layer, StaticSlidingWindowLayer):
-        # Until the window is full the buffer holds slots 0..length-1; after, the last `max_cache_len` in order.
-        held = min(length, layer.max_cache_len)
-        window = layer.max_cache_len if length >= layer.max_cache_len else None
-        new = DynamicSlidingWindowLayer(sliding_window=window or _sliding_window_of(layer))
-        keys, values = layer.keys[:, :, :held], layer.values[:, :, :held]
-        new.lazy_initialization(keys, values)
-        new.keys = keys[:, :, -(new.sliding_window - 1):].clone() if held >= new.sliding_window else keys.clone()
-        new.values = values[:, :, -(new.sliding_window - 1):].clone() if held >= new.sliding_window else values.clone()
-        new.cumulative_length = length
+def to_dynamic_layer(layer: StaticLayer, length: int, window: int | None = None):
+    """A transformers dynamic layer holding what the static ``layer`` holds after ``length`` tokens
+    (``window``: the sliding window of a sliding layer)."""
+    held = min(length, layer.max_cache_len)  # a sliding layer past its window keeps the last ones, in order
+    new = DynamicSlidingWindowLayer(sliding_window=window) if window else DynamicLayer()
+    if not layer.is_initialized:
         return new
-    new = DynamicLayer()
-    if layer.is_initialized:
-        new.lazy_initialization(layer.keys, layer.values)
-        new.keys = layer.keys[:, :, :length].clone()
-        new.values = layer.values[:, :, :length].clone()
+    new.lazy_initialization(layer.keys, layer.values)
+    keep = slice(max(held - window + 1, 0) if window else 0, held)
+    new.keys, new.values = layer.keys[:, :, keep].clone(), layer.values[:, :, keep].clone()
+    if window:
+        new.cumulative_length = length
     return new
-
-
-def _sliding_window_of(layer: StaticSlidingWindowLayer) -> int:
-    window = getattr(layer, "sliding_window", None)
-    if window is None:
-        raise ValueError("cannot convert a sliding-window layer whose window is unknown")
-    return window
 
 
 def hf_copy(layer):

@@ -21,6 +21,8 @@ both layer classes answer the same page-access methods.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import StaticLayer
@@ -59,14 +61,20 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         self.counts = torch.zeros(2, dtype=torch.int64, device=dev)  # tokens attended, cached (see record_step)
         self.last_selection = torch.zeros((b, h, P), dtype=torch.bool, device=dev)
         self.slots_t = torch.full((1,), self.config.page_slots, dtype=torch.int32, device=dev)
-        self.summary = {}
-        if self.selector is not None:
-            # The summary layout (names, shapes, dtypes) of one all-zero page, allocated for every page.
-            probe = compute_summary(self, key_states.new_zeros((b, h, 1, self.config.page_size, d)),
-                                    torch.ones((b, h, 1, self.config.page_size), dtype=torch.bool, device=dev))
-            self.summary = {n: t.new_zeros((b, h, P, *t.shape[3:])) for n, t in probe.items()}
+        self._allocate_summary()
         if not is_torchdynamo_compiling():
             self._mark_static()
+
+    def _allocate_summary(self) -> None:
+        """Zeroed summaries for every page, in the selector's layout (names, shapes, dtypes of a probe page)."""
+        self.summary = {}
+        if self.selector is None:
+            return
+        b, h, _, d = self.keys.shape
+        B = self.config.page_size
+        probe = compute_summary(self, self.keys.new_zeros((b, h, 1, B, d)),
+                                torch.ones((b, h, 1, B), dtype=torch.bool, device=self.device))
+        self.summary = {n: t.new_zeros((b, h, self.num_pages, *t.shape[3:])) for n, t in probe.items()}
 
     def _mark_static(self) -> None:
         mark_static(self.keys, self.values, self.cumulative_length, *self._row_state().values(),
@@ -208,6 +216,10 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         slots = torch.arange(end, device=self.device)
         self.row_start.copy_(torch.where(self.slot_valid[:, :end], slots, end).amin(-1).to(torch.int32))
         self.pad.copy_((~self.slot_valid[:, :end]).sum(-1))
+        self._summarize_complete_pages()
+
+    def _summarize_complete_pages(self) -> None:
+        """Summarize every complete page of every row in one batched pass (eager: reads the length)."""
         if self.selector is None:
             return
         n = int(self.row_tensors()[1].max())
@@ -268,6 +280,24 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         self.cumulative_length, self.length_t = self.cumulative_length.clone(), self.length_t.clone()
         self.counts, self.slots_t = self.counts.clone(), self.slots_t.clone()
         self._mark_static()
+
+    def fork(self, config: LocksConfig | None = None, max_slots: int | None = None) -> "LocksStaticLayer":
+        """An independent copy (fresh buffers) that decodes with ``config``: the budget switched in
+        place when only the budget changes, else the summaries rebuilt from the keys in one pass."""
+        new = copy.copy(self)
+        new.reallocate()
+        if config is None or config.replace(budget=self.config.budget) == self.config:
+            if config is not None:
+                new.set_budget(config.budget)
+            return new
+        new.config, new.selector = config, make_selector(config)
+        new.max_slots = max(config.page_slots, max_slots or 0)
+        if new.is_initialized:
+            new.slots_t.fill_(config.page_slots)
+            new._allocate_summary()
+            new._summarize_complete_pages()
+            new._mark_static()
+        return new
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` tokens (as `DynamicCache.crop`). Pages they completed

@@ -115,9 +115,8 @@ def test_static_layout_continues_a_used_cache():
 
 
 def test_fork_and_budget_switch_in_place():
-    """A fork of a prefilled static cache decodes like a fresh cache with the fork's budget; the budget
-    switches in place up to ``max_budget`` and refuses beyond; a fork that changes more than the
-    budget is refused (the static layout keeps the summaries it was built with)."""
+    """A fork of a prefilled static cache decodes like a fresh cache with the fork's budget (switched in
+    place, up to ``max_budget``, refused beyond) and leaves the original untouched."""
     model = tiny("llama")
     ids = _ids(240)
     small, large = LocksConfig(budget=64), LocksConfig(budget=96)
@@ -132,8 +131,28 @@ def test_fork_and_budget_switch_in_place():
     assert base.layers[0].keys.data_ptr() != fork.layers[0].keys.data_ptr()
     with pytest.raises(LocksConfigError, match="max_budget"):
         base.set_budget(256)
-    with pytest.raises(LocksConfigError, match="more than the budget"):
-        base.fork(LocksConfig(budget=64, selector="quest"))
+
+
+@pytest.mark.parametrize("selector", ["quest", "shared_basis"])
+def test_fork_to_another_selector(selector, caplog):
+    """From a dense-prefilled static cache (as the sweeps prefill once), a fork to another selector
+    rebuilds its summaries (static layout) or, for a selector the static layout cannot serve,
+    converts to the dynamic layout with a logged reason: the tokens are those of a dynamic fork."""
+    model = tiny("gemma3")
+    ids = _ids(240)
+    arm = LocksConfig(budget=64, selector=selector, rank=8)
+    outs = []
+    for layout_name in ("dynamic", "static"):
+        base = LocksCache(model.config, LocksConfig(selector="full"), layout=layout_name)
+        with torch.no_grad():
+            first = model(ids, past_key_values=base).logits[:, -1:].argmax(-1)
+        with caplog.at_level(logging.WARNING, logger="locks_hf.cache"):
+            fork = base.fork(arm)
+        outs.append(model.generate(torch.cat([ids, first], 1), max_new_tokens=8, do_sample=False,
+                                   past_key_values=fork))
+    assert torch.equal(outs[0], outs[1])
+    assert fork.is_static == (selector == "quest")
+    assert ("dynamic layout" in caplog.text) == (selector == "shared_basis")
 
 
 def test_static_layout_crop_and_assisted_decoding():
