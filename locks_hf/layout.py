@@ -120,7 +120,7 @@ class CapacityPlan:
     def first_capacity(self, tokens: int) -> int:
         """The capacity to allocate for a first forward of ``tokens``."""
         if self.capacity is None:
-            self.capacity = round_up(tokens + max(MIN_HEADROOM, tokens // 16), 256)
+            self.capacity = round_up(tokens + max(MIN_HEADROOM, tokens // 32), 256)
         return self.capacity
 
     def settle(self) -> None:

@@ -1,4 +1,5 @@
-"""`LocksStaticCache`: a fixed-capacity Locks cache whose decode step is one static graph.
+"""`LocksStaticLayer`: a Locks layer whose decode step is one static graph (the static layout of
+`LocksCache`, chosen on a GPU), and `LocksStaticCache`, that layout at a fixed capacity.
 
 What `torch.compile` and CUDA graphs need from a cache (transformers' `StaticLayer` pattern): buffers
 allocated once at their final size, every per-step quantity a tensor (the length, the rows' first real
@@ -13,7 +14,11 @@ that changes from step to step. So, compared with `LocksLayer`:
 * decode always takes the page path; ``selector="full"`` on the kernels attends every page (dense
   flash-decoding over the written length);
 * prefill (several query tokens) runs eagerly, as transformers runs it: it reads padding off the
-  mask and summarizes every page in one batched pass.
+  mask and summarizes every page in one batched pass;
+* the budget is a device tensor (``slots_t``) and the page lists are sized for the widest budget
+  (``max_slots``), so budgets switch without a recompile;
+* re-allocation (growth, fork, batch selection) happens eagerly between forwards, into fresh
+  buffers marked static: a compiled step recompiles once for the new shapes.
 
 Everything else (scoring, selection, sparse attention, the kernels) is shared with `LocksCache`:
 both layer classes answer the same page-access methods.

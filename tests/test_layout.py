@@ -214,30 +214,58 @@ def test_static_cache_alias_keeps_a_fixed_capacity():
 
 
 # -- on the GPU (run by the CI of the GPU machine) -----------------------------------------------------------
+def _cuda_model():
+    from locks_hf.models import tiny_model
+
+    # d=64: wide enough for the kernels; float32 so that inductor's fusions cannot flip a greedy token
+    model = tiny_model("llama", head_dim=64).to("cuda")
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    return model
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels and CUDA graphs need a GPU")
 def test_one_liner_compiles_once_across_budgets_on_cuda():
     """The README one-liner takes the static layout by itself; generate() compiles its decode step
     (inductor + CUDA graphs) once; budgets up to ``max_budget`` switch without a recompile; the tokens
-    equal the dynamic layout's at every budget; memory is flat over the decode."""
+    equal the dynamic layout's at every budget; memory stays flat however many tokens are decoded."""
     import torch._dynamo
 
-    from locks_hf.models import tiny_model
-
-    model = tiny_model("llama", head_dim=64).to("cuda")
-    model.generation_config.pad_token_id = 0
-    model.generation_config.eos_token_id = None
+    model = _cuda_model()
     ids = _ids(600).cuda()
     cache = LocksCache(model.config, budget=64, max_budget=128, max_cache_len=800)
     assert cache.is_static
     torch._dynamo.reset()
     model.generate(ids, max_new_tokens=8, do_sample=False, past_key_values=cache)  # compiles
-    for budget in (64, 96, 128):
-        want = model.generate(ids, max_new_tokens=40, do_sample=False,
+    allocated = []
+    for budget, new in ((64, 40), (96, 40), (128, 150)):
+        want = model.generate(ids, max_new_tokens=new, do_sample=False,
                               past_key_values=LocksCache(model.config, budget=budget, layout="dynamic"))
         cache.reset()
         cache.set_budget(budget)
-        torch.cuda.reset_peak_memory_stats()
         with torch._dynamo.config.patch(error_on_recompile=True):
-            got = model.generate(ids, max_new_tokens=40, do_sample=False, past_key_values=cache)
+            got = model.generate(ids, max_new_tokens=new, do_sample=False, past_key_values=cache)
         assert torch.equal(got, want), budget
+        del want, got
+        torch.cuda.synchronize()
+        allocated.append(torch.cuda.memory_allocated())
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, torch._dynamo.utils.counters
+    assert max(allocated) - min(allocated) < 1 << 20, allocated  # 40 or 150 new tokens: same memory
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels and CUDA graphs need a GPU")
+def test_one_liner_grows_during_compiled_decode_on_cuda():
+    """Without max_cache_len the one-liner sizes its buffers at the prompt and grows them (once here)
+    between two compiled steps: one recompile, no write out of bounds, the dynamic layout's tokens."""
+    import torch._dynamo
+
+    model = _cuda_model()
+    ids = _ids(600).cuda()
+    want = model.generate(ids, max_new_tokens=60, do_sample=False,
+                          past_key_values=LocksCache(model.config, budget=64, layout="dynamic"))
+    cache = LocksCache(model.config, budget=64, max_cache_len=620)
+    torch._dynamo.reset()
+    got = model.generate(ids, max_new_tokens=60, do_sample=False, past_key_values=cache)
+    assert torch.equal(got, want)
+    assert cache.capacity >= 660
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2, torch._dynamo.utils.counters
