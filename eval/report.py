@@ -9,6 +9,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
+from .jsonl import read_jsonl, resolve
 from .runner import merge
 
 FAMILY_ORDER = ["full", "oracle", "locks-r16bf16", "locks-r8bf16", "locks-r8i4", "locks-r4i4", "locks-r2i4",
@@ -26,10 +27,11 @@ def load_cells(run_dir: Path, complete_only: bool = True) -> list[dict]:
     ``complete_only``: only records that every arm of the run has finished enter (a partial or
     in-progress run then compares all arms on the same records).
     """
-    merge(run_dir)
+    if (run_dir / "predictions").is_dir():  # a sweep's folder; a published one holds only the merged files
+        merge(run_dir)
     cfg = json.loads((run_dir / "config.json").read_text())
     arms = [a["name"] for a in cfg.get("arms", [])]
-    rows = [json.loads(l) for l in (run_dir / "results.jsonl").read_text().splitlines() if l.strip()]
+    rows = read_jsonl(run_dir / "results.jsonl")  # or results.jsonl.gz
     by_id = defaultdict(set)
     for r in rows:
         by_id[r["id"]].add(r["arm"])
@@ -238,7 +240,7 @@ def agreement_markdown(run_dir: Path) -> str:
     arms = [a["name"] for a in cfg.get("arms", [])]
     if "full" not in arms:
         return ""
-    rows = [json.loads(l) for l in (run_dir / "results.jsonl").read_text().splitlines() if l.strip()]
+    rows = read_jsonl(run_dir / "results.jsonl")  # or results.jsonl.gz
     preds = defaultdict(dict)
     meta = {}
     for r in rows:
@@ -293,7 +295,7 @@ def write_report(run_dirs: list[Path], out_dir: Path, title: str = "Locks sweep"
             parts += ["| " + " | ".join(l.split(",")) + " |" for l in lines[1:]]
             parts.append("")
     for fd in fidelity_dirs or []:
-        csv_path, raw_path = fd / "fidelity.csv", fd / "fidelity_raw.jsonl"
+        csv_path, raw_path = fd / "fidelity.csv", resolve(fd / "fidelity_raw.jsonl")
         if not csv_path.exists() or csv_path.stat().st_mtime < raw_path.stat().st_mtime:
             from .fidelity import summarize_fidelity
 
@@ -301,7 +303,7 @@ def write_report(run_dirs: list[Path], out_dir: Path, title: str = "Locks sweep"
         with open(csv_path) as f:
             rows = list(csv.DictReader(f))
         parts.append(f"## Selection fidelity ({fd.name})\n")
-        raw = [json.loads(l) for l in (fd / "fidelity_raw.jsonl").read_text().splitlines() if l.strip()]
+        raw = read_jsonl(raw_path)
         prompts = sorted({r["prompt"] for r in raw})
         parts.append(f"{len(prompts)} prompts ({', '.join(prompts)}), {len(raw)} (step, layer, arm) measurements; "
                      "means over decode steps, layers (full-attention layers only) and KV heads.\n")

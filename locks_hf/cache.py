@@ -28,6 +28,10 @@ from .selectors import PageSelector, make_selector
 
 logger = logging.getLogger(__name__)
 
+#: Prompt queries kept per layer (the last ones of the multi-token forwards) for policies that score
+#: the prompt with an observation window (RocketKV's SnapKV stage uses 32).
+PROMPT_QUERY_WINDOW = 32
+
 # `Cache.update` runs just before the model calls the attention function, which receives the K/V
 # but not the cache. The layer that produced them is handed over through this thread-local slot and
 # checked there (`take_handoff`) by identity of the key tensor.
@@ -80,6 +84,11 @@ class PagedLayer:
     ``context``) are kept here, in the layer's ``count_buffer``.
     """
 
+    #: Decode steps and estimation bytes counted on the host (`decode_traffic`); a static layer,
+    #: whose steps run in a compiled graph, keeps no host count.
+    decode_steps = 0
+    estimate_bytes = 0
+
     def page_slots(self) -> tuple[int, torch.Tensor | None]:
         """Width of the kernels' page lists and the budget in use as a device tensor (``None``: the
         width is the budget)."""
@@ -92,6 +101,12 @@ class PagedLayer:
         if attended is not None:
             counts[0] += attended
         counts[1] += context
+
+    def observe_prompt_queries(self, query: torch.Tensor) -> None:
+        """Prefill hook (``query [b, Hq, t, d]``, t > 1): layers that keep prompt queries override it."""
+
+    def record_selection_traffic(self) -> None:
+        """After a page-selected decode step: layers that count estimation traffic override it."""
 
     @property
     def attended(self) -> torch.Tensor | None:
@@ -139,10 +154,41 @@ class LocksLayer(DynamicLayer, PagedLayer):
         self.summary: dict[str, torch.Tensor] = {}
         self.shared: dict[str, torch.Tensor] = {}  # sequence-level selector state [b, h, ...]
         self._last_pages: tuple[torch.Tensor, int] | None = None  # page lists of the last step, P
+        self.prompt_queries: torch.Tensor | None = None  # [b, Hq, <=PROMPT_QUERY_WINDOW, d]
+        self.policy_state = None  # a token-level policy's `PolicyState`, built at the first decode step
+        self.expected_new_tokens = 0  # decode length announced by `LocksCache.expect_new_tokens`
         self.reset_stats()
 
     def reset_stats(self) -> None:
         self.counts = None  # int64 [2]: tokens attended, real tokens cached, summed over decode steps
+        self.decode_steps = 0  # decode steps recorded since the last reset
+        self.estimate_bytes = 0  # bytes read to choose what to attend, summed over steps, rows, heads
+
+    def record_step(self, attended: torch.Tensor | None, context: torch.Tensor) -> None:
+        super().record_step(attended, context)
+        self.decode_steps += 1
+
+    def record_estimate(self, nbytes: int) -> None:
+        """Add the bytes one decode step read to choose its tokens (summed over rows and KV heads)."""
+        self.estimate_bytes += int(nbytes)
+
+    def selection_read_bytes(self) -> int:
+        """Bytes a page selector reads per decode step to score pages, over rows and KV heads: the
+        summaries of the scored pages and any sequence-level state (the oracle reads every key)."""
+        if self.selector is None:
+            return 0
+        if self.selector.reads_keys:  # every written slot's key (no host sync for the padding count)
+            b, h, _, d = self._kbuf.shape
+            return self.length * b * h * d * self._kbuf.element_size()
+        return sum(t.numel() * t.element_size() for t in self.summary_view().values())
+
+    def record_selection_traffic(self) -> None:
+        self.record_estimate(self.selection_read_bytes())
+
+    def observe_prompt_queries(self, query: torch.Tensor) -> None:
+        """Keep the last `PROMPT_QUERY_WINDOW` queries ``[b, Hq, t, d]`` of multi-token forwards."""
+        held = query if self.prompt_queries is None else torch.cat([self.prompt_queries, query], dim=2)
+        self.prompt_queries = held[:, :, -PROMPT_QUERY_WINDOW:].detach()
 
     def count_buffer(self) -> torch.Tensor:
         """The running ``(attended, cached)`` token counts, ``int64 [2]`` on the layer's device (the
@@ -264,8 +310,11 @@ class LocksLayer(DynamicLayer, PagedLayer):
         """Dense for multi-token forwards, the ``"full"`` selector, contexts under ``min_context``
         and contexts that fit in the budget (every page would be selected anyway)."""
         cfg = self.config
-        return (query_len > 1 or self.selector is None or self.length < cfg.min_context
-                or self.length <= cfg.page_slots * cfg.page_size)
+        if query_len > 1 or self.selector is None:
+            return True
+        if self.selector.token_level:  # the policy decides (eviction state evolves)
+            return False
+        return self.length < cfg.min_context or self.length <= cfg.page_slots * cfg.page_size
 
     def _page_slots(self, pages: torch.Tensor) -> torch.Tensor:
         """Slot index of every token of ``pages [b, ...]`` (page numbers per row): ``[b, ..., B]``."""
@@ -319,7 +368,7 @@ class LocksLayer(DynamicLayer, PagedLayer):
 
     def summarize_completed(self) -> None:
         """Summarize every complete page not summarized yet, in one batched pass over the rows."""
-        if self.selector is None:
+        if self.selector is None or self.selector.token_level:
             return
         B = self.config.page_size
         target = [max(self.length - s, 0) // B for s in self.row_start]
@@ -354,6 +403,7 @@ class LocksLayer(DynamicLayer, PagedLayer):
             self.summary, self.shared, self.n_summarized = {}, {}, [0] * len(self.row_start)
         self.config = config
         self.selector = make_selector(config)
+        self.policy_state = None
 
     @classmethod
     def from_paged(cls, layer: PagedLayer, config: LocksConfig, length: int) -> "LocksLayer":
@@ -378,6 +428,10 @@ class LocksLayer(DynamicLayer, PagedLayer):
         self._kbuf, self._vbuf, self.slot_valid = fn(self._kbuf), fn(self._vbuf), fn(self.slot_valid)
         self.summary = {n: fn(t) for n, t in self.summary.items()}
         self.shared = {n: fn(t) for n, t in self.shared.items()}
+        if self.prompt_queries is not None:
+            self.prompt_queries = fn(self.prompt_queries)
+        if self.policy_state is not None:
+            self.policy_state = self.policy_state.mapped(fn)
         self.row_start = [self.row_start[r] for r in rows]
         self.n_summarized = [self.n_summarized[r] for r in rows]
         self._last_pages = None
@@ -407,6 +461,8 @@ class LocksLayer(DynamicLayer, PagedLayer):
         B = self.config.page_size
         self.n_summarized = [min(n, max(self.length - s, 0) // B)
                              for n, s in zip(self.n_summarized, self.row_start)]
+        if self.policy_state is not None:
+            self.policy_state.truncate(self.length)
         self._refresh_views()
 
     def reset(self) -> None:
@@ -418,7 +474,7 @@ class LocksLayer(DynamicLayer, PagedLayer):
     prefetch = offload
 
 
-def _kernel_summary(layer: "LocksLayer", keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor] | None:
+def _kernel_summary(layer: LocksLayer, keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor] | None:
     """[locks_hf.kernels dispatch] Summaries built by the GPU kernels for CUDA keys, else ``None``."""
     if not keys.is_cuda or os.environ.get("LOCKS_HF_KERNELS", "1") == "0":
         return None
@@ -605,7 +661,31 @@ class LocksCache(LocksCacheMixin, DynamicCache):
         self._plan.written = int(self.locks_layers[0].length_tensor())  # exact again (a host op may sync)
         self._plan.announced, self._plan.compiled_ran = 0, False
 
-    def fork(self, locks: LocksConfig | None = None) -> "LocksCache":
+    def expect_new_tokens(self, count: int) -> None:
+        """Announce how many tokens the next decode will generate (policies whose budget rule uses
+        the total sequence length, such as RocketKV's, read it; others ignore it)."""
+        for layer in self.locks_layers:
+            layer.expected_new_tokens = int(count)
+
+    def decode_traffic(self) -> dict[str, float] | None:
+        """Per (layer, row, KV head) and decode step, averaged over the Locks layers since the last
+        ``reset_stats``: ``attended_tokens`` (tokens whose K/V were read) and ``read_bytes`` (those
+        K/V plus what choosing them read: page summaries, reduced keys, ...). ``None`` before any
+        decode step."""
+        head_steps = attended = read = 0
+        for layer in self.locks_layers:
+            if not layer.decode_steps or layer.counts is None:
+                continue
+            b, h, _, dk = layer._kbuf.shape
+            tokens = int(layer.counts[0])
+            head_steps += layer.decode_steps * b * h
+            attended += tokens
+            read += tokens * (dk + layer._vbuf.shape[-1]) * layer._kbuf.element_size() + layer.estimate_bytes
+        if not head_steps:
+            return None
+        return {"attended_tokens": attended / head_steps, "read_bytes": read / head_steps}
+
+    def fork(self, locks: LocksConfig | None = None) -> LocksCache:
         """An independent copy (e.g. of a prefilled prompt) that decodes with other settings.
 
         The K/V are copied once; summaries are reused when their layout is unchanged and rebuilt in

@@ -6,7 +6,9 @@ import math
 import re
 from dataclasses import dataclass, replace
 
-SELECTORS = ("locks", "oracle", "quest", "full", "shared_basis", "shared_all")
+#: The paper's baselines, token-level cache policies (`locks_hf.baselines`).
+BASELINE_POLICIES = ("rocketkv", "rkv", "lazy_eviction", "shadowkv")
+SELECTORS = ("locks", "oracle", "quest", "full", "shared_basis", "shared_all", *BASELINE_POLICIES)
 GROUP_COMBINES = ("share_average", "group_max", "group_mass")
 BASIS_BITS = (2, 4, 8, 16)  # 16 = unquantized (stored in the K/V dtype)
 VALUE_BITS = (8, 16)  # for coefficients and centroids
@@ -16,6 +18,11 @@ _LABEL = re.compile(r"^r(?P<rank>\d+)(?:i(?P<bits>\d+)|(?P<bf16>bf16))$")
 
 class LocksConfigError(ValueError):
     """A `LocksConfig` field has a value the method cannot run with."""
+
+
+class BudgetDoesNotFit(LocksConfigError):
+    """The method's fixed token blocks do not fit in the budget (e.g. ShadowKV below 424 tokens):
+    a sweep reports such an arm as not run."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,10 @@ class LocksConfig:
             )
         if not isinstance(self.min_context, int) or self.min_context < 0:
             raise LocksConfigError(f"min_context must be a non-negative int, got {self.min_context!r}")
+        if self.selector in BASELINE_POLICIES:
+            from .baselines import POLICIES  # imported here: the policies import this module
+
+            POLICIES[self.selector].validate_config(self)
 
     @property
     def page_slots(self) -> int:
@@ -95,7 +106,7 @@ class LocksConfig:
         return f"{self.selector}-b{self.budget}"
 
     @classmethod
-    def from_label(cls, label: str, **overrides) -> "LocksConfig":
+    def from_label(cls, label: str, **overrides) -> LocksConfig:
         """Parse ``r8i4`` / ``r4i2`` / ``r8bf16`` (optionally prefixed ``locks-``) into a Locks config."""
         match = _LABEL.match(label.removeprefix("locks-"))
         if match is None:
@@ -105,6 +116,6 @@ class LocksConfig:
         bits = 16 if match["bf16"] else int(match["bits"])
         return cls(rank=int(match["rank"]), basis_bits=bits, **overrides)
 
-    def replace(self, **changes) -> "LocksConfig":
+    def replace(self, **changes) -> LocksConfig:
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)

@@ -9,7 +9,7 @@ A selector sees one layer's paged cache at a decode step:
 * ``query``  ``[b, h, G, d]`` the step's query heads grouped by KV head.
 
 `page_scores` returns ``[b, h, G, P]`` per query head; `select_pages` turns them into the page set
-of SPEC §1: sink and most recent page forced, the best ``k - 2`` remaining complete pages added.
+of the paper's §4: sink and most recent page forced, the best ``k - 2`` remaining complete pages added.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ class PageSelector(ABC):
     per_head: bool = False
     #: Scoring reads every cached key (the exact oracle) rather than summaries only.
     reads_keys: bool = False
+    #: Chooses single tokens through a keep mask (`locks_hf.token_policy`) instead of pages.
+    token_level: bool = False
 
     def __init__(self, config: LocksConfig) -> None:
         self.config = config
@@ -180,8 +182,11 @@ _SELECTORS: dict[str, type[PageSelector]] = {
 
 
 def make_selector(config: LocksConfig) -> PageSelector | None:
-    """The selector for ``config.selector``; ``None`` for ``"full"`` (dense decode)."""
-    cls = _SELECTORS.get(config.selector)
+    """The selector for ``config.selector``; ``None`` for ``"full"`` (dense decode). The paper's
+    baselines are token-level policies (`locks_hf.token_policy.TokenPolicy`)."""
+    from .baselines import POLICIES
+
+    cls = _SELECTORS.get(config.selector) or POLICIES.get(config.selector)
     return None if cls is None else cls(config)
 
 
@@ -228,7 +233,7 @@ def forced_pages(page_real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def select_pages(scores: torch.Tensor, page_real: torch.Tensor, page_complete: torch.Tensor,
                  slots: int, rule: str, per_head: bool) -> torch.Tensor:
-    """Boolean page set ``[b, h, P]`` under SPEC §1.
+    """Boolean page set ``[b, h, P]`` under the paper's §4 selection rule.
 
     ``scores [b, h, G, P]``; ``page_real [b, P]`` pages holding a real token; ``page_complete``
     ``[b, P]`` or ``[P]`` pages whose last slot is written.

@@ -11,7 +11,7 @@ device bandwidth. ``--check`` first compares every kernel with a float64 referen
 
 Prints a markdown table and writes JSON::
 
-    python scripts/bench_decode.py --check --out docs/bench_h200.json --md docs/bench_h200.md
+    python scripts/bench_decode.py --check --out runs/bench_h200.json --md runs/bench_h200.md   # summarised in docs/performance.md
 
 Needs torch with CUDA and triton; not transformers (``locks_hf`` is loaded without its
 transformers integration when that cannot be imported).
@@ -277,10 +277,9 @@ def rel(a, b):
 
 
 def check_real_shapes(model: str, length: int, slots: int, log) -> dict:
-    from locks_hf.selectors import QuestSelector, select_pages as ref_select
-    from locks_hf.summaries import build_summary as ref_build
-    from locks_hf.summaries import dequantize_summary, estimated_page_lse, exact_page_lse
     from locks_hf.config import LocksConfig
+    from locks_hf.selectors import QuestSelector, select_pages as ref_select
+    from locks_hf.summaries import build_summary as ref_build, dequantize_summary, estimated_page_lse, exact_page_lse
 
     hq, h, d, _, _ = MODELS[model]
     G = hq // h

@@ -38,6 +38,10 @@ from locks_hf import LocksCache, LocksConfig, LocksStaticCache
 SHAPES = {
     "llama3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                         num_key_value_heads=8, head_dim=128, vocab_size=128256),
+    # GLM-4-9B-Chat-1M: the paper's headline efficiency model (40 layers, 32 query / 2 KV heads); a Llama
+    # block of its shape (GLM's partial RoPE does not change the cost of a decode step).
+    "glm4-9b": dict(hidden_size=4096, intermediate_size=13696, num_hidden_layers=40, num_attention_heads=32,
+                    num_key_value_heads=2, head_dim=128, vocab_size=151552),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=256),
 }
@@ -149,7 +153,7 @@ def time_steps(stepper: Stepper, steps: int) -> list[float]:
 
 def profile_step(stepper: Stepper, steps: int, top: int = 12) -> dict:
     """Kernels of ``steps`` eager one-token forwards (torch.profiler): count per step and the top ones
-    by device time, so a step's time can be attributed (graph replays hide their kernels)."""
+    by GPU kernel time, so a step's time can be attributed (graph replays hide their kernels)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -164,7 +168,7 @@ def profile_step(stepper: Stepper, steps: int, top: int = 12) -> dict:
     kernels = sum(e.count for e in events) / steps
     rows = [{"name": e.key[:90], "ms_per_step": e.device_time_total / steps / 1e3, "per_step": e.count / steps}
             for e in events[:top]]
-    print(f"  profile: {kernels:.0f} kernels/step, {total:.2f} ms device time/step")
+    print(f"  profile: {kernels:.0f} kernels/step, {total:.2f} ms GPU kernel time/step")
     for r in rows:
         print(f"    {r['ms_per_step']:8.3f} ms  x{r['per_step']:5.0f}  {r['name']}")
     return {"kernels_per_step": kernels, "device_ms_per_step": total, "top": rows}

@@ -5,6 +5,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode_step.py"
 
 
@@ -49,6 +51,7 @@ def test_bench_generate_runs_on_cpu(tmp_path):
     assert by_arm[(400, "hf-dynamic")]["tokens"] == by_arm[(400, "hf-static")]["tokens"]
 
 
+@pytest.mark.slow  # an ahead-of-time Triton compile: tens of seconds of CPU
 def test_compile_time_script_compiles_the_rolled_fma_kernel_for_sm90():
     """scripts/compile_time.py (docs/compile_time.md) drives Triton's private AOT API: keep it working.
     Rank 8 takes the rolled chunk loop, which compiles in seconds and fits in 128 registers."""

@@ -1,0 +1,13 @@
+"""The paper's baseline methods as token-level cache policies (`locks_hf.token_policy`).
+
+Each module holds one method; `POLICIES` maps the `LocksConfig.selector` name to its class.
+"""
+
+from .lazy_eviction import LazyEvictionPolicy
+from .rkv import RKVPolicy
+from .rocketkv import RocketKVPolicy
+from .shadowkv import ShadowKVPolicy
+
+POLICIES = {cls.name: cls for cls in (RocketKVPolicy, RKVPolicy, LazyEvictionPolicy, ShadowKVPolicy)}
+
+__all__ = ["POLICIES", "LazyEvictionPolicy", "RKVPolicy", "RocketKVPolicy", "ShadowKVPolicy"]
