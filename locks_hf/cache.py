@@ -568,6 +568,8 @@ class LocksCache(LocksCacheMixin, DynamicCache):
             if max_budget is not None and max_budget < locks.budget:
                 raise LocksConfigError(f"max_budget={max_budget} is below the budget {locks.budget}")
             self._plan = CapacityPlan(max_cache_len, locks.page_size, self._growable)
+            # every forward updates this layer first: where an eager forward is counted
+            self._first_kv_layer = next(i for i, kind in enumerate(self._layer_types) if kind != "dummy")
             if max_cache_len is not None:
                 self._allocate(self._plan.capacity)
 
@@ -609,12 +611,9 @@ class LocksCache(LocksCacheMixin, DynamicCache):
             elif isinstance(layer, StaticLayer):
                 reallocate_hf_layer(layer, capacity, window=kw.get("sliding_window"))
 
-    def _first_kv_layer(self) -> int:
-        return next(i for i, kind in enumerate(self._layer_types) if kind != "dummy")
-
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._plan is not None and layer_idx == self._first_kv_layer():
+        if self._plan is not None and layer_idx == self._first_kv_layer:
             if is_torchdynamo_compiling():
                 self._plan.compiled_ran = True  # a constant store: replayed after the graph, no guard
             else:  # an eager forward (prefill, or a step not compiled): counted before any layer writes
@@ -637,12 +636,13 @@ class LocksCache(LocksCacheMixin, DynamicCache):
     def set_budget(self, budget: int) -> None:
         """Decode with budget ``budget`` from the next step on; the static layout switches in place
         (no recompile) up to ``max_budget``."""
-        self.locks_config = self.locks_config.replace(budget=budget)
-        for layer in self.locks_layers:
+        config = self.locks_config.replace(budget=budget)
+        for layer in self.locks_layers:  # a static layer refuses a budget wider than its page lists
             if isinstance(layer, LocksLayer):
-                layer.set_config(self.locks_config)
+                layer.set_config(config)
             else:
                 layer.set_budget(budget)
+        self.locks_config = config
 
     def reset(self) -> None:
         super().reset()
