@@ -48,11 +48,6 @@ _HANDOFF = _Handoff()
 _MIN_HEADROOM = 256
 
 
-def _summary_fields(config: LocksConfig) -> tuple:
-    return (config.selector, config.page_size, config.rank, config.basis_bits,
-            config.coef_bits, config.centroid_bits)
-
-
 def slot_validity(attention_mask: torch.Tensor | None, query_len: int, batch: int, device) -> torch.Tensor:
     """``[b, Tq]`` validity of the slots just written, read off the model's attention mask.
 
@@ -102,7 +97,7 @@ class PagedLayer:
             counts[0] += attended
         counts[1] += context
 
-    def observe_prompt_queries(self, query: torch.Tensor) -> None:
+    def observe_prompt_queries(self, query: torch.Tensor, scale: float) -> None:
         """Prefill hook (``query [b, Hq, t, d]``, t > 1): layers that keep prompt queries override it."""
 
     def record_selection_traffic(self) -> None:
@@ -157,6 +152,9 @@ class LocksLayer(DynamicLayer, PagedLayer):
         self.prompt_queries: torch.Tensor | None = None  # [b, Hq, <=PROMPT_QUERY_WINDOW, d]
         self.policy_state = None  # a token-level policy's `PolicyState`, built at the first decode step
         self.expected_new_tokens = 0  # decode length announced by `LocksCache.expect_new_tokens`
+        self.text_config = None  # the model's text config, set by `LocksCache` (rotary frequencies)
+        self.prefill_scores: dict[str, torch.Tensor] = {}  # per-token scores computed once per prompt (KVzip)
+        self.score_request = None  # collects scores from the queries of multi-token forwards (KVzip)
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -185,10 +183,13 @@ class LocksLayer(DynamicLayer, PagedLayer):
     def record_selection_traffic(self) -> None:
         self.record_estimate(self.selection_read_bytes())
 
-    def observe_prompt_queries(self, query: torch.Tensor) -> None:
-        """Keep the last `PROMPT_QUERY_WINDOW` queries ``[b, Hq, t, d]`` of multi-token forwards."""
+    def observe_prompt_queries(self, query: torch.Tensor, scale: float) -> None:
+        """Keep the last `PROMPT_QUERY_WINDOW` queries ``[b, Hq, t, d]`` of multi-token forwards (and
+        hand them to a pending score request)."""
         held = query if self.prompt_queries is None else torch.cat([self.prompt_queries, query], dim=2)
         self.prompt_queries = held[:, :, -PROMPT_QUERY_WINDOW:].detach()
+        if self.score_request is not None:
+            self.score_request.update(query, self.keys, scale)
 
     def count_buffer(self) -> torch.Tensor:
         """The running ``(attended, cached)`` token counts, ``int64 [2]`` on the layer's device (the
@@ -399,7 +400,7 @@ class LocksLayer(DynamicLayer, PagedLayer):
 
     def set_config(self, config: LocksConfig) -> None:
         """Switch selector settings; summaries are rebuilt (lazily) when their layout changes."""
-        if _summary_fields(config) != _summary_fields(self.config):
+        if config.summary_layout != self.config.summary_layout:
             self.summary, self.shared, self.n_summarized = {}, {}, [0] * len(self.row_start)
         self.config = config
         self.selector = make_selector(config)
@@ -430,6 +431,7 @@ class LocksLayer(DynamicLayer, PagedLayer):
         self.shared = {n: fn(t) for n, t in self.shared.items()}
         if self.prompt_queries is not None:
             self.prompt_queries = fn(self.prompt_queries)
+        self.prefill_scores = {n: fn(t) for n, t in self.prefill_scores.items()}
         if self.policy_state is not None:
             self.policy_state = self.policy_state.mapped(fn)
         self.row_start = [self.row_start[r] for r in rows]
@@ -564,6 +566,7 @@ class LocksCache(LocksCacheMixin, DynamicCache):
         for i, layer_type in enumerate(self._layer_types):
             if layer_type == "full_attention":
                 self.layers[i] = LocksLayer(locks)
+                self.layers[i].text_config = text_config
         if choose_layout(layout, locks, self._layer_types):
             if max_budget is not None and max_budget < locks.budget:
                 raise LocksConfigError(f"max_budget={max_budget} is below the budget {locks.budget}")
@@ -646,9 +649,12 @@ class LocksCache(LocksCacheMixin, DynamicCache):
 
     def reset(self) -> None:
         super().reset()
-        if self._plan is not None:  # buffers kept (same addresses: a compiled step serves the next prompt)
-            self._plan.written = self._plan.announced = 0
-            self._plan.compiled_ran = False
+        self._rewound_to(0)  # buffers kept (same addresses: a compiled step serves the next prompt)
+
+    def _rewound_to(self, length: int) -> None:
+        """The static layout now holds ``length`` tokens (exact: after a host-side rewind)."""
+        if self._plan is not None:
+            self._plan.written, self._plan.announced, self._plan.compiled_ran = length, 0, False
 
     def crop(self, tokens_to_remove: int) -> None:
         if self._plan is None or not any(l.is_initialized for l in self.layers if isinstance(l, StaticLayer)):
@@ -658,8 +664,7 @@ class LocksCache(LocksCacheMixin, DynamicCache):
                 layer.crop(tokens_to_remove)
             elif isinstance(layer, StaticLayer):
                 crop_hf_layer(layer, -tokens_to_remove)
-        self._plan.written = int(self.locks_layers[0].length_tensor())  # exact again (a host op may sync)
-        self._plan.announced, self._plan.compiled_ran = 0, False
+        self._rewound_to(int(self.locks_layers[0].length_tensor()))  # exact again (a host op may sync)
 
     def expect_new_tokens(self, count: int) -> None:
         """Announce how many tokens the next decode will generate (policies whose budget rule uses
