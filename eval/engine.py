@@ -67,7 +67,7 @@ class ArmRun:
 
     results: list[RowResult]
     seconds: float  # wall time of the arm (warm-up included)
-    warmup_seconds: float  # capture / compile and the first step
+    warmup_seconds: float  # capture or compile, and the warm-up steps (undone)
     steps: int
     prefill_seconds: float  # the batch's prefill (shared by every arm)
 
@@ -163,7 +163,7 @@ class PrefilledBatch:
         # generated is never fed; with no forced token the prefill's token is the first new one)
         longest = max(r.max_new for r in rows)
         self.steps = max(0, longest - 1 if self.n_forced == 0 else self.n_forced - 1 + longest)
-        capacity = L + max(self.steps, 1)
+        capacity = L + max(self.steps, 2)  # room for the warm-up steps of a short decode
         self.cache = sweep_cache(model.config, capacity, locks)
         capacity = self.cache.locks_layers[0].capacity if self.cache.locks_layers else capacity
         ids = torch.full((b, L), engine.pad_id, dtype=torch.long)
@@ -317,7 +317,8 @@ class PrefilledBatch:
         if mode == "compile":
             fn = self.engine.compiled_next_token()
             run = lambda: self.advance(state, fn)  # noqa: E731
-            run()  # compiles (first call of this arm's settings)
+            run()  # compiles this arm's step (its settings are constants of the graph) and warms it up
+            run()  # records its CUDA graph
             state.restart()
             return run
         # "graph": warm up on a side stream (lazy initialisations, Triton compiles), undo that step,
