@@ -21,8 +21,17 @@ from transformers.masking_utils import find_first_full_attention_index
 from transformers.utils import is_torchdynamo_compiling
 
 from .config import LocksConfig, LocksConfigError
-from .layout import (CapacityPlan, build_static_layers, choose_layout, config_refusal, crop_hf_layer, hf_copy,
-                     page_slots_width, reallocate_hf_layer, to_dynamic_layer)
+from .layout import (
+    CapacityPlan,
+    build_static_layers,
+    choose_layout,
+    config_refusal,
+    crop_hf_layer,
+    hf_copy,
+    page_slots_width,
+    reallocate_hf_layer,
+    to_dynamic_layer,
+)
 from .models_support import check_model_supported
 from .selectors import PageSelector, make_selector
 
@@ -407,7 +416,7 @@ class LocksLayer(DynamicLayer, PagedLayer):
         self.policy_state = None
 
     @classmethod
-    def from_paged(cls, layer: PagedLayer, config: LocksConfig, length: int) -> "LocksLayer":
+    def from_paged(cls, layer: PagedLayer, config: LocksConfig, length: int) -> LocksLayer:
         """A dynamic layer holding a copy of the first ``length`` slots of another Locks layer (e.g. a
         static one); its summaries are rebuilt, in one batched pass, at the next forward."""
         new = cls(config)

@@ -21,8 +21,13 @@ import math
 import os
 
 import torch
-from transformers.cache_utils import (STATIC_LAYER_TYPE_MAPPING, DynamicLayer, DynamicSlidingWindowLayer,
-                                      StaticLayer, StaticSlidingWindowLayer)
+from transformers.cache_utils import (
+    STATIC_LAYER_TYPE_MAPPING,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    StaticLayer,
+    StaticSlidingWindowLayer,
+)
 
 from .config import LocksConfig
 

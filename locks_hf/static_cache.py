@@ -319,7 +319,7 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         for summary, _ in self._stored_layouts.values():
             mark_static(*summary.values())
 
-    def fork(self, config: LocksConfig | None = None, max_slots: int | None = None) -> "LocksStaticLayer":
+    def fork(self, config: LocksConfig | None = None, max_slots: int | None = None) -> LocksStaticLayer:
         """An independent copy (fresh buffers) that decodes with ``config`` (see `set_config`: the
         budget switched in place, another summary layout built from the keys in one pass)."""
         new = copy.copy(self)

@@ -31,11 +31,11 @@ import statistics
 import time
 
 import torch
+from bench_decode_step import SHAPES, parse_tokens  # scripts/ is on sys.path when run as a script
+from multi_gpu_generate import StepClock
 from transformers import LlamaConfig, LlamaForCausalLM, StaticCache, StoppingCriteriaList
 
-from bench_decode_step import SHAPES, parse_tokens  # scripts/ is on sys.path when run as a script
 from locks_hf import LocksCache, LocksConfig, LocksStaticCache
-from multi_gpu_generate import StepClock
 
 HF_ARMS = ("hf-dynamic", "hf-static")
 STATIC_PREFIX = "static-"

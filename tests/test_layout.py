@@ -9,13 +9,12 @@ import logging
 
 import pytest
 import torch
+from conftest import tiny
 from transformers import CompileConfig
 from transformers.cache_utils import DynamicSlidingWindowLayer, StaticSlidingWindowLayer
 
 from locks_hf import LocksCache, LocksConfig, LocksConfigError, LocksLayer, LocksStaticCache, layout
 from locks_hf.static_cache import LocksStaticLayer
-
-from conftest import tiny
 
 
 def _ids(n=300, b=1, seed=1):
