@@ -3,7 +3,6 @@
 Importing this package registers ``attn_implementation="locks"`` with transformers.
 """
 
-from . import layout  # noqa: F401  (public submodule: the cache layout choice)
 from .attention import locks_attention_forward, register
 from .cache import LocksCache, LocksLayer
 from .config import LocksConfig, LocksConfigError
