@@ -85,7 +85,7 @@ def arm_selection(config, keys: torch.Tensor, valid: torch.Tensor, n_complete: i
     """
     b, h, P = keys.shape[0], keys.shape[1], keys.shape[2]
     page_real = valid[:, 0].any(-1)  # [b, P]
-    sink, recent = _forced_pages(page_real)
+    sink, recent = forced_pages(page_real)
     forced = ((sink | recent) & page_real)[:, None].expand(b, h, P)
     selector = make_selector(config)
     if selector is None or P <= config.page_slots:
@@ -95,24 +95,13 @@ def arm_selection(config, keys: torch.Tensor, valid: torch.Tensor, n_complete: i
     if hasattr(selector, "fit_sequence"):
         nf = n_complete if n_fit is None else min(n_fit, n_complete)
         shared = selector.fit_sequence(keys[:, :, :nf], vh[:, :, :nf]) or {}
-    try:
-        summary = selector.summarize(keys[:, :, :n_complete], vh[:, :, :n_complete], shared)
-    except TypeError:  # selectors without sequence-level state (older signature)
-        summary = selector.summarize(keys[:, :, :n_complete], vh[:, :, :n_complete])
+    summary = selector.summarize(keys[:, :, :n_complete], vh[:, :, :n_complete], shared)
     summary = {**summary, **shared}
     scores = selector.page_scores(summary, keys, valid, query, scale)
     scores = torch.nn.functional.pad(scores, (0, P - scores.shape[-1]), value=float("-inf"))
     complete = torch.arange(P, device=keys.device) < n_complete
     sel = select_pages(scores, page_real, complete, config.page_slots, config.group_combine, selector.per_head)
     return sel, forced
-
-
-def _forced_pages(page_real: torch.Tensor):
-    """Sink and most recent page masks ``[b, P]`` (`locks_hf.selectors.forced_pages`)."""
-    try:
-        return forced_pages(page_real)
-    except TypeError:  # older signature forced_pages(page_real, recent_index)
-        return forced_pages(page_real, page_real.shape[-1] - 1)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -154,7 +143,9 @@ def capture_decode(model, prompt_ids: torch.Tensor, steps: int = 8, page_size: i
     """Prefill densely, decode ``steps`` greedy tokens with full attention; return (captures, cache)."""
     from locks_hf import LocksCache, LocksConfig
 
-    cache = LocksCache(model.config, LocksConfig(selector="full", page_size=page_size))
+    # dynamic layout: the captures read each step's length off the key tensor (the static layout's is
+    # its whole capacity)
+    cache = LocksCache(model.config, LocksConfig(selector="full", page_size=page_size), layout="dynamic")
     out = model(prompt_ids, past_key_values=cache, use_cache=True)
     tok = out.logits[:, -1:].argmax(-1)
     raw: list = []

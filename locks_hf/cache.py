@@ -8,6 +8,7 @@ where the decode query exists.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
@@ -15,12 +16,27 @@ from collections.abc import Callable
 
 import torch
 from transformers import PretrainedConfig
-from transformers.cache_utils import DynamicCache, DynamicLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import DynamicCache, DynamicLayer, StaticLayer, get_layer_types_and_kwargs
+from transformers.masking_utils import find_first_full_attention_index
+from transformers.utils import is_torchdynamo_compiling
 
-from .config import LocksConfig
+from .config import LocksConfig, LocksConfigError
+from .layout import (
+    CapacityPlan,
+    build_static_layers,
+    choose_layout,
+    config_refusal,
+    crop_hf_layer,
+    hf_copy,
+    page_slots_width,
+    reallocate_hf_layer,
+    to_dynamic_layer,
+)
 from .models_support import (REFUSED_GENERATION, UnsupportedModelError, cache_model_mismatch, check_head_dim,
                              check_model_supported, head_dim_of)
 from .selectors import PageSelector, make_selector
+
+logger = logging.getLogger(__name__)
 
 #: Prompt queries kept per layer (the last ones of the multi-token forwards) for policies that score
 #: the prompt with an observation window (RocketKV's SnapKV stage uses 32).
@@ -41,11 +57,6 @@ _HANDOFF = _Handoff()
 
 # Extra slots reserved past the prompt so that decode appends without reallocating.
 _MIN_HEADROOM = 256
-
-
-def _summary_fields(config: LocksConfig) -> tuple:
-    return (config.selector, config.page_size, config.rank, config.basis_bits,
-            config.coef_bits, config.centroid_bits)
 
 
 def slot_validity(attention_mask: torch.Tensor | None, query_len: int, batch: int, device) -> torch.Tensor:
@@ -86,6 +97,16 @@ class PagedLayer:
     def activate_past_recording(self) -> None:
         self.recording_past = True
 
+    #: Decode steps and estimation bytes counted on the host (`decode_traffic`); a static layer,
+    #: whose steps run in a compiled graph, keeps no host count.
+    decode_steps = 0
+    estimate_bytes = 0
+
+    def page_slots(self) -> tuple[int, torch.Tensor | None]:
+        """Width of the kernels' page lists and the budget in use as a device tensor (``None``: the
+        width is the budget)."""
+        return self.config.page_slots, None
+
     def record_step(self, attended: torch.Tensor | None, context: torch.Tensor) -> None:
         """Add one decode step: tokens attended and real tokens cached, summed over rows and heads
         (``attended=None``: the kernels already added it)."""
@@ -94,7 +115,7 @@ class PagedLayer:
             counts[0] += attended
         counts[1] += context
 
-    def observe_prompt_queries(self, query: torch.Tensor) -> None:
+    def observe_prompt_queries(self, query: torch.Tensor, scale: float) -> None:
         """Prefill hook (``query [b, Hq, t, d]``, t > 1): layers that keep prompt queries override it."""
 
     def record_selection_traffic(self) -> None:
@@ -149,6 +170,9 @@ class LocksLayer(DynamicLayer, PagedLayer):
         self.prompt_queries: torch.Tensor | None = None  # [b, Hq, <=PROMPT_QUERY_WINDOW, d]
         self.policy_state = None  # a token-level policy's `PolicyState`, built at the first decode step
         self.expected_new_tokens = 0  # decode length announced by `LocksCache.expect_new_tokens`
+        self.text_config = None  # the model's text config, set by `LocksCache` (rotary frequencies)
+        self.prefill_scores: dict[str, torch.Tensor] = {}  # per-token scores computed once per prompt (KVzip)
+        self.score_request = None  # collects scores from the queries of multi-token forwards (KVzip)
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -177,10 +201,13 @@ class LocksLayer(DynamicLayer, PagedLayer):
     def record_selection_traffic(self) -> None:
         self.record_estimate(self.selection_read_bytes())
 
-    def observe_prompt_queries(self, query: torch.Tensor) -> None:
-        """Keep the last `PROMPT_QUERY_WINDOW` queries ``[b, Hq, t, d]`` of multi-token forwards."""
+    def observe_prompt_queries(self, query: torch.Tensor, scale: float) -> None:
+        """Keep the last `PROMPT_QUERY_WINDOW` queries ``[b, Hq, t, d]`` of multi-token forwards (and
+        hand them to a pending score request)."""
         held = query if self.prompt_queries is None else torch.cat([self.prompt_queries, query], dim=2)
         self.prompt_queries = held[:, :, -PROMPT_QUERY_WINDOW:].detach()
+        if self.score_request is not None:
+            self.score_request.update(query, self.keys, scale)
 
     def count_buffer(self) -> torch.Tensor:
         """The running ``(attended, cached)`` token counts, ``int64 [2]`` on the layer's device (the
@@ -392,11 +419,26 @@ class LocksLayer(DynamicLayer, PagedLayer):
 
     def set_config(self, config: LocksConfig) -> None:
         """Switch selector settings; summaries are rebuilt (lazily) when their layout changes."""
-        if _summary_fields(config) != _summary_fields(self.config):
+        if config.summary_layout != self.config.summary_layout:
             self.summary, self.shared, self.n_summarized = {}, {}, [0] * len(self.row_start)
         self.config = config
         self.selector = make_selector(config)
         self.policy_state = None
+
+    @classmethod
+    def from_paged(cls, layer: PagedLayer, config: LocksConfig, length: int) -> LocksLayer:
+        """A dynamic layer holding a copy of the first ``length`` slots of another Locks layer (e.g. a
+        static one); its summaries are rebuilt, in one batched pass, at the next forward."""
+        new = cls(config)
+        new.lazy_initialization(layer._kbuf, layer._vbuf)
+        new._kbuf = layer._kbuf[:, :, :length].clone()
+        new._vbuf = layer._vbuf[:, :, :length].clone()
+        new.slot_valid = layer.slot_valid[:, :length].clone()
+        new.length = length
+        new.row_start = layer.row_tensors()[0].tolist()
+        new.n_summarized = [0] * len(new.row_start)
+        new._refresh_views()
+        return new
 
     # -- state hooks used by generate() -----------------------------------------------------------
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], rows: list[int]) -> None:
@@ -408,6 +450,7 @@ class LocksLayer(DynamicLayer, PagedLayer):
         self.shared = {n: fn(t) for n, t in self.shared.items()}
         if self.prompt_queries is not None:
             self.prompt_queries = fn(self.prompt_queries)
+        self.prefill_scores = {n: fn(t) for n, t in self.prefill_scores.items()}
         if self.policy_state is not None:
             self.policy_state = self.policy_state.mapped(fn)
         self.row_start = [self.row_start[r] for r in rows]
@@ -522,21 +565,41 @@ class LocksCacheMixin:
 
 
 class LocksCache(LocksCacheMixin, DynamicCache):
-    """A `DynamicCache` whose full-attention layers select pages for sparse decoding.
+    """A transformers `Cache` whose full-attention layers select pages for sparse decoding.
 
     Args:
-        config: the model's config (its text config is used); full-attention layers become
-            `LocksLayer`s, others keep transformers' layers. ``None``: every layer is a `LocksLayer`.
+        config: the model's config (its text config is used); full-attention layers become Locks
+            layers, others keep transformers' layers. ``None``: every layer is a `LocksLayer`.
         locks: the method's settings; keyword overrides build one (``LocksCache(cfg, budget=256)``).
+        max_cache_len: tokens the cache will hold (prompt + generated). Optional: without it the
+            static layout starts at the first forward's length plus headroom and grows (each growth
+            re-allocates once and recompiles the decode step once).
+        max_budget: the widest budget the cache will decode with (`set_budget`); default the
+            config's. The static layout sizes its page lists for it, so that budgets up to it share
+            one compiled graph.
+        layout: ``"auto"`` (default): the static layout (compiled decode: torch.compile + CUDA graphs
+            through ``generate``) when a CUDA device and the Triton kernels are available and the
+            configuration allows it, else the dynamic layout (eager; the CPU reference path);
+            ``"static"`` or ``"dynamic"`` to choose.
 
     Use with a model loaded with ``attn_implementation="locks"``.
     """
 
-    def __init__(self, config: PretrainedConfig | None = None, locks: LocksConfig | None = None,
+    #: Whether the static layout may grow past its capacity (`LocksStaticCache`: no).
+    _growable = True
+
+    def __init__(self, config: PretrainedConfig | None = None, locks: LocksConfig | None = None, *,
+                 max_cache_len: int | None = None, max_budget: int | None = None, layout: str = "auto",
                  **overrides) -> None:
         locks = (locks or LocksConfig()).replace(**overrides)
+        if max_cache_len is not None and (isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int)
+                                          or max_cache_len < 1):
+            raise LocksConfigError(f"max_cache_len must be a positive int (prompt + new tokens), got {max_cache_len!r}")
         self.locks_config = locks
+        self.max_budget = max_budget
+        self._plan: CapacityPlan | None = None  # the static layout's capacity (None: dynamic layout)
         if config is None:
+            choose_layout(layout, locks, None)
             super().__init__()
             self.layer_class_to_replicate = lambda: LocksLayer(locks)
             return
@@ -544,10 +607,109 @@ class LocksCache(LocksCacheMixin, DynamicCache):
         check_model_supported(text_config, locks)
         super().__init__(config=text_config)
         self.remember_model_shape(text_config)
-        layer_types, _ = get_layer_types_and_kwargs(text_config)
-        for i, layer_type in enumerate(layer_types):
+        self._layer_types, self._layer_kwargs = get_layer_types_and_kwargs(text_config)
+        for i, layer_type in enumerate(self._layer_types):
             if layer_type == "full_attention":
                 self.layers[i] = LocksLayer(locks)
+                self.layers[i].text_config = text_config
+        if choose_layout(layout, locks, self._layer_types):
+            if max_budget is not None and max_budget < locks.budget:
+                raise LocksConfigError(f"max_budget={max_budget} is below the budget {locks.budget}")
+            self._plan = CapacityPlan(max_cache_len, locks.page_size, self._growable)
+            # every forward updates this layer first: where an eager forward is counted
+            self._first_kv_layer = next(i for i, kind in enumerate(self._layer_types) if kind != "dummy")
+            if max_cache_len is not None:
+                self._allocate(self._plan.capacity)
+
+    # -- the static layout ---------------------------------------------------------------------------
+    @property
+    def is_static(self) -> bool:
+        """Whether the cache keeps the static layout (compiled decode on a GPU)."""
+        return self._plan is not None
+
+    @property
+    def is_compileable(self) -> bool:
+        # Asked by generate() before the first forward, when the static layers may not exist yet.
+        return self._plan is not None
+
+    @property
+    def capacity(self) -> int | None:
+        """Tokens the static layout holds before it grows (``None``: dynamic, or before the first forward)."""
+        return None if self._plan is None else self._plan.capacity
+
+    def _allocate(self, capacity: int) -> None:
+        self.layers = build_static_layers(self._layer_types, self._layer_kwargs, self.locks_config, capacity,
+                                          page_slots_width(self.locks_config, self.max_budget))
+
+    def _ensure(self, capacity: int | None) -> None:
+        """Re-allocate every static layer to ``capacity`` slots (``None``: nothing to do)."""
+        if capacity is None:
+            return
+        if not any(layer.is_initialized for layer in self.layers if isinstance(layer, StaticLayer)):
+            self._plan.capacity = capacity  # nothing written yet: (re)build the static layers at this size
+            self._allocate(capacity)
+            return
+        logger.warning("LocksCache: growing the static cache from %d to %d tokens (one re-allocation; a compiled "
+                       "decode step recompiles once). Pass max_cache_len to allocate it once.",
+                       self._plan.capacity, capacity)
+        self._plan.capacity = capacity
+        for layer, kw in zip(self.layers, self._layer_kwargs):
+            if isinstance(layer, PagedLayer):
+                layer.reallocate(capacity)
+            elif isinstance(layer, StaticLayer):
+                reallocate_hf_layer(layer, capacity, window=kw.get("sliding_window"))
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._plan is not None and layer_idx == self._first_kv_layer:
+            if is_torchdynamo_compiling():
+                self._plan.compiled_ran = True  # a constant store: replayed after the graph, no guard
+            else:  # an eager forward (prefill, or a step not compiled): counted before any layer writes
+                t = key_states.shape[2]
+                if self._plan.capacity is None:
+                    self._ensure(self._plan.first_capacity(t))
+                self._ensure(self._plan.eager_write(t))
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        # Runs eagerly before every forward that builds a mask, compiled decode steps included (generate
+        # prepares their 4D mask outside the graph): the place to grow the static buffers.
+        if self._plan is not None and not is_torchdynamo_compiling() and \
+                layer_idx == find_first_full_attention_index(self):
+            if self._plan.capacity is None:
+                self._ensure(self._plan.first_capacity(query_length))
+            self._ensure(self._plan.announce(query_length))
+        return super().get_mask_sizes(query_length, layer_idx)
+
+    def set_budget(self, budget: int) -> None:
+        """Decode with budget ``budget`` from the next step on; the static layout switches in place
+        (no recompile) up to ``max_budget``."""
+        config = self.locks_config.replace(budget=budget)
+        for layer in self.locks_layers:  # a static layer refuses a budget wider than its page lists
+            if isinstance(layer, LocksLayer):
+                layer.set_config(config)
+            else:
+                layer.set_budget(budget)
+        self.locks_config = config
+
+    def reset(self) -> None:
+        super().reset()
+        self._rewound_to(0)  # buffers kept (same addresses: a compiled step serves the next prompt)
+
+    def _rewound_to(self, length: int) -> None:
+        """The static layout now holds ``length`` tokens (exact: after a host-side rewind)."""
+        if self._plan is not None:
+            self._plan.written, self._plan.announced, self._plan.compiled_ran = length, 0, False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if self._plan is None or not any(l.is_initialized for l in self.layers if isinstance(l, StaticLayer)):
+            return super().crop(tokens_to_remove)
+        for layer in self.layers:
+            if isinstance(layer, PagedLayer):
+                layer.crop(tokens_to_remove)
+            elif isinstance(layer, StaticLayer):
+                crop_hf_layer(layer, -tokens_to_remove)
+        self._rewound_to(int(self.locks_layers[0].length_tensor()))  # exact again (a host op may sync)
 
     def expect_new_tokens(self, count: int) -> None:
         """Announce how many tokens the next decode will generate (policies whose budget rule uses
@@ -577,27 +739,58 @@ class LocksCache(LocksCacheMixin, DynamicCache):
         """An independent copy (e.g. of a prefilled prompt) that decodes with other settings.
 
         The K/V are copied once; summaries are reused when their layout is unchanged and rebuilt in
-        one batched pass at the next forward otherwise. The fork's statistics start at zero.
+        one batched pass otherwise. A fork of a static-layout cache stays static when ``locks`` allows
+        it and converts to the dynamic layout (logged) when not. The fork's statistics start at zero.
         """
         import copy
 
         clone = copy.copy(self)
-        clone.layers = []
-        for layer in self.layers:
-            new = copy.copy(layer)
-            if isinstance(layer, LocksLayer):
-                new._apply(lambda t: t.clone(), list(range(len(layer.row_start))))
-            else:
-                new = copy.deepcopy(layer)
-            clone.layers.append(new)
         if locks is not None:
-            for layer in clone.locks_layers:
+            for layer in self.locks_layers:
                 if layer.is_initialized:
                     check_head_dim(locks, layer._kbuf.shape[-1])
-                layer.set_config(locks)
-            clone.locks_config = locks
+        clone.locks_config = locks or self.locks_config
+        refusal = None if self._plan is None else config_refusal(clone.locks_config, self._layer_types)
+        if self._plan is not None and refusal is None:
+            clone._plan = copy.copy(self._plan)
+            width = page_slots_width(clone.locks_config, self.max_budget)
+            clone.layers = [_copied_layer(layer, locks, width) for layer in self.layers]
+        elif self._plan is not None:
+            logger.warning("LocksCache.fork(%s): %s; the fork decodes with the dynamic layout",
+                           clone.locks_config.label, refusal)
+            clone._plan = None
+            clone.layers = self._dynamic_layers(clone.locks_config)
+        else:
+            clone.layers = [_copied_layer(layer, locks, None) for layer in self.layers]
         clone.reset_stats()
         return clone
+
+    def _dynamic_layers(self, locks: LocksConfig) -> list:
+        """Dynamic copies of this static-layout cache's layers (Locks layers decoding with ``locks``)."""
+        if not any(l.is_initialized for l in self.layers if isinstance(l, StaticLayer)):
+            return [_copied_layer(layer, locks, None) for layer in self.layers]
+        length = int(self.locks_layers[0].length_tensor())  # a host op: one sync
+        return [LocksLayer.from_paged(layer, locks, length) if isinstance(layer, PagedLayer)
+                else to_dynamic_layer(layer, length, kw.get("sliding_window")) if isinstance(layer, StaticLayer)
+                else _copied_layer(layer, locks, None)
+                for layer, kw in zip(self.layers, self._layer_kwargs)]
+
+
+def _copied_layer(layer, locks: LocksConfig | None, width: int | None):
+    """An independent copy of one cache layer, its Locks settings switched to ``locks`` if given."""
+    import copy
+
+    if isinstance(layer, LocksLayer):
+        new = copy.copy(layer)
+        new._apply(lambda t: t.clone(), list(range(len(layer.row_start))))
+        if locks is not None:
+            new.set_config(locks)
+        return new
+    if isinstance(layer, PagedLayer):  # a static Locks layer
+        return layer.fork(locks, width)
+    if isinstance(layer, StaticLayer):
+        return hf_copy(layer)
+    return copy.deepcopy(layer)
 
 
 def take_handoff(layer_idx: int | None, key: torch.Tensor, sliding_window: int | None = None

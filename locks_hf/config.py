@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, fields, replace
 
 #: The paper's baselines, token-level cache policies (`locks_hf.baselines`).
-BASELINE_POLICIES = ("rocketkv", "rkv", "lazy_eviction", "shadowkv")
+BASELINE_POLICIES = ("rocketkv", "rkv", "lazy_eviction", "shadowkv", "triattention", "kvzip")
 SELECTORS = ("locks", "oracle", "quest", "full", "shared_basis", "shared_all", *BASELINE_POLICIES)
 GROUP_COMBINES = ("share_average", "group_max", "group_mass")
 BASIS_BITS = (2, 4, 8, 16)  # 16 = unquantized (stored in the K/V dtype)
@@ -104,6 +104,12 @@ class LocksConfig:
     def page_slots(self) -> int:
         """``k = ceil(b / B)``: pages attended per (layer, KV head), sink and recent included."""
         return math.ceil(self.budget / self.page_size)
+
+    @property
+    def summary_layout(self) -> tuple:
+        """What the per-page summaries depend on: configs with equal layouts (e.g. differing only in
+        budget or group rule) share the same summaries."""
+        return (self.selector, self.page_size, self.rank, self.basis_bits, self.coef_bits, self.centroid_bits)
 
     @property
     def label(self) -> str:

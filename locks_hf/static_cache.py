@@ -1,4 +1,5 @@
-"""`LocksStaticCache`: a fixed-capacity Locks cache whose decode step is one static graph.
+"""`LocksStaticLayer`: a Locks layer whose decode step is one static graph (the static layout of
+`LocksCache`, chosen on a GPU), and `LocksStaticCache`, that layout at a fixed capacity.
 
 What `torch.compile` and CUDA graphs need from a cache (transformers' `StaticLayer` pattern): buffers
 allocated once at their final size, every per-step quantity a tensor (the length, the rows' first real
@@ -13,7 +14,11 @@ that changes from step to step. So, compared with `LocksLayer`:
 * decode always takes the page path; ``selector="full"`` on the kernels attends every page (dense
   flash-decoding over the written length);
 * prefill (several query tokens) runs eagerly, as transformers runs it: it reads padding off the
-  mask and summarizes every page in one batched pass.
+  mask and summarizes every page in one batched pass;
+* the budget is a device tensor (``slots_t``) and the page lists are sized for the widest budget
+  (``max_slots``), so budgets switch without a recompile;
+* re-allocation (growth, fork, batch selection) happens eagerly between forwards, into fresh
+  buffers marked static: a compiled step recompiles once for the new shapes.
 
 Everything else (scoring, selection, sparse attention, the kernels) is shared with `LocksCache`:
 both layer classes answer the same page-access methods.
@@ -21,32 +26,41 @@ both layer classes answer the same page-access methods.
 
 from __future__ import annotations
 
+import copy
+import logging
+
 import torch
 from transformers import PretrainedConfig
-from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING, Cache, StaticLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 from transformers.utils import is_torchdynamo_compiling
 
 from .attention import kernel_path
-from .cache import LocksCacheMixin, PagedLayer, compute_summary, pages_to_mask, slot_validity
+from .cache import LocksCache, PagedLayer, compute_summary, pages_to_mask, slot_validity
 from .config import LocksConfig, LocksConfigError
-from .models_support import check_model_supported
+from .layout import STATIC_SELECTORS, mark_static, resized
 from .selectors import make_selector
 
-#: Selectors whose state can be kept per page (the shared-basis controls fit a basis on the prompt).
-STATIC_SELECTORS = ("locks", "oracle", "quest", "full")
+__all__ = ["STATIC_SELECTORS", "LocksStaticCache", "LocksStaticLayer"]
+
+logger = logging.getLogger(__name__)
 
 
 class LocksStaticLayer(StaticLayer, PagedLayer):
     """One full-attention layer of `LocksStaticCache`: K/V of ``max_cache_len`` slots plus page summaries."""
 
-    def __init__(self, max_cache_len: int, config: LocksConfig, **kwargs) -> None:
+    def __init__(self, max_cache_len: int, config: LocksConfig, max_slots: int | None = None, **kwargs) -> None:
         B = config.page_size
-        super().__init__(max_cache_len=-(-max_cache_len // B) * B)  # buffers of whole pages
-        self.requested_len = max_cache_len  # tokens accepted: the page rounding is storage, not capacity
-        self.written = 0  # tokens written by eager forwards (compiled decode steps are not counted)
+        super().__init__(max_cache_len=-(-max_cache_len // B) * B)
         self.config = config
         self.selector = make_selector(config)
-        self.counts = self.last_selection = None  # tensors from lazy_initialization on
+        # The page lists are `max_slots` wide; the budget in use (`slots_t`, a device tensor) may be any
+        # k <= max_slots, so that configs differing only in budget share one compiled graph.
+        self.max_slots = max(config.page_slots, max_slots or 0)
+        # tensors from lazy_initialization on
+        self.counts = self.last_selection = self.row_counts = self.slots_t = None
+        # Summaries of the layouts not in use (`set_config`), each with the length up to which its
+        # complete pages are summarized.
+        self._stored_layouts: dict[tuple, tuple[dict[str, torch.Tensor], int]] = {}
 
     # -- storage ---------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -59,32 +73,49 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         self.pad = torch.zeros(b, dtype=torch.int32, device=dev)  # padding slots per row (set by prefill)
         self.length_t = torch.zeros(1, dtype=torch.int32, device=dev)  # int32 copy of cumulative_length
         self.counts = torch.zeros(2, dtype=torch.int64, device=dev)  # tokens attended, cached (see record_step)
+        self.row_counts = torch.zeros((b, 2), dtype=torch.int64, device=dev)  # the same per row
         self.last_selection = torch.zeros((b, h, P), dtype=torch.bool, device=dev)
-        self.summary = {}
-        if self.selector is not None:
-            # The summary layout (names, shapes, dtypes) of one all-zero page, allocated for every page.
-            probe = compute_summary(self, key_states.new_zeros((b, h, 1, self.config.page_size, d)),
-                                    torch.ones((b, h, 1, self.config.page_size), dtype=torch.bool, device=dev))
-            self.summary = {n: t.new_zeros((b, h, P, *t.shape[3:])) for n, t in probe.items()}
+        self.slots_t = torch.full((1,), self.config.page_slots, dtype=torch.int32, device=dev)
+        self.summary = self._new_summary()
         if not is_torchdynamo_compiling():
-            for t in (self.slot_valid, self.row_start, self.pad, self.length_t, self.counts, self.last_selection,
-                      *self.summary.values()):
-                torch._dynamo.mark_static_address(t)
+            self._mark_static()
+
+    def _mark_static(self) -> None:
+        mark_static(self.keys, self.values, self.cumulative_length, *self._row_state().values(),
+                    self.length_t, self.counts, self.slots_t)
+
+    def _row_state(self) -> dict[str, torch.Tensor]:
+        """The per-row state (batch axis first) other than K/V, by attribute name (summaries as
+        ``summary.<name>``)."""
+        state = {"slot_valid": self.slot_valid, "row_start": self.row_start, "pad": self.pad,
+                 "row_counts": self.row_counts, "last_selection": self.last_selection}
+        return {**state, **{f"summary.{n}": t for n, t in self.summary.items()}}
+
+    def _new_summary(self) -> dict[str, torch.Tensor]:
+        """Zeroed summary buffers of the current selector for every page (``{}`` without summaries)."""
+        if self.selector is None:
+            return {}
+        b, h, _, d = self.keys.shape
+        B = self.config.page_size
+        # The summary layout (names, shapes, dtypes) of one all-zero page, allocated for every page.
+        probe = compute_summary(self, self.keys.new_zeros((b, h, 1, B, d)),
+                                torch.ones((b, h, 1, B), dtype=torch.bool, device=self.device))
+        summary = {n: t.new_zeros((b, h, self.num_pages, *t.shape[3:])) for n, t in probe.items()}
+        if not is_torchdynamo_compiling():
+            mark_static(*summary.values())
+        return summary
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.is_initialized and key_states.shape[0] != self.keys.shape[0]:
             raise ValueError(f"LocksStaticCache holds batch size {self.keys.shape[0]} but got {key_states.shape[0]}")
         t = key_states.shape[2]
-        if not is_torchdynamo_compiling():  # eager: a host-side count, no device sync per step
-            if t > 1:  # prefill: resynchronise (compiled decode steps do not update the count)
-                self.written = int(self.cumulative_length) if self.is_initialized else 0
-            if self.written + t > self.requested_len:
+        if t > 1 and not is_torchdynamo_compiling():  # prefill is eager: a host check costs nothing there
+            held = int(self.cumulative_length) if self.is_initialized else 0
+            if held + t > self.max_cache_len:
                 raise ValueError(
-                    f"LocksStaticCache was created with max_cache_len={self.requested_len} tokens but "
-                    f"{self.written} + {t} were written: create it with max_cache_len >= prompt length + "
-                    "max_new_tokens")
-            self.written += t
+                    f"LocksStaticCache holds {self.max_cache_len} tokens but {held} + {t} were written: create it "
+                    "with max_cache_len >= prompt length + max_new_tokens")
         keys, values = super().update(key_states, value_states, *args, **kwargs)
         self.length_t.copy_(self.cumulative_length.view(1))
         return keys, values
@@ -99,12 +130,34 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
 
     @property
     def capacity(self) -> int:
-        return self.max_cache_len
+        # From the buffer's shape once allocated: a compiled step then specializes on the shape (marked
+        # static), not on a Python attribute that changes when the cache grows.
+        return self.keys.shape[2] if self.is_initialized else self.max_cache_len
 
     @property
     def num_pages(self) -> int:
         """The page axis: the whole capacity (a row whose first real slot is ``s`` uses fewer)."""
-        return self.max_cache_len // self.config.page_size
+        return self.capacity // self.config.page_size
+
+    def page_slots(self) -> tuple[int, torch.Tensor | None]:
+        """Width of the page lists and the budget in use (``int32 [1]`` page slots on the device)."""
+        return self.max_slots, self.slots_t
+
+    def set_budget(self, budget: int) -> None:
+        """Decode with another budget, in place: no re-allocation, and no recompile up to the widest
+        budget the page lists were sized for (wider ones widen them: one recompile, logged)."""
+        config = self.config.replace(budget=budget)
+        self._use_budget(config)
+        self.config = config
+
+    def _use_budget(self, config: LocksConfig) -> None:
+        if config.page_slots > self.max_slots:
+            logger.info("LocksStaticLayer: page lists widened from %d to %d slots (a compiled step recompiles "
+                        "once; create the cache with max_budget >= %d to avoid it)", self.max_slots,
+                        config.page_slots, config.budget)
+            self.max_slots = config.page_slots
+        if self.slots_t is not None:
+            self.slots_t.fill_(config.page_slots)
 
     def length_tensor(self) -> torch.Tensor:
         """Slots written, ``int32 [1]`` on the cache's device."""
@@ -123,11 +176,11 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
 
     def _slot_ok(self, slots: torch.Tensor) -> torch.Tensor:
         inside = (slots >= 0) & (slots < self.length_t.long())
-        flat = slots.flatten(1).clamp(0, self.max_cache_len - 1)
+        flat = slots.flatten(1).clamp(0, self.capacity - 1)
         return self.slot_valid.gather(1, flat).view_as(slots) & inside
 
     def _gather_slots(self, buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        index = slots.clamp(0, self.max_cache_len - 1).unsqueeze(-1).expand(-1, -1, -1, buf.shape[-1])
+        index = slots.clamp(0, self.capacity - 1).unsqueeze(-1).expand(-1, -1, -1, buf.shape[-1])
         return buf.gather(2, index)
 
     def page_validity(self) -> torch.Tensor:
@@ -165,7 +218,14 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         the page this step completed (see `_summarize_newest_page`)."""
         if query_len > 1:
             self._prefill(attention_mask, query_len)
-        elif self.selector is not None and self.summary:
+            return
+        # per-row statistics: real tokens cached (all of them attended under "full"); decode tokens
+        # are real, so a row's count is the written length minus its padding
+        context = ((self.length_t - self.pad) * self.keys.shape[1]).to(torch.int64)
+        self.row_counts[:, 1] += context
+        if self.selector is None:
+            self.row_counts[:, 0] += context
+        elif self.summary:
             self._summarize_newest_page()
 
     def attends_densely(self, query_len: int) -> bool:
@@ -185,17 +245,21 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         slots = torch.arange(end, device=self.device)
         self.row_start.copy_(torch.where(self.slot_valid[:, :end], slots, end).amin(-1).to(torch.int32))
         self.pad.copy_((~self.slot_valid[:, :end]).sum(-1))
+        self._summarize_pages(0)
+
+    def _summarize_pages(self, first: int) -> None:
+        """Summarize pages ``first ..`` up to the last complete page of any row (eager, one pass)."""
         if self.selector is None:
             return
         n = int(self.row_tensors()[1].max())
-        if n == 0:
+        if n <= first:
             return
         b, h = self.keys.shape[:2]
-        pages = torch.arange(n, device=self.device).expand(b, h, -1)
+        pages = torch.arange(first, n, device=self.device).expand(b, h, -1)
         valid = self.page_validity_of(pages[:, :1]).expand(-1, h, -1, -1)
         new = compute_summary(self, self.page_keys(pages), valid)
         for name, tensor in new.items():
-            self.summary[name][:, :, :n] = tensor
+            self.summary[name][:, :, first:n] = tensor
 
     def _summarize_newest_page(self) -> None:
         kernels = kernel_path(self)
@@ -217,24 +281,86 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         return self.counts
 
     def note_selection(self, pages: torch.Tensor) -> None:
-        """Remember the pages a decode step attended (``[b, h, W]``, ``< 0`` = none) as a page mask."""
+        """Remember the pages a decode step attended (``[b, h, W]``, ``< 0`` = none, no page twice) as
+        a page mask, and add the real tokens of those pages to the row's statistics."""
         self.last_selection.copy_(pages_to_mask(pages, self.num_pages))
+        taken = self.page_validity_of(pages.clamp_min(0)) & (pages >= 0).unsqueeze(-1)
+        self.row_counts[:, 0] += taken.flatten(1).sum(-1)
 
     def reset_stats(self) -> None:
         if self.is_initialized:
             self.counts.zero_()
+            self.row_counts.zero_()
+
+    # -- re-allocation (eager, between forwards; a compiled step recompiles once for new shapes) -------------
+    def reallocate(self, capacity: int | None = None, rows: torch.Tensor | None = None) -> None:
+        """New buffers (never shared with the old ones): ``capacity`` slots (rounded up to whole pages,
+        at least the written length) and/or the batch rows ``rows`` (a row index per new row)."""
+        B = self.config.page_size
+        if capacity is not None:
+            self.max_cache_len = -(-capacity // B) * B
+        if not self.is_initialized:
+            return
+        cap, P = self.max_cache_len, self.max_cache_len // B
+        pick = (lambda t: t.index_select(0, rows.to(t.device))) if rows is not None else (lambda t: t)
+        self.keys = resized(pick(self.keys), 2, cap)
+        self.values = resized(pick(self.values), 2, cap)
+        self.batch_size = self.keys.shape[0]
+        self.slot_valid = resized(pick(self.slot_valid), 1, cap, fill=True)
+        self.row_start, self.pad, self.row_counts = (pick(t).clone() for t in (self.row_start, self.pad,
+                                                                               self.row_counts))
+        self.last_selection = resized(pick(self.last_selection), 2, P, fill=False)
+        self.summary = {n: resized(pick(t), 2, P) for n, t in self.summary.items()}
+        self._stored_layouts = {k: ({n: resized(pick(t), 2, P) for n, t in summary.items()}, built)
+                                for k, (summary, built) in self._stored_layouts.items()}
+        self.cumulative_length, self.length_t = self.cumulative_length.clone(), self.length_t.clone()
+        self.counts, self.slots_t = self.counts.clone(), self.slots_t.clone()
+        self._mark_static()
+        for summary, _ in self._stored_layouts.values():
+            mark_static(*summary.values())
+
+    def fork(self, config: LocksConfig | None = None, max_slots: int | None = None) -> LocksStaticLayer:
+        """An independent copy (fresh buffers) that decodes with ``config`` (see `set_config`: the
+        budget switched in place, another summary layout built from the keys in one pass)."""
+        new = copy.copy(self)
+        new.reallocate()
+        if max_slots is not None:
+            new.max_slots = max(new.max_slots, max_slots)
+        if config is not None:
+            new.set_config(config)
+        return new
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` tokens (as `DynamicCache.crop`). Pages they completed
+        are summarized again when decode completes them."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove")
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        end = max(int(self.cumulative_length) + tokens_to_remove, 0)
+        self.cumulative_length.fill_(end)
+        self.length_t.fill_(end)
+        self.pad.copy_((~self.slot_valid[:, :end]).sum(-1))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self.reallocate(rows=torch.arange(self.keys.shape[0]).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self.reallocate(rows=torch.as_tensor(indices).long())
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: reorder every row-indexed buffer in place (their addresses stay static)."""
         if not self.is_initialized:
             return
         idx = beam_idx.to(self.device)
+        stored = [t for summary, _ in self._stored_layouts.values() for t in summary.values()]
         for t in (self.keys, self.values, self.slot_valid, self.row_start, self.pad, self.last_selection,
-                  *self.summary.values()):
+                  self.row_counts, *self.summary.values(), *stored):
             t.copy_(t.index_select(0, idx))
 
     def reset(self) -> None:
-        self.written = 0
         if self.is_initialized:
             super().reset()
             self.slot_valid.fill_(True)
@@ -243,47 +369,126 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
             self.length_t.zero_()
             self.last_selection.zero_()
             self.reset_stats()
+            for summary, _ in self._stored_layouts.values():  # they hold pages of the old sequence
+                for t in summary.values():
+                    t.zero_()
+            self._stored_layouts = {k: (summary, 0) for k, (summary, _) in self._stored_layouts.items()}
+
+    # -- one prefix, several decode settings (sweeps) -------------------------------------------------
+    def rewind(self, length: int) -> None:
+        """Forget every slot from ``length`` on: the next token is written at ``length``. Summaries of
+        the pages still complete stay valid; pages that become incomplete are masked and summarized
+        again once decode completes them. Statistics restart at zero. Eager (reads the length)."""
+        held = int(self.cumulative_length) if self.is_initialized else 0
+        if not 0 <= length <= held:
+            raise ValueError(f"rewind({length}): the layer holds {held} tokens; rewind to 0..{held}")
+        self.cumulative_length.fill_(length)
+        self.length_t.fill_(length)
+        if length:
+            valid = self.slot_valid[:, :length]
+            slots = torch.arange(length, device=self.device)
+            self.row_start.copy_(torch.where(valid, slots, length).amin(-1))
+            self.pad.copy_((~valid).sum(-1))
+        else:
+            self.row_start.zero_()
+            self.pad.zero_()
+        self.last_selection.zero_()
+        self.reset_stats()
+
+    def set_config(self, config: LocksConfig) -> None:
+        """Decode with other settings from here on (same page size). Summaries are kept per layout
+        (`LocksConfig.summary_layout`): switching back to a layout reuses its summaries and builds
+        only the pages completed since it was last in use; a new layout summarizes every complete
+        page once. Eager: call it between decode runs, not inside a compiled step."""
+        if config.page_size != self.config.page_size:
+            raise LocksConfigError(
+                f"set_config: page_size {config.page_size} differs from the cache's {self.config.page_size}; "
+                "the page grid is fixed at creation")
+        if config.selector not in STATIC_SELECTORS or config.min_context:
+            raise LocksConfigError(f"set_config: LocksStaticCache supports selector in {STATIC_SELECTORS} with "
+                                   f"min_context=0, got selector={config.selector!r} min_context={config.min_context}")
+        old, new = self.config.summary_layout, config.summary_layout
+        self._use_budget(config)
+        self.config, self.selector = config, make_selector(config)
+        if old == new or not self.is_initialized:
+            return
+        length = int(self.cumulative_length)
+        self._stored_layouts[old] = (self.summary, length)
+        if new in self._stored_layouts:
+            self.summary, built = self._stored_layouts.pop(new)
+            # pages complete at min(built, length) are still those it summarized; later ones are stale
+            first = int(torch.div(min(built, length) - self.row_start, self.config.page_size,
+                                  rounding_mode="floor").clamp_min(0).min())
+        else:
+            self.summary, first = self._new_summary(), 0
+        self._summarize_pages(first)
 
 
-class LocksStaticCache(LocksCacheMixin, Cache):
-    """A static (fixed-capacity, compile-friendly) cache whose full-attention layers decode sparsely.
+class LocksStaticCache(LocksCache):
+    """`LocksCache` in the static layout with a fixed capacity.
 
-    Args:
-        config: the model's config; full-attention layers become `LocksStaticLayer`s, the others
-            transformers' static layers.
-        max_cache_len: tokens the cache holds (prompt + generated); storage is rounded up to whole
-            pages, but writing more than ``max_cache_len`` tokens raises (checked on eager forwards;
-            a compiled decode step cannot check it).
-        locks: the method's settings (or keyword overrides, as for `LocksCache`).
-
-    ``model.generate(..., past_key_values=LocksStaticCache(model.config, max_cache_len=...))``
-    compiles the decode step on a GPU (transformers' auto-compile: torch.compile + CUDA graphs).
-    Supports the ``locks``, ``oracle``, ``quest`` and ``full`` selectors, ``min_context=0``, beam
-    search; no cropping (assisted decoding) and no batch resizing.
+    `LocksCache` chooses the static layout by itself on a GPU (and grows it); this class insists on
+    it, on any device, and refuses to write past ``max_cache_len`` (rounded up to whole pages)
+    instead of growing. Supports the ``locks``, ``oracle``, ``quest`` and ``full`` selectors with
+    ``min_context=0``; for sweeps, one prefix decoded under several settings (`mark_prefix`,
+    `rewind`, `set_config`).
     """
 
-    def __init__(self, config: PretrainedConfig, max_cache_len: int, locks: LocksConfig | None = None,
-                 **overrides) -> None:
-        locks = (locks or LocksConfig()).replace(**overrides)
-        if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
-            raise LocksConfigError(f"max_cache_len must be a positive int (prompt + new tokens), got {max_cache_len!r}")
-        if locks.selector not in STATIC_SELECTORS:
-            raise LocksConfigError(
-                f"LocksStaticCache supports selector in {STATIC_SELECTORS}, got {locks.selector!r}: the "
-                "shared-basis controls fit state on the whole prompt; use LocksCache for them")
-        if locks.min_context:
-            raise LocksConfigError(
-                f"LocksStaticCache needs min_context=0 (got {locks.min_context}): a static graph cannot switch "
-                "between dense and sparse decode on the length; use LocksCache for a dense short-context mode")
-        text_config = config.get_text_config(decoder=True)
-        check_model_supported(text_config, locks)
-        self.locks_config = locks
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
-        layers = [LocksStaticLayer(max_cache_len, locks) if kind == "full_attention"
-                  else STATIC_LAYER_TYPE_MAPPING[kind](max_cache_len=max_cache_len, **kw)
-                  for kind, kw in zip(layer_types, layer_kwargs)]
-        super().__init__(layers=layers)
-        self.remember_model_shape(text_config)
+    _growable = False
 
-    def crop(self, max_length: int) -> None:
-        raise ValueError("LocksStaticCache cannot be cropped (assisted decoding): use LocksCache")
+    def __init__(self, config: PretrainedConfig, max_cache_len: int, locks: LocksConfig | None = None, *,
+                 max_budget: int | None = None, **overrides) -> None:
+        super().__init__(config, locks, max_cache_len=max_cache_len, max_budget=max_budget, layout="static",
+                         **overrides)
+
+    # -- one prefix, several decode settings (sweeps) -------------------------------------------------
+    def mark_prefix(self) -> None:
+        """Remember the current contents as the shared prefix that `rewind` returns to (e.g. a prefilled
+        prompt that several arms decode from). Layers that keep only a window (sliding-window
+        attention) are copied here, since decode overwrites them; Locks layers copy nothing."""
+        self._prefix_length = int(self.get_seq_length())
+        self._prefix_state = [None if isinstance(layer, LocksStaticLayer) else _window_state(layer)
+                              for layer in self.layers]
+
+    def rewind(self) -> None:
+        """Back to the prefix of `mark_prefix`: the decode tail is forgotten, statistics restart at zero,
+        summaries of the prefix's pages are kept (no K/V is copied)."""
+        if getattr(self, "_prefix_length", None) is None:
+            raise ValueError("LocksStaticCache.rewind: call mark_prefix() after the prefill first")
+        for layer, state in zip(self.layers, self._prefix_state):
+            if state is None:
+                layer.rewind(self._prefix_length)
+            else:
+                _restore_window_state(layer, state)
+        self._rewound_to(self._prefix_length)
+
+    def set_config(self, locks: LocksConfig) -> None:
+        """Decode with ``locks`` from here on (see `LocksStaticLayer.set_config`: summaries per layout)."""
+        self.locks_config = locks
+        for layer in self.locks_layers:
+            layer.set_config(locks)
+
+    def row_stats(self) -> torch.Tensor:
+        """``int64 [b, 2]``: per row, tokens attended and real tokens cached, summed over the Locks layers
+        and the decode steps since the last `rewind` / `reset_stats` (their ratio is a row's attended
+        fraction)."""
+        return torch.stack([layer.row_counts for layer in self.locks_layers]).sum(0)
+
+
+def _window_state(layer) -> dict:
+    """A copy of what a transformers static (or sliding-window) layer holds: its K/V and counters."""
+    if type(layer) not in (StaticLayer, StaticSlidingWindowLayer):
+        raise ValueError(f"LocksStaticCache.mark_prefix cannot save a {type(layer).__name__} (its state is not "
+                         "only K/V): rewinding this model's cache is not supported")
+    if not layer.is_initialized:
+        return {}
+    return {name: value.clone() if torch.is_tensor(value) else value for name, value in vars(layer).items()
+            if name in ("keys", "values", "cumulative_length", "cumulative_length_int")}
+
+
+def _restore_window_state(layer, state: dict) -> None:
+    for name, value in state.items():
+        if torch.is_tensor(value):
+            getattr(layer, name).copy_(value)  # in place: compiled graphs hold these addresses
+        else:
+            setattr(layer, name, value)

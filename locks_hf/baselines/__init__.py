@@ -3,11 +3,13 @@
 Each module holds one method; `POLICIES` maps the `LocksConfig.selector` name to its class.
 """
 
+from .kvzip import KVzipPolicy
 from .lazy_eviction import LazyEvictionPolicy
 from .rkv import RKVPolicy
 from .rocketkv import RocketKVPolicy
 from .shadowkv import ShadowKVPolicy
+from .triattention import TriAttentionPolicy
 
-POLICIES = {cls.name: cls for cls in (RocketKVPolicy, RKVPolicy, LazyEvictionPolicy, ShadowKVPolicy)}
+POLICIES = {cls.name: cls for cls in (RocketKVPolicy, RKVPolicy, LazyEvictionPolicy, ShadowKVPolicy, TriAttentionPolicy, KVzipPolicy)}
 
-__all__ = ["POLICIES", "LazyEvictionPolicy", "RKVPolicy", "RocketKVPolicy", "ShadowKVPolicy"]
+__all__ = ["POLICIES", "KVzipPolicy", "LazyEvictionPolicy", "RKVPolicy", "RocketKVPolicy", "ShadowKVPolicy", "TriAttentionPolicy"]
