@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, replace
 
-SELECTORS = ("locks", "oracle", "quest", "full", "shared_basis", "shared_all")
 GROUP_COMBINES = ("share_average", "group_max", "group_mass")
 BASIS_BITS = (2, 4, 8, 16)  # 16 = unquantized (stored in the K/V dtype)
 VALUE_BITS = (8, 16)  # for coefficients and centroids
 
-_LABEL = re.compile(r"^r(?P<rank>\d+)(?:i(?P<bits>\d+)|(?P<bf16>bf16))$")
 
 
 class LocksConfigError(ValueError):
@@ -51,19 +48,14 @@ class LocksConfig:
         B = self.page_size
         if not isinstance(B, int) or B < 2 or B & (B - 1):
             raise LocksConfigError(f"page_size must be a power of two >= 2 (e.g. 16), got {B!r}")
-        if self.selector not in SELECTORS:
-            raise LocksConfigError(f"selector must be one of {SELECTORS}, got {self.selector!r}")
+        selector = _selector_class(self.selector)  # LocksConfigError naming the registered selectors
         if self.group_combine not in GROUP_COMBINES:
             raise LocksConfigError(
                 f"group_combine must be one of {GROUP_COMBINES}, got {self.group_combine!r}"
             )
         if not isinstance(self.rank, int) or self.rank < 1:
             raise LocksConfigError(f"rank must be a positive int, got {self.rank!r}")
-        if self.selector == "locks" and self.rank > B:
-            raise LocksConfigError(
-                f"rank must be in 1..page_size={B} (a page of {B} centered keys spans at most "
-                f"{B - 1} directions), got {self.rank!r}"
-            )
+        selector.validate(self)
         if self.basis_bits not in BASIS_BITS:
             raise LocksConfigError(f"basis_bits must be one of {BASIS_BITS}, got {self.basis_bits!r}")
         for name in ("coef_bits", "centroid_bits"):
@@ -84,27 +76,36 @@ class LocksConfig:
 
     @property
     def label(self) -> str:
-        """Short name of the arm, e.g. ``locks-r8i4-b128`` or ``quest-b128``."""
-        if self.selector == "locks":
-            bits = "bf16" if self.basis_bits == 16 else f"i{self.basis_bits}"
-            return f"locks-r{self.rank}{bits}-b{self.budget}"
-        if self.selector == "full":
-            return "full"
-        if self.selector.startswith("shared"):
-            return f"{self.selector}-r{self.rank}-b{self.budget}"
-        return f"{self.selector}-b{self.budget}"
+        """Short name of the arm, e.g. ``locks-r8i4-b128`` or ``quest-b128`` (``full``: no budget)."""
+        cls = _selector_class(self.selector)
+        family = cls.family(self)
+        return family if cls.dense else f"{family}-b{self.budget}"
 
     @classmethod
     def from_label(cls, label: str, **overrides) -> "LocksConfig":
         """Parse ``r8i4`` / ``r4i2`` / ``r8bf16`` (optionally prefixed ``locks-``) into a Locks config."""
-        match = _LABEL.match(label.removeprefix("locks-"))
-        if match is None:
+        fields = _selector_class("locks").parse_family(label)
+        if fields is None:
             raise LocksConfigError(
                 f"cannot parse summary label {label!r}: expected r<rank>i<bits> (e.g. r8i4) or r<rank>bf16"
             )
-        bits = 16 if match["bf16"] else int(match["bits"])
-        return cls(rank=int(match["rank"]), basis_bits=bits, **overrides)
+        return cls(**fields, **overrides)
 
     def replace(self, **changes) -> "LocksConfig":
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)
+
+
+def _selector_class(name: str):
+    # Imported here: the selectors' modules may import this one.
+    from .selectors import selector_class
+
+    return selector_class(name)
+
+
+def __getattr__(name: str):
+    if name == "SELECTORS":  # the registered selector names (a tuple here before the registry)
+        from .selectors import selector_names
+
+        return selector_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
