@@ -12,8 +12,8 @@ For every captured decode step (layer, query heads, the cache as it was at that 
 * ``excl_err`` / ``excl_mass``  the exclusion test: attend everything *except* the selected pages
                 (a selector that finds the mass leaves a complement whose output is far from ``o``).
 
-Capture: `capture_decode` temporarily wraps the registered ``"locks"`` attention function, records the
-decode query of every `LocksLayer` at each step, and reads the keys/values from the cache afterwards
+Capture: `capture_decode` records, through `locks_hf.attention.observe_decode_queries`, the decode
+query of every `LocksLayer` at each step, and reads the keys/values from the cache afterwards
 (nothing is evicted, so the first ``L`` slots are the cache of the step with ``L`` tokens).
 """
 
@@ -85,34 +85,20 @@ def arm_selection(config, keys: torch.Tensor, valid: torch.Tensor, n_complete: i
     """
     b, h, P = keys.shape[0], keys.shape[1], keys.shape[2]
     page_real = valid[:, 0].any(-1)  # [b, P]
-    sink, recent = _forced_pages(page_real)
+    sink, recent = forced_pages(page_real)
     forced = ((sink | recent) & page_real)[:, None].expand(b, h, P)
     selector = make_selector(config)
     if selector is None or P <= config.page_slots:
         return page_real[:, None].expand(b, h, P), forced
     vh = valid.expand(-1, h, -1, -1)
-    shared = {}
-    if hasattr(selector, "fit_sequence"):
-        nf = n_complete if n_fit is None else min(n_fit, n_complete)
-        shared = selector.fit_sequence(keys[:, :, :nf], vh[:, :, :nf]) or {}
-    try:
-        summary = selector.summarize(keys[:, :, :n_complete], vh[:, :, :n_complete], shared)
-    except TypeError:  # selectors without sequence-level state (older signature)
-        summary = selector.summarize(keys[:, :, :n_complete], vh[:, :, :n_complete])
-    summary = {**summary, **shared}
+    nf = n_complete if n_fit is None else min(n_fit, n_complete)
+    shared = selector.fit_sequence(keys[:, :, :nf], vh[:, :, :nf])
+    summary = {**selector.summarize(keys[:, :, :n_complete], vh[:, :, :n_complete], shared), **shared}
     scores = selector.page_scores(summary, keys, valid, query, scale)
     scores = torch.nn.functional.pad(scores, (0, P - scores.shape[-1]), value=float("-inf"))
     complete = torch.arange(P, device=keys.device) < n_complete
     sel = select_pages(scores, page_real, complete, config.page_slots, config.group_combine, selector.per_head)
     return sel, forced
-
-
-def _forced_pages(page_real: torch.Tensor):
-    """Sink and most recent page masks ``[b, P]`` (`locks_hf.selectors.forced_pages`)."""
-    try:
-        return forced_pages(page_real)
-    except TypeError:  # older signature forced_pages(page_real, recent_index)
-        return forced_pages(page_real, page_real.shape[-1] - 1)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -129,24 +115,13 @@ class Capture:
 @contextlib.contextmanager
 def capturing_queries(out: list):
     """Within the block, every decode step of a `LocksLayer` appends (layer_idx, length, query, scale)."""
-    from transformers import AttentionInterface
+    from locks_hf.attention import observe_decode_queries
 
-    from locks_hf import attention as att
-    from locks_hf.cache import _HANDOFF
+    def record(layer_idx, length, query, scale):
+        out.append((layer_idx, length, query[:, :, 0].detach().clone(), float(scale)))
 
-    def wrapper(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        slot = _HANDOFF.slot
-        if slot is not None and query.shape[2] == 1 and slot[1].keys is key:
-            s = scaling if scaling is not None else query.shape[-1] ** -0.5
-            out.append((slot[0], key.shape[2], query[:, :, 0].detach().clone(), float(s)))
-        return att.locks_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                           scaling=scaling, **kwargs)
-
-    AttentionInterface.register(att.ATTENTION_NAME, wrapper)
-    try:
+    with observe_decode_queries(record):
         yield out
-    finally:
-        AttentionInterface.register(att.ATTENTION_NAME, att.locks_attention_forward)
 
 
 @torch.no_grad()

@@ -6,6 +6,7 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from .config import LocksConfig, LocksConfigError
+from .selectors import selector_class
 
 
 class UnsupportedModelError(ValueError):
@@ -45,7 +46,6 @@ def check_model_supported(config: PretrainedConfig, locks: LocksConfig) -> None:
             "Mistral-7B-v0.1, load it with sliding_window=None to make its layers full attention"
         )
     d = head_dim_of(config)
-    if locks.selector in ("locks", "shared_basis", "shared_all") and locks.rank > d:
-        raise LocksConfigError(f"rank={locks.rank} exceeds the model's head_dim={d}; choose rank <= {d}")
+    selector_class(locks.selector).validate(locks, head_dim=d)
     if locks.basis_bits in (2, 4) and (d * locks.basis_bits) % 8:
         raise LocksConfigError(f"head_dim={d} cannot be packed at {locks.basis_bits} bits per entry")
