@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from locks_hf import LocksConfig, LocksStaticCache
+from locks_hf import backend
 from locks_hf.static_cache import STATIC_SELECTORS
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ class ArmRun:
 
     results: list[RowResult]
     seconds: float  # wall time of the arm (warm-up included)
-    warmup_seconds: float  # capture / compile and the first step
+    warmup_seconds: float  # capture or compile, and the warm-up steps (undone)
     steps: int
     prefill_seconds: float  # the batch's prefill (shared by every arm)
 
@@ -134,6 +135,13 @@ class StaticEngine:
         return self._compiled
 
 
+def sweep_cache(config, capacity: int, locks: LocksConfig) -> LocksStaticCache:
+    """The cache a batch decodes on. What the engine uses of it: ``mark_prefix`` / ``rewind`` /
+    ``set_config`` / ``row_stats`` / ``locks_config``, and per Locks layer ``keys``, ``values``,
+    ``summary`` and ``capacity`` (for the traffic figures and the mask width)."""
+    return LocksStaticCache(config, max_cache_len=capacity, locks=locks)
+
+
 def check_arms(arms) -> None:
     bad = [a.name for a in arms if a.config.selector not in STATIC_SELECTORS or a.config.min_context]
     if bad:
@@ -155,8 +163,8 @@ class PrefilledBatch:
         # generated is never fed; with no forced token the prefill's token is the first new one)
         longest = max(r.max_new for r in rows)
         self.steps = max(0, longest - 1 if self.n_forced == 0 else self.n_forced - 1 + longest)
-        capacity = L + max(self.steps, 1)
-        self.cache = LocksStaticCache(model.config, max_cache_len=capacity, locks=locks)
+        capacity = L + max(self.steps, 2)  # room for the warm-up steps of a short decode
+        self.cache = sweep_cache(model.config, capacity, locks)
         capacity = self.cache.locks_layers[0].capacity if self.cache.locks_layers else capacity
         ids = torch.full((b, L), engine.pad_id, dtype=torch.long)
         mask = torch.zeros((b, capacity), dtype=torch.long)
@@ -287,8 +295,17 @@ class PrefilledBatch:
     def _stepper(self, state: _StepState):
         """A callable that runs one step as the engine's step mode says (warm-up done here)."""
         mode = self.engine.step_mode
-        windowed = len(self.cache.locks_layers) < len(self.cache.layers)
-        if mode == "graph" and windowed:
+        if mode != "eager":
+            # the reference path (settings the kernels do not implement) syncs with the host (an SVD
+            # per completed page), which neither a captured graph nor cudagraph trees allow
+            reference = [layer for layer in self.cache.locks_layers if not backend.uses_kernels(layer)]
+            if reference and self.engine.requested_step != "auto":
+                raise ValueError(f"step={mode!r} needs the GPU kernels, which do not implement "
+                                 f"{self.cache.locks_config.label} here: use step='eager'")
+            if reference:
+                logger.warning("%s decodes on the reference path: eager steps", self.cache.locks_config.label)
+                mode = "eager"
+        if mode == "graph" and len(self.cache.locks_layers) < len(self.cache.layers):
             # transformers' sliding-window layers keep a Python counter per step, which a captured
             # graph would freeze
             if self.engine.requested_step == "graph":
@@ -300,7 +317,8 @@ class PrefilledBatch:
         if mode == "compile":
             fn = self.engine.compiled_next_token()
             run = lambda: self.advance(state, fn)  # noqa: E731
-            run()  # compiles (first call of this arm's settings)
+            run()  # compiles this arm's step (its settings are constants of the graph) and warms it up
+            run()  # records its CUDA graph
             state.restart()
             return run
         # "graph": warm up on a side stream (lazy initialisations, Triton compiles), undo that step,

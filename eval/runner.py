@@ -236,6 +236,8 @@ class SweepRunner:
             "protocol": self.protocol if self.bench.samples == 1 else "prefill-all-but-last-token (sampled)",
             "protocol_text": PROTOCOL_TEXT[self.protocol if self.bench.samples == 1 else "sampled"],
             "samples": self.bench.samples, "sampling": self.bench.sampling,
+            # greedy tokens are the same on both engines; sampled ones come from different random streams
+            "engine": self.engine,
             "max_new_tokens_cap": self.max_new_cap,
             "locks_hf_version": getattr(locks_hf, "__version__", "?"), "torch": torch.__version__,
         }
@@ -248,6 +250,9 @@ class SweepRunner:
             if old.get("model") != cfg["model"] or old.get("protocol") != cfg["protocol"]:
                 raise ValueError(f"{path} holds a run of model={old.get('model')} protocol={old.get('protocol')}; "
                                  "use another --out folder")
+            if cfg["sampling"] and old.get("engine", "eager") != cfg["engine"]:
+                raise ValueError(f"{path} holds a sampled run of --engine {old.get('engine', 'eager')}: the engines "
+                                 "draw different samples; resume with that engine or use another --out folder")
             known = {a["name"] for a in old.get("arms", [])}
             cfg["arms"] = old["arms"] + [a for a in cfg["arms"] if a["name"] not in known]
             if old.get("benchmark") != cfg["benchmark"]:

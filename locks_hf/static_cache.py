@@ -269,8 +269,8 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
             raise LocksConfigError(
                 f"set_config: page_size {config.page_size} differs from the cache's {self.config.page_size}; "
                 "the page grid is fixed at creation")
-        if config.selector not in STATIC_SELECTORS or config.min_context:
-            raise LocksConfigError(f"set_config: LocksStaticCache supports selector in {STATIC_SELECTORS} with "
+        if config.selector not in static_selector_names() or config.min_context:
+            raise LocksConfigError(f"set_config: LocksStaticCache supports selector in {static_selector_names()} with "
                                    f"min_context=0, got selector={config.selector!r} min_context={config.min_context}")
         old, new = self.config.summary_layout, config.summary_layout
         self.config, self.selector = config, make_selector(config)

@@ -230,6 +230,15 @@ def test_sampling_draws_from_the_nucleus():
     assert not torch.equal(u, hash_uniform(seeds, torch.tensor([4]), 64))
 
 
+def test_sampled_run_resumes_only_with_its_engine(tmp_path):
+    model = tiny("llama")
+    bench = ToyBench(lengths=(40,), samples=2, sampling={"temperature": 0.7, "top_p": 0.9}, max_new=2)
+    arms = parse_arms(["full"], [64])
+    SweepRunner(model, TOK, bench, arms, tmp_path, progress=False, engine="static").run()
+    with pytest.raises(ValueError, match="different samples"):
+        SweepRunner(model, TOK, bench, arms, tmp_path, progress=False).run()
+
+
 def test_static_engine_refuses_arms_it_cannot_run(tmp_path):
     model = tiny("llama")
     arms = parse_arms(["shared_basis-r20"], [64])
