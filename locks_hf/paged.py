@@ -115,6 +115,16 @@ class PagedLayer(ABC):
         return False
 
     # -- statistics -----------------------------------------------------------------------------------
+    #: Decode steps and estimation bytes counted on the host (`decode_traffic`); a static layer,
+    #: whose steps run in a compiled graph, keeps no host count.
+    decode_steps = 0
+    estimate_bytes = 0
+
+    def page_slots(self) -> tuple[int, torch.Tensor | None]:
+        """Width of the kernels' page lists and the budget in use as a device tensor (``None``: the
+        width is the budget)."""
+        return self.config.page_slots, None
+
     def record_step(self, attended: torch.Tensor | None, context: torch.Tensor) -> None:
         """Add one decode step: tokens attended and real tokens cached, summed over rows and heads
         (``attended=None``: the kernels already added it)."""
