@@ -86,7 +86,7 @@ class LocksConfig:
         if self.selector in BASELINE_POLICIES:
             from .baselines import POLICIES  # imported here: the policies import this module
 
-            POLICIES[self.selector].validate_config(self)
+            POLICIES[self.selector].validate(self)
 
     @property
     def page_slots(self) -> int:

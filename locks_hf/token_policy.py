@@ -24,12 +24,12 @@ estimation read (e.g. RocketKV's reduced keys), added to the layer's traffic cou
 from __future__ import annotations
 
 import copy
-from abc import ABC
 from collections.abc import Callable
 
 import torch
 
 from .config import LocksConfig
+from .selectors import PageSelector
 
 
 class PolicyState:
@@ -84,29 +84,27 @@ class PolicyState:
         return new
 
 
-class TokenPolicy(ABC):
+class TokenPolicy(PageSelector):
     """Base class of the token-level policies: a `start`, and a `select` and/or an `observe`.
 
-    Capabilities, as for page selectors: a token policy never reads page summaries, has no kernel
-    path (the reference PyTorch path runs on CPU and GPU alike) and is not usable by
-    `LocksStaticCache` (its state is per slot and changes shape).
+    Declared capabilities, as for page selectors: a token policy chooses tokens, never pages (no
+    summaries, no page scores), has no kernel path (the reference PyTorch path runs on CPU and GPU
+    alike) and is not usable by `LocksStaticCache` (its state is per slot and changes shape).
     """
 
     name: str = ""
     token_level = True
-    reads_keys = False
-    per_head = False
     static_cache = False
     kernel_method = None
     #: Keep one mask per query head (``Gm = G``) instead of one per KV head.
     per_query_head = False
 
-    def __init__(self, config: LocksConfig) -> None:
-        self.config = config
-
     @classmethod
-    def validate_config(cls, config: LocksConfig) -> None:
+    def validate(cls, config: LocksConfig, head_dim: int | None = None) -> None:
         """Raise `LocksConfigError` for settings the method cannot run with."""
+
+    def page_scores(self, summary, keys, valid, query, scale):
+        raise TypeError(f"{self.name} chooses tokens through a keep mask: it has no page scores")
 
     def start(self, layer, query: torch.Tensor, scale: float) -> PolicyState:
         """State at the first decode step (``query [b, h, G, d]`` is that step's): every real slot
