@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-from locks_hf.config import BASELINE_POLICIES, BudgetDoesNotFit, LocksConfig
+from locks_hf.config import BudgetDoesNotFit, LocksConfig
+from locks_hf.selectors import config_for_family, family_of, parse_family
 
 DEFAULT_ARMS = ("full", "oracle", "locks-r8i4", "locks-r4i4", "quest")
 DEFAULT_BUDGETS = (64, 128, 256, 512)
@@ -29,24 +29,14 @@ class Arm:
 
 
 def family_config(family: str, budget: int, page_size: int = 16, **extra) -> LocksConfig:
-    """``full`` | ``oracle`` | ``quest`` | ``locks-r8i4`` / ``r4i4`` / ``locks-r8bf16`` | ``shared_basis-r20`` /
-    ``shared_all-r28`` (Table 1 controls) | a baseline policy (``rocketkv``, ...)."""
-    if family == "full":
-        return LocksConfig(selector="full", page_size=page_size, budget=max(budget, 2 * page_size), **extra)
-    if family in ("oracle", "quest", *BASELINE_POLICIES):
-        return LocksConfig(selector=family, page_size=page_size, budget=budget, **extra)
-    m = re.match(r"^(shared_basis|shared_all)-r(\d+)(?:i(\d+))?$", family)
-    if m:  # the paper's Table 1 shared-basis controls, e.g. shared_basis-r20 (int4 basis by default)
-        return LocksConfig(selector=m[1], rank=int(m[2]), basis_bits=int(m[3] or 4), page_size=page_size,
-                           budget=budget, **extra)
-    if family.startswith("locks-") or family.startswith("r"):
-        return LocksConfig.from_label(family, page_size=page_size, budget=budget, selector="locks", **extra)
-    raise ValueError(f"unknown arm {family!r}: use full, oracle, quest, locks-r<rank>i<bits> (e.g. locks-r8i4), "
-                     f"shared_basis-r<rank>, shared_all-r<rank>, or a baseline: {', '.join(BASELINE_POLICIES)}")
+    """The config of an arm family at ``budget``: ``full`` | ``oracle`` | ``quest`` | ``locks-r8i4`` /
+    ``r4i4`` / ``locks-r8bf16`` | ``shared_basis-r20`` / ``shared_all-r28`` (Table 1 controls), or any
+    other registered selector's label (`locks_hf.selectors.parse_family`)."""
+    return config_for_family(family, budget=budget, page_size=page_size, **extra)
 
 
 def parse_arms(families, budgets, page_size: int = 16, not_run: list | None = None) -> list[Arm]:
-    """Expand arm families x budgets (``full`` once, without a budget).
+    """Expand arm families x budgets (a dense family such as ``full`` once, without a budget).
 
     An arm whose method does not fit its budget (`BudgetDoesNotFit`, e.g. ShadowKV below 424 tokens)
     raises, or with a ``not_run`` list is left out and appended there as ``(name, reason)``.
@@ -56,19 +46,20 @@ def parse_arms(families, budgets, page_size: int = 16, not_run: list | None = No
         fam = fam.strip()
         if not fam:
             continue
-        if fam not in BASELINE_POLICIES and not fam.startswith(("full", "oracle", "quest", "locks-", "shared")) \
-                and fam.startswith("r"):
-            fam = "locks-" + fam
-        if fam == "full":
-            arms.append(Arm("full", None, family_config("full", 128, page_size)))
+        selector, _ = parse_family(fam)
+        if selector.dense:
+            config = family_config(fam, 128, page_size)
+            arms.append(Arm(family_of(config), None, config))
             continue
         for b in budgets:
             try:
-                arms.append(Arm(fam, int(b), family_config(fam, int(b), page_size)))
+                config = family_config(fam, int(b), page_size)
             except BudgetDoesNotFit as err:
                 if not_run is None:
                     raise
                 not_run.append((f"{fam}-b{b}", str(err)))
+                continue
+            arms.append(Arm(family_of(config), int(b), config))
     names = [a.name for a in arms]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate arms in {names}")

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from locks_hf import LocksConfig, LocksStaticCache
-from locks_hf.attention import kernel_path
-from locks_hf.static_cache import STATIC_SELECTORS
+from locks_hf import backend
+from locks_hf.selectors import static_selector_names
 
 logger = logging.getLogger(__name__)
 
@@ -143,9 +143,9 @@ def sweep_cache(config, capacity: int, locks: LocksConfig) -> LocksStaticCache:
 
 
 def check_arms(arms) -> None:
-    bad = [a.name for a in arms if a.config.selector not in STATIC_SELECTORS or a.config.min_context]
+    bad = [a.name for a in arms if a.config.selector not in static_selector_names() or a.config.min_context]
     if bad:
-        raise ValueError(f"the static engine decodes selectors {STATIC_SELECTORS} with min_context=0; arms {bad} "
+        raise ValueError(f"the static engine decodes selectors {static_selector_names()} with min_context=0; arms {bad} "
                          "need --engine eager")
 
 
@@ -298,7 +298,7 @@ class PrefilledBatch:
         if mode != "eager":
             # the reference path (settings the kernels do not implement) syncs with the host (an SVD
             # per completed page), which neither a captured graph nor cudagraph trees allow
-            reference = [layer for layer in self.cache.locks_layers if kernel_path(layer) is None]
+            reference = [layer for layer in self.cache.locks_layers if not backend.uses_kernels(layer)]
             if reference and self.engine.requested_step != "auto":
                 raise ValueError(f"step={mode!r} needs the GPU kernels, which do not implement "
                                  f"{self.cache.locks_config.label} here: use step='eager'")

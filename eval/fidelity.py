@@ -12,8 +12,8 @@ For every captured decode step (layer, query heads, the cache as it was at that 
 * ``excl_err`` / ``excl_mass``  the exclusion test: attend everything *except* the selected pages
                 (a selector that finds the mass leaves a complement whose output is far from ``o``).
 
-Capture: `capture_decode` temporarily wraps the registered ``"locks"`` attention function, records the
-decode query of every `LocksLayer` at each step, and reads the keys/values from the cache afterwards
+Capture: `capture_decode` records, through `locks_hf.attention.observe_decode_queries`, the decode
+query of every `LocksLayer` at each step, and reads the keys/values from the cache afterwards
 (nothing is evicted, so the first ``L`` slots are the cache of the step with ``L`` tokens).
 """
 
@@ -91,12 +91,9 @@ def arm_selection(config, keys: torch.Tensor, valid: torch.Tensor, n_complete: i
     if selector is None or P <= config.page_slots:
         return page_real[:, None].expand(b, h, P), forced
     vh = valid.expand(-1, h, -1, -1)
-    shared = {}
-    if hasattr(selector, "fit_sequence"):
-        nf = n_complete if n_fit is None else min(n_fit, n_complete)
-        shared = selector.fit_sequence(keys[:, :, :nf], vh[:, :, :nf]) or {}
-    summary = selector.summarize(keys[:, :, :n_complete], vh[:, :, :n_complete], shared)
-    summary = {**summary, **shared}
+    nf = n_complete if n_fit is None else min(n_fit, n_complete)
+    shared = selector.fit_sequence(keys[:, :, :nf], vh[:, :, :nf])
+    summary = {**selector.summarize(keys[:, :, :n_complete], vh[:, :, :n_complete], shared), **shared}
     scores = selector.page_scores(summary, keys, valid, query, scale)
     scores = torch.nn.functional.pad(scores, (0, P - scores.shape[-1]), value=float("-inf"))
     complete = torch.arange(P, device=keys.device) < n_complete
@@ -118,24 +115,13 @@ class Capture:
 @contextlib.contextmanager
 def capturing_queries(out: list):
     """Within the block, every decode step of a `LocksLayer` appends (layer_idx, length, query, scale)."""
-    from transformers import AttentionInterface
+    from locks_hf.attention import observe_decode_queries
 
-    from locks_hf import attention as att
-    from locks_hf.cache import _HANDOFF
+    def record(layer_idx, length, query, scale):
+        out.append((layer_idx, length, query[:, :, 0].detach().clone(), float(scale)))
 
-    def wrapper(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        slot = _HANDOFF.slot
-        if slot is not None and query.shape[2] == 1 and slot[1].keys is key:
-            s = scaling if scaling is not None else query.shape[-1] ** -0.5
-            out.append((slot[0], key.shape[2], query[:, :, 0].detach().clone(), float(s)))
-        return att.locks_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                           scaling=scaling, **kwargs)
-
-    AttentionInterface.register(att.ATTENTION_NAME, wrapper)
-    try:
+    with observe_decode_queries(record):
         yield out
-    finally:
-        AttentionInterface.register(att.ATTENTION_NAME, att.locks_attention_forward)
 
 
 @torch.no_grad()

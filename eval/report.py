@@ -9,16 +9,13 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
+from locks_hf.selectors import family_sort_key
+
 from .jsonl import read_jsonl, resolve
 from .runner import merge
 
-FAMILY_ORDER = ["full", "oracle", "locks-r16bf16", "locks-r8bf16", "locks-r8i4", "locks-r4i4", "locks-r2i4",
-                "shared_basis-r36", "shared_basis-r20",
-                "shared_all-r52", "shared_all-r28", "quest"]
-
-
-def _fam_key(f):
-    return (FAMILY_ORDER.index(f) if f in FAMILY_ORDER else len(FAMILY_ORDER), f)
+# Arm families are ordered by selector (each declares its `report_order`), larger summaries first.
+_fam_key = family_sort_key
 
 
 def load_cells(run_dir: Path, complete_only: bool = True) -> list[dict]:

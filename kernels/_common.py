@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -15,6 +17,15 @@ BIG_PAGE = tl.constexpr(2**30)
 #: key of a non-candidate page in the selection kernels (below every finite score's key).
 NO_KEY = tl.constexpr(-(2**31))
 LOG2E = tl.constexpr(1.4426950408889634)
+
+#: Per-page summary tensors each scoring method reads, in the order the custom ops (`ops`) take them.
+SUMMARY_NAMES = {"locks": ("basis", "basis_scale", "coef", "coef_scale", "mu", "mu_scale"),
+                 "quest": ("upper", "lower"), "oracle": (), "full": ()}
+
+
+def on_device(device: torch.device):
+    """Make ``device`` current for the launches (Triton launches on the current CUDA device)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def as_length(length, device) -> torch.Tensor:

@@ -1,28 +1,26 @@
-"""The kernel path of a Locks decode step, and the glue that `locks_hf` dispatches CUDA tensors to.
+"""The kernel path of a Locks decode step: score -> select -> attend on explicit tensors.
 
-`decode_step` chains the three kernels (score -> select -> attend) on explicit tensors; the
-`sparse_decode` / `summarize` functions read a Locks layer's buffers (`LocksLayer` or
-`LocksStaticLayer`), call the kernels through their custom ops (`ops`, so `torch.compile` sees one
-node each) and keep the layer's bookkeeping (selection, attended-token statistics) identical to the
-reference path.
+`decode_step` chains the three kernels; `implements` says which configurations they cover. The
+glue that reads a cache layer and calls these through their custom ops (`ops`) is on the library
+side, in `locks_hf.backend`.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from ._common import as_length
+from ._common import SUMMARY_NAMES, as_length
 from .attend import sparse_attention
 from .score import score_pages
 from .select import select_pages
 
-_QUANTIZED = (2, 4, 8)
+__all__ = ["SUMMARY_NAMES", "decode_step", "implements"]
 
-#: Per-page summary tensors each method reads, in the order the custom ops (`ops`) take them.
-SUMMARY_NAMES = {"locks": ("basis", "basis_scale", "coef", "coef_scale", "mu", "mu_scale"),
-                 "quest": ("upper", "lower"), "oracle": (), "full": ()}
+#: Basis bits the Locks scoring kernels unpack (coefficients and centroids are int8).
+_QUANTIZED = (2, 4, 8)
+#: Page sizes: the attention tiles need >= 4 tokens, the Jacobi eigensolver a power of two <= 32.
+_PAGE_SIZES = (4, 8, 16, 32)
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def decode_step(method: str, query: torch.Tensor, *, key_buf: torch.Tensor, value_buf: torch.Tensor,
@@ -55,71 +53,24 @@ def decode_step(method: str, query: torch.Tensor, *, key_buf: torch.Tensor, valu
     return out, pages
 
 
-def _on_device(device: torch.device):
-    """Make ``device`` current for the launches (Triton launches on the current CUDA device)."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+def implements(method: str, *, dtype: torch.dtype, head_dim: int, page_size: int,
+               group_combine: str = "share_average", basis_bits: int = 4, coef_bits: int = 8,
+               centroid_bits: int = 8) -> bool:
+    """Whether the kernels run scoring mode ``method`` (``"locks"``, ``"quest"``, ``"oracle"``,
+    ``"full"``) for keys of ``dtype`` and ``head_dim`` in pages of ``page_size`` tokens.
 
-
-def supports(layer, query: torch.Tensor | None = None) -> bool:
-    """Whether the kernels implement this layer's settings (else the reference path runs)."""
-    cfg = layer.config
-    if cfg.selector not in ("locks", "quest", "oracle", "full"):
+    Every mode but Quest (each query head selects its own pages) combines a GQA group's scores with
+    ``share_average``; Locks summaries must be int4/int2/int8-packed bases with int8 coefficients
+    and centroids.
+    """
+    if method not in SUMMARY_NAMES:
         return False
-    if cfg.selector != "quest" and cfg.group_combine != "share_average":
+    if method != "quest" and group_combine != "share_average":
         return False
-    if cfg.selector == "locks" and (cfg.basis_bits not in _QUANTIZED or cfg.coef_bits != 8 or cfg.centroid_bits != 8):
+    if method == "locks" and (basis_bits not in _QUANTIZED or coef_bits != 8 or centroid_bits != 8):
         return False
-    kbuf = layer._kbuf
-    if kbuf is None or not kbuf.is_cuda or kbuf.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if dtype not in _DTYPES:
         return False
-    d = kbuf.shape[-1]
-    per = 8 // cfg.basis_bits if cfg.selector == "locks" else 1
-    # page_size: the attention tiles need >= 4 tokens, the Jacobi eigensolver a power of two <= 32
-    if d & (d - 1) or d // per < 16 or cfg.page_size not in (4, 8, 16, 32):
-        return False
-    return query is None or (query.is_cuda and query.dtype == kbuf.dtype)
-
-
-def sparse_decode(layer, query: torch.Tensor, scale: float) -> torch.Tensor:
-    """Kernel twin of `locks_hf.attention.sparse_decode`: ``query [b, Hq, 1, d]`` -> ``[b, 1, Hq, d]``."""
-    # Triton launches on the *current* device; with a model split over GPUs (device_map) this layer's
-    # tensors may live on another one.
-    with _on_device(query.device):
-        return _sparse_decode(layer, query, scale)
-
-
-def _sparse_decode(layer, query: torch.Tensor, scale: float) -> torch.Tensor:
-    cfg = layer.config
-    b = query.shape[0]
-    h = layer._kbuf.shape[1]
-    row_start, n_complete = layer.row_tensors()
-    summary = [layer.summary[n] for n in SUMMARY_NAMES[cfg.selector]]
-    width, active = layer.page_slots()
-    # the kernels count the tokens they attend into the layer's statistics (no bookkeeping ops here)
-    out, pages = torch.ops.locks_hf.decode_step(cfg.selector, query, layer._kbuf, layer._vbuf, layer.slot_valid,
-                                                row_start, n_complete, layer.length_tensor(), summary,
-                                                layer.num_pages, width, float(scale), cfg.page_size,
-                                                cfg.basis_bits, layer.count_buffer(), active)
-    if pages.shape[1]:  # "full" selects no list: every page
-        layer.note_selection(pages.view(b, h, -1))
-    layer.record_step(None, layer.real_tokens() * h)
-    return out
-
-
-def update_newest_page(layer) -> None:
-    """Kernel twin of `LocksStaticLayer`'s per-step page summary: one launch that writes the page the
-    newest token completed, in place, and does nothing on the other ``B - 1`` steps of a page."""
-    cfg = layer.config
-    summary = [layer.summary[n] for n in SUMMARY_NAMES[cfg.selector]]
-    torch.ops.locks_hf.update_completed_pages(cfg.selector, layer._kbuf, layer.slot_valid, layer.row_start,
-                                              layer.length_tensor(), summary, cfg.page_size, cfg.rank, cfg.basis_bits)
-
-
-def summarize(layer, keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor] | None:
-    """GPU summary build for `LocksLayer.summarize_completed`; ``None`` when the reference must run."""
-    cfg = layer.config
-    if not keys.is_cuda or cfg.selector != "locks" or not supports(layer):
-        return None
-    with _on_device(keys.device):
-        parts = torch.ops.locks_hf.build_summary(keys, valid, cfg.rank, cfg.basis_bits)
-    return dict(zip(SUMMARY_NAMES["locks"], parts))
+    per = 8 // basis_bits if method == "locks" else 1
+    d = head_dim
+    return not (d & (d - 1)) and d // per >= 16 and page_size in _PAGE_SIZES

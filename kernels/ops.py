@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from ._common import SUMMARY_NAMES
 from .build import build_summary, summary_shapes
-from .decode import SUMMARY_NAMES, decode_step
+from .decode import decode_step
 from .page_update import update_completed_pages
 from .select import page_list_width
 

@@ -24,9 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2, slot_ok, take_rows
+from ._common import SUMMARY_NAMES, next_pow2, on_device, slot_ok, take_rows
 from .build import store_summary, summary_shapes
-from .decode import SUMMARY_NAMES, _on_device
 from .eigh import ascending_rank, default_sweeps, jacobi_eigh, lower_symmetric
 
 #: Page sizes the kernel builds (the Jacobi eigensolver needs a power of two <= 32).
@@ -172,7 +171,7 @@ def update_completed_pages(method: str, key_buf: torch.Tensor, slot_valid: torch
     RP = max(16, next_pow2(rank)) if locks else 16
     if num_warps is None:
         num_warps = default_warps(B, RP, d)
-    with _on_device(key_buf.device):
+    with on_device(key_buf.device):
         _page_update_kernel[(b * h,)](
             key_buf, key_buf.stride(0), key_buf.stride(1), key_buf.stride(2), slot_valid, slot_valid.stride(0),
             row_start, length, h, P, *ptrs, D=d, B=B, BP=max(16, B), R=rank if locks else 1, RP=RP,

@@ -7,8 +7,10 @@ function ``attention_mask=None`` and padded batches go silently wrong.
 
 from __future__ import annotations
 
+import contextlib
 import math
-import os
+import warnings
+from collections.abc import Callable, Iterator
 
 import torch
 from transformers import AttentionInterface
@@ -16,8 +18,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils import is_torchdynamo_compiling, logging
 
-from .cache import PagedLayer, take_handoff
+from . import backend
+from .cache import take_handoff
 from .models_support import ATTENTION_NAME, REFUSED_GENERATION, UnsupportedModelError, check_attention_dispatch
+from .paged import PagedLayer
 from .selectors import select_pages
 from .token_policy import policy_decode
 
@@ -32,30 +36,43 @@ _UNSUPPORTED_KWARGS = {
 
 
 def kernel_path(layer: PagedLayer, query: torch.Tensor | None = None):
-    """[locks_hf.kernels dispatch] The kernels module when this step can run there, else ``None``.
+    """Deprecated: `locks_hf.backend.kernels_for`."""
+    warnings.warn("locks_hf.attention.kernel_path is deprecated: use locks_hf.backend.kernels_for",
+                  DeprecationWarning, stacklevel=2)
+    return backend.kernels_for(layer, query)
 
-    CUDA tensors of a supported configuration go to the Triton kernels; CPU tensors, settings the
-    kernels do not implement, a missing Triton, or ``LOCKS_HF_KERNELS=0`` keep the reference path.
-    ``query=None`` asks about the layer's settings and buffers alone.
+
+#: Callbacks of `observe_decode_queries`, called on every decode step of a Locks layer.
+_DECODE_OBSERVERS: list[Callable[[int | None, int, torch.Tensor, float], None]] = []
+
+
+@contextlib.contextmanager
+def observe_decode_queries(callback: Callable[[int | None, int, torch.Tensor, float], None]) -> Iterator[None]:
+    """Within the block, call ``callback(layer_idx, length, query, scale)`` at every decode step of a
+    Locks layer, before it attends: ``length`` cached tokens (the step's own included), ``query``
+    ``[b, Hq, 1, d]`` post-RoPE (not copied), ``scale`` the softmax scale. For analysis (capturing
+    queries to score selectors offline); it runs whatever the selector, dense ``"full"`` included.
     """
-    on_cuda = layer._kbuf is not None and layer._kbuf.is_cuda if query is None else query.is_cuda
-    if not on_cuda or os.environ.get("LOCKS_HF_KERNELS", "1") == "0":
-        return None
+    _DECODE_OBSERVERS.append(callback)
     try:
-        from . import kernels
-    except ImportError:
-        return None
-    return kernels if kernels.HAVE_TRITON and kernels.supports(layer, query) else None
+        yield
+    finally:
+        _DECODE_OBSERVERS.remove(callback)
 
 
 def sparse_decode(layer: PagedLayer, query: torch.Tensor, scale: float) -> torch.Tensor:
-    """One decode step attending only the selected pages (reference PyTorch path).
+    """One decode step attending only the selected pages: ``query [b, Hq, 1, d]`` -> ``[b, 1, Hq, d]``,
+    on the kernels where `locks_hf.backend` says so, else `reference_decode`."""
+    if backend.uses_kernels(layer, query):
+        return backend.kernel_decode(layer, query, scale)
+    return reference_decode(layer, query, scale)
+
+
+def reference_decode(layer: PagedLayer, query: torch.Tensor, scale: float) -> torch.Tensor:
+    """One decode step attending only the selected pages, in PyTorch (the reference path).
 
     ``query [b, Hq, 1, d]`` -> output ``[b, 1, Hq, d]``.
     """
-    kernels = kernel_path(layer, query)  # [locks_hf.kernels dispatch] CUDA -> Triton kernels
-    if kernels is not None:
-        return kernels.sparse_decode(layer, query, scale)
     cfg, selector = layer.config, layer.selector
     b, hq, _, d = query.shape
     h = layer.keys.shape[1]
@@ -106,7 +123,8 @@ def locks_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     layers that are not Locks layers (sliding-window layers, or a cache other than `LocksCache` /
     `LocksStaticCache`), the ``"full"`` selector, and what the layer's `attends_densely` says.
     """
-    layer = take_handoff(getattr(module, "layer_idx", None), key, kwargs.get("sliding_window"))
+    layer_idx = getattr(module, "layer_idx", None)
+    layer = take_handoff(layer_idx, key, kwargs.get("sliding_window"))
     if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
@@ -124,6 +142,9 @@ def locks_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     q_len = query.shape[2]
     if q_len > 1 and layer.recording_past:
         raise UnsupportedModelError(REFUSED_GENERATION)
+    if q_len == 1:
+        for observe in _DECODE_OBSERVERS:
+            observe(layer_idx, key.shape[2], query, scaling)
     layer.prepare(attention_mask, q_len)
     if q_len > 1:
         layer.observe_prompt_queries(query, scaling)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 from collections.abc import Callable
 
@@ -20,6 +19,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer, StaticLayer, ge
 from transformers.masking_utils import find_first_full_attention_index
 from transformers.utils import is_torchdynamo_compiling
 
+from .backend import build_summary as compute_summary  # noqa: F401  (the former name here)
 from .config import LocksConfig, LocksConfigError
 from .layout import (
     CapacityPlan,
@@ -34,6 +34,7 @@ from .layout import (
 )
 from .models_support import (REFUSED_GENERATION, UnsupportedModelError, cache_model_mismatch, check_head_dim,
                              check_model_supported, head_dim_of)
+from .paged import PagedLayer, pages_to_mask, slot_validity
 from .selectors import PageSelector, make_selector
 
 logger = logging.getLogger(__name__)
@@ -57,86 +58,6 @@ _HANDOFF = _Handoff()
 
 # Extra slots reserved past the prompt so that decode appends without reallocating.
 _MIN_HEADROOM = 256
-
-
-def slot_validity(attention_mask: torch.Tensor | None, query_len: int, batch: int, device) -> torch.Tensor:
-    """``[b, Tq]`` validity of the slots just written, read off the model's attention mask.
-
-    With left padding the mask is ``[b, 1, Tq, Tk]`` (its last ``Tq`` key columns are the new slots);
-    a key slot is real iff some query attends it.
-    """
-    if attention_mask is None:
-        return torch.ones((batch, query_len), dtype=torch.bool, device=device)
-    mask = attention_mask if attention_mask.dtype == torch.bool else attention_mask > torch.finfo(attention_mask.dtype).min / 2
-    return mask[:, 0].any(dim=1)[:, -query_len:].expand(batch, query_len)
-
-
-def compute_summary(layer, keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The selector's per-page tensors for ``keys [b, h, n, B, d]`` (``valid [b, h, n, B]``): the GPU
-    build kernels for CUDA keys where they apply, else the selector's reference `summarize`."""
-    new = _kernel_summary(layer, keys, valid)  # [locks_hf.kernels dispatch]
-    return new if new is not None else layer.selector.summarize(keys, valid, getattr(layer, "shared", None))
-
-
-class PagedLayer:
-    """What the attention function and the kernels read from a Locks cache layer (both `LocksLayer`
-    and `locks_hf.static_cache.LocksStaticLayer` provide it).
-
-    Attributes ``config``, ``selector``, ``summary`` (page-axis buffers), ``slot_valid``,
-    ``_kbuf``/``_vbuf``; methods ``prepare`` / ``attends_densely`` (called before attention),
-    ``page_validity``, ``page_validity_of``, ``page_keys``, ``all_page_keys``, ``complete_pages``,
-    ``summary_view``, ``row_tensors``, ``length_tensor``, ``num_pages``, ``real_tokens``,
-    ``count_buffer``, ``note_selection``. The statistics (``record_step``, ``attended``,
-    ``context``) are kept here, in the layer's ``count_buffer``.
-    """
-
-    #: Set by ``Cache.activate_past_recording`` (assisted / prompt-lookup decoding): a multi-token
-    #: forward is then a verification of drafted tokens, which Locks refuses (see `attention`).
-    recording_past: bool = False
-
-    def activate_past_recording(self) -> None:
-        self.recording_past = True
-
-    #: Decode steps and estimation bytes counted on the host (`decode_traffic`); a static layer,
-    #: whose steps run in a compiled graph, keeps no host count.
-    decode_steps = 0
-    estimate_bytes = 0
-
-    def page_slots(self) -> tuple[int, torch.Tensor | None]:
-        """Width of the kernels' page lists and the budget in use as a device tensor (``None``: the
-        width is the budget)."""
-        return self.config.page_slots, None
-
-    def record_step(self, attended: torch.Tensor | None, context: torch.Tensor) -> None:
-        """Add one decode step: tokens attended and real tokens cached, summed over rows and heads
-        (``attended=None``: the kernels already added it)."""
-        counts = self.count_buffer()
-        if attended is not None:
-            counts[0] += attended
-        counts[1] += context
-
-    def observe_prompt_queries(self, query: torch.Tensor, scale: float) -> None:
-        """Prefill hook (``query [b, Hq, t, d]``, t > 1): layers that keep prompt queries override it."""
-
-    def record_selection_traffic(self) -> None:
-        """After a page-selected decode step: layers that count estimation traffic override it."""
-
-    @property
-    def attended(self) -> torch.Tensor | None:
-        """Tokens attended over the decode steps since the last ``reset_stats`` (int64 scalar)."""
-        return None if self.counts is None else self.counts[0]
-
-    @property
-    def context(self) -> torch.Tensor | None:
-        """Real tokens cached, summed over the same decode steps (int64 scalar)."""
-        return None if self.counts is None else self.counts[1]
-
-
-def pages_to_mask(pages: torch.Tensor, n_pages: int) -> torch.Tensor:
-    """Page lists ``[..., W]`` (``< 0`` = none) as a mask ``[..., n_pages]``."""
-    index = torch.where(pages >= 0, pages, n_pages).long()
-    mask = torch.zeros((*pages.shape[:-1], n_pages + 1), dtype=torch.bool, device=pages.device)
-    return mask.scatter_(-1, index, True)[..., :n_pages]
 
 
 class LocksLayer(DynamicLayer, PagedLayer):
@@ -226,6 +147,9 @@ class LocksLayer(DynamicLayer, PagedLayer):
         return None if self._last_pages is None else pages_to_mask(*self._last_pages)
 
     # -- storage ---------------------------------------------------------------------------------
+    def kv_buffers(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self._kbuf, self._vbuf
+
     @property
     def capacity(self) -> int:
         return 0 if self._kbuf is None else self._kbuf.shape[2]
@@ -336,55 +260,13 @@ class LocksLayer(DynamicLayer, PagedLayer):
             return False
         return self.length < cfg.min_context or self.length <= cfg.page_slots * cfg.page_size
 
-    def _page_slots(self, pages: torch.Tensor) -> torch.Tensor:
-        """Slot index of every token of ``pages [b, ...]`` (page numbers per row): ``[b, ..., B]``."""
-        B = self.config.page_size
-        start = self.row_tensors()[0].long().view(-1, *([1] * pages.dim()))
-        return start + pages.unsqueeze(-1) * B + torch.arange(B, device=self.device)
-
-    def _gather_slots(self, buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """``buf [b, h, cap, d]`` at ``slots [b, h, n]`` -> ``[b, h, n, d]`` (clamped in range)."""
-        index = slots.clamp(0, self.capacity - 1).unsqueeze(-1).expand(-1, -1, -1, buf.shape[-1])
-        return buf.gather(2, index)
-
-    def _slot_ok(self, slots: torch.Tensor) -> torch.Tensor:
-        """Real, written slots among ``slots [b, ...]``."""
-        flat = slots.flatten(1).clamp(0, self.capacity - 1)
-        real = self.slot_valid.gather(1, flat).view_as(slots)
-        return real & (slots >= 0) & (slots < self.length)
-
     @property
     def num_pages(self) -> int:
         """Pages of the longest row (``P``): every row's page axis has this length."""
         return math.ceil((self.length - min(self.row_start)) / self.config.page_size)
 
-    def page_validity(self) -> torch.Tensor:
-        """``[b, 1, P, B]``: which slots of each row's pages hold real tokens."""
-        pages = torch.arange(self.num_pages, device=self.device).expand(len(self.row_start), -1)
-        return self._slot_ok(self._page_slots(pages)).unsqueeze(1)
-
-    def page_validity_of(self, pages: torch.Tensor) -> torch.Tensor:
-        """``[b, h, n, B]``: real slots of the pages ``pages [b, h, n]``."""
-        return self._slot_ok(self._page_slots(pages))
-
-    def page_keys(self, pages: torch.Tensor, values: bool = False) -> torch.Tensor:
-        """Keys (or values) ``[b, h, n, B, d]`` of the pages ``pages [b, h, n]``."""
-        slots = self._page_slots(pages)  # [b, h, n, B]
-        out = self._gather_slots(self._vbuf if values else self._kbuf, slots.flatten(2))
-        return out.unflatten(2, slots.shape[2:])
-
-    def all_page_keys(self) -> torch.Tensor:
-        """Keys ``[b, h, P, B, d]`` of every page (a view when no row is padded, else a gather)."""
-        B, P = self.config.page_size, self.num_pages
-        if not any(self.row_start) and P * B <= self.capacity:
-            return self._kbuf[:, :, : P * B].unflatten(2, (P, B))
-        b, h = self._kbuf.shape[:2]
-        return self.page_keys(torch.arange(P, device=self.device).expand(b, h, -1))
-
-    def complete_pages(self) -> torch.Tensor:
-        """``[b, P]``: pages summarized (complete) per row."""
-        done = self.row_tensors()[1]
-        return torch.arange(self.num_pages, device=self.device) < done[:, None]
+    def _rows_start_at_zero(self) -> bool:
+        return not any(self.row_start)
 
     def summarize_completed(self) -> None:
         """Summarize every complete page not summarized yet, in one batched pass over the rows."""
@@ -397,12 +279,10 @@ class LocksLayer(DynamicLayer, PagedLayer):
         if hi <= lo or all(n >= t for n, t in zip(self.n_summarized, target)):
             return
         b, h = self._kbuf.shape[:2]
-        pages = torch.arange(lo, hi, device=self.device).expand(b, h, -1)
-        keys = self.page_keys(pages)  # [b, h, n, B, d]
-        valid = self._slot_ok(self._page_slots(pages[:, 0])).unsqueeze(1).expand(-1, h, -1, -1)
+        keys, valid = self.page_inputs(torch.arange(lo, hi, device=self.device).expand(b, h, -1))
         if not self.shared:  # the first pass (after prefill) fits any sequence-level state, frozen after
             self.shared = self.selector.fit_sequence(keys, valid)
-        new = compute_summary(self, keys, valid)
+        new = self.summarize_pages(keys, valid)
         if not self.summary:
             cap = self.capacity // B + 1
             self.summary = {n: t.new_empty((*t.shape[:2], cap, *t.shape[3:])) for n, t in new.items()}
@@ -429,10 +309,11 @@ class LocksLayer(DynamicLayer, PagedLayer):
     def from_paged(cls, layer: PagedLayer, config: LocksConfig, length: int) -> LocksLayer:
         """A dynamic layer holding a copy of the first ``length`` slots of another Locks layer (e.g. a
         static one); its summaries are rebuilt, in one batched pass, at the next forward."""
+        keys, values = layer.kv_buffers()
         new = cls(config)
-        new.lazy_initialization(layer._kbuf, layer._vbuf)
-        new._kbuf = layer._kbuf[:, :, :length].clone()
-        new._vbuf = layer._vbuf[:, :, :length].clone()
+        new.lazy_initialization(keys, values)
+        new._kbuf = keys[:, :, :length].clone()
+        new._vbuf = values[:, :, :length].clone()
         new.slot_valid = layer.slot_valid[:, :length].clone()
         new.length = length
         new.row_start = layer.row_tensors()[0].tolist()
@@ -493,17 +374,6 @@ class LocksLayer(DynamicLayer, PagedLayer):
         raise ValueError("LocksCache does not support offloading: create it with offloading=False")
 
     prefetch = offload
-
-
-def _kernel_summary(layer: LocksLayer, keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor] | None:
-    """[locks_hf.kernels dispatch] Summaries built by the GPU kernels for CUDA keys, else ``None``."""
-    if not keys.is_cuda or os.environ.get("LOCKS_HF_KERNELS", "1") == "0":
-        return None
-    try:
-        from . import kernels
-    except ImportError:
-        return None
-    return kernels.summarize(layer, keys, valid) if kernels.HAVE_TRITON else None
 
 
 def _resized(buf: torch.Tensor, dim: int, size: int, keep: int, fill=None) -> torch.Tensor:
@@ -726,11 +596,12 @@ class LocksCache(LocksCacheMixin, DynamicCache):
         for layer in self.locks_layers:
             if not layer.decode_steps or layer.counts is None:
                 continue
-            b, h, _, dk = layer._kbuf.shape
+            keys, values = layer.kv_buffers()
+            b, h, _, dk = keys.shape
             tokens = int(layer.counts[0])
             head_steps += layer.decode_steps * b * h
             attended += tokens
-            read += tokens * (dk + layer._vbuf.shape[-1]) * layer._kbuf.element_size() + layer.estimate_bytes
+            read += tokens * (dk + values.shape[-1]) * keys.element_size() + layer.estimate_bytes
         if not head_steps:
             return None
         return {"attended_tokens": attended / head_steps, "read_bytes": read / head_steps}
@@ -748,7 +619,7 @@ class LocksCache(LocksCacheMixin, DynamicCache):
         if locks is not None:
             for layer in self.locks_layers:
                 if layer.is_initialized:
-                    check_head_dim(locks, layer._kbuf.shape[-1])
+                    check_head_dim(locks, layer.key_buffer().shape[-1])
         clone.locks_config = locks or self.locks_config
         refusal = None if self._plan is None else config_refusal(clone.locks_config, self._layer_types)
         if self._plan is not None and refusal is None:

@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import math
 import numbers
-import re
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields as dataclass_fields, replace
 
-#: The paper's baselines, token-level cache policies (`locks_hf.baselines`).
-BASELINE_POLICIES = ("rocketkv", "rkv", "lazy_eviction", "shadowkv", "triattention", "kvzip")
-SELECTORS = ("locks", "oracle", "quest", "full", "shared_basis", "shared_all", *BASELINE_POLICIES)
 GROUP_COMBINES = ("share_average", "group_max", "group_mass")
 BASIS_BITS = (2, 4, 8, 16)  # 16 = unquantized (stored in the K/V dtype)
 VALUE_BITS = (8, 16)  # for coefficients and centroids
@@ -17,7 +13,6 @@ VALUE_BITS = (8, 16)  # for coefficients and centroids
 MAX_PAGE_SIZE = 1024
 _INT_FIELDS = ("page_size", "rank", "basis_bits", "coef_bits", "centroid_bits", "budget", "min_context")
 
-_LABEL = re.compile(r"^r(?P<rank>\d+)(?:i(?P<bits>\d+)|(?P<bf16>bf16))$")
 
 
 class LocksConfigError(ValueError):
@@ -70,19 +65,13 @@ class LocksConfig:
         B = self.page_size
         if B < 2 or B > MAX_PAGE_SIZE or B & (B - 1):
             raise LocksConfigError(f"page_size must be a power of two in 2..{MAX_PAGE_SIZE} (e.g. 16), got {B!r}")
-        if self.selector not in SELECTORS:
-            raise LocksConfigError(f"selector must be one of {SELECTORS}, got {self.selector!r}")
+        selector = _selector_class(self.selector)  # LocksConfigError naming the registered selectors
         if self.group_combine not in GROUP_COMBINES:
             raise LocksConfigError(
                 f"group_combine must be one of {GROUP_COMBINES}, got {self.group_combine!r}"
             )
         if self.rank < 1:
             raise LocksConfigError(f"rank must be a positive int, got {self.rank!r}")
-        if self.selector == "locks" and self.rank > B:
-            raise LocksConfigError(
-                f"rank must be in 1..page_size={B} (a page of {B} centered keys spans at most "
-                f"{B - 1} directions), got {self.rank!r}"
-            )
         if self.basis_bits not in BASIS_BITS:
             raise LocksConfigError(f"basis_bits must be one of {BASIS_BITS}, got {self.basis_bits!r}")
         for name in ("coef_bits", "centroid_bits"):
@@ -95,10 +84,7 @@ class LocksConfig:
             )
         if self.min_context < 0:
             raise LocksConfigError(f"min_context must be a non-negative int, got {self.min_context!r}")
-        if self.selector in BASELINE_POLICIES:
-            from .baselines import POLICIES  # imported here: the policies import this module
-
-            POLICIES[self.selector].validate_config(self)
+        selector.validate(self)  # last: selector-specific checks see validated generic fields
 
     @property
     def page_slots(self) -> int:
@@ -107,38 +93,50 @@ class LocksConfig:
 
     @property
     def summary_layout(self) -> tuple:
-        """What the per-page summaries depend on: configs with equal layouts (e.g. differing only in
-        budget or group rule) share the same summaries."""
-        return (self.selector, self.page_size, self.rank, self.basis_bits, self.coef_bits, self.centroid_bits)
+        """What the per-page summaries depend on (the selector's declared `summary_fields`): configs with
+        equal layouts (e.g. differing only in budget or group rule) share the same summaries."""
+        from .selectors import summary_layout
+
+        return summary_layout(self)
 
     @property
     def label(self) -> str:
-        """Short name of the arm, e.g. ``locks-r8i4-b128`` or ``quest-b128``."""
-        if self.selector == "locks":
-            bits = "bf16" if self.basis_bits == 16 else f"i{self.basis_bits}"
-            return f"locks-r{self.rank}{bits}-b{self.budget}"
-        if self.selector == "full":
-            return "full"
-        if self.selector.startswith("shared"):
-            return f"{self.selector}-r{self.rank}-b{self.budget}"
-        return f"{self.selector}-b{self.budget}"
+        """Short name of the arm, e.g. ``locks-r8i4-b128`` or ``quest-b128`` (``full``: no budget)."""
+        cls = _selector_class(self.selector)
+        family = cls.family(self)
+        return family if cls.dense else f"{family}-b{self.budget}"
 
     @classmethod
     def from_label(cls, label: str, **overrides) -> LocksConfig:
         """Parse ``r8i4`` / ``r4i2`` / ``r8bf16`` (optionally prefixed ``locks-``) into a Locks config."""
         if not isinstance(label, str):
             raise LocksConfigError(f"a summary label is a str such as 'r8i4', got {label!r}")
-        match = _LABEL.match(label.removeprefix("locks-"))
-        if match is None:
+        fields = _selector_class("locks").parse_family(label)
+        if fields is None:
             raise LocksConfigError(
                 f"cannot parse summary label {label!r}: expected r<rank>i<bits> (e.g. r8i4) or r<rank>bf16"
             )
-        bits = 16 if match["bf16"] else int(match["bits"])
-        return cls(rank=int(match["rank"]), basis_bits=bits, **overrides)
+        return cls(**fields, **overrides)
 
     def replace(self, **changes) -> LocksConfig:
         """A copy with some fields changed (validated again)."""
-        unknown = sorted(set(changes) - {f.name for f in fields(self)})
+        names = [f.name for f in dataclass_fields(self)]
+        unknown = sorted(set(changes) - set(names))
         if unknown:
-            raise LocksConfigError(f"unknown LocksConfig field(s) {unknown}; fields: {[f.name for f in fields(self)]}")
+            raise LocksConfigError(f"unknown LocksConfig field(s) {unknown}; fields: {names}")
         return replace(self, **changes)
+
+
+def _selector_class(name: str):
+    # Imported here: the selectors' modules may import this one.
+    from .selectors import selector_class
+
+    return selector_class(name)
+
+
+def __getattr__(name: str):
+    if name == "SELECTORS":  # the registered selector names (a tuple here before the registry)
+        from .selectors import selector_names
+
+        return selector_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

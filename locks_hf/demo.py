@@ -21,19 +21,17 @@ import time
 import torch
 
 from .cache import LocksCache
-from .config import LocksConfig, LocksConfigError
+from .config import LocksConfig
 from .models import DEFAULT_MODEL, MODELS
+from .selectors import config_for_family, family_help
 
 DEFAULT_ARMS = "full,r8i4,oracle,quest"
 
 
 def arm_config(arm: str, budget: int, page_size: int = 16) -> LocksConfig:
-    """``full``, ``oracle``, ``quest`` or a Locks summary label (``r8i4``, ``r4i2``, ``r8bf16``)."""
-    if arm == "full":
-        return LocksConfig(selector="full", budget=budget, page_size=page_size)
-    if arm in ("oracle", "quest"):
-        return LocksConfig(selector=arm, budget=budget, page_size=page_size)
-    return LocksConfig.from_label(arm, budget=budget, page_size=page_size)
+    """``full``, ``oracle``, ``quest``, a Locks summary label (``r8i4``, ``r4i2``, ``r8bf16``) or any
+    registered selector's arm label (`locks_hf.selectors.parse_family`)."""
+    return config_for_family(arm, budget=budget, page_size=page_size)
 
 
 def prefill(model, input_ids: torch.LongTensor, cache: LocksCache, chunk_size: int = 1024,
@@ -94,8 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-stop-at-newline", dest="stop_at_newline", action="store_false",
                         help="do not stop an answer at its first newline")
     parser.add_argument("--arms", default=DEFAULT_ARMS,
-                        help="comma-separated: full, oracle, quest, or Locks labels such as r8i4, r4i2, r8bf16 "
-                             "(default: %(default)s)")
+                        help=f"comma-separated arms: {family_help()}; Locks labels also without the "
+                             "locks- prefix (r8i4, r4i2, r8bf16) (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="picks the pass key (default: %(default)s)")
     parser.add_argument("--prefill-chunk", type=int, default=1024, help="prefill chunk in tokens (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -109,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     try:
         configs = {arm: arm_config(arm, args.budget, args.page_size) for arm in arms}
-    except LocksConfigError as err:
+    except ValueError as err:  # LocksConfigError included
         parser.error(str(err))
     if not arms:
         parser.error("--arms is empty")

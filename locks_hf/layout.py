@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import logging
 import math
-import os
 
 import torch
 from transformers.cache_utils import (
@@ -29,14 +28,14 @@ from transformers.cache_utils import (
     StaticSlidingWindowLayer,
 )
 
+from . import backend
 from .config import LocksConfig
+from .selectors import static_selector_names
 
 logger = logging.getLogger(__name__)
 
 #: ``layout=`` values of `LocksCache`.
 LAYOUTS = ("auto", "static", "dynamic")
-#: Selectors whose state is kept per page (the shared-basis controls fit a basis on the whole prompt).
-STATIC_SELECTORS = ("locks", "oracle", "quest", "full")
 #: Transformers layer classes the static layout can re-allocate (grow, fork, select rows).
 _RESIZABLE = (StaticLayer, StaticSlidingWindowLayer)
 #: Fewest slots of headroom past the first forward when no ``max_cache_len`` is given.
@@ -47,9 +46,9 @@ def config_refusal(locks: LocksConfig, layer_types: list[str] | None) -> str | N
     """Why ``locks`` (on a model with ``layer_types``) cannot use the static layout; ``None`` if it can."""
     if layer_types is None:
         return "no model config was given (its layer types decide the static layers)"
-    if locks.selector not in STATIC_SELECTORS:
-        return (f"selector {locks.selector!r} fits state on the whole prompt (static layout supports "
-                f"{', '.join(STATIC_SELECTORS)})")
+    if locks.selector not in static_selector_names():
+        return (f"selector {locks.selector!r} keeps state beyond its pages (static layout supports "
+                f"{', '.join(static_selector_names())})")
     if locks.min_context:
         return (f"min_context={locks.min_context}: a static graph cannot switch between dense and sparse "
                 "decode on the length (use min_context=0)")
@@ -65,13 +64,9 @@ def device_refusal() -> str | None:
     Triton, or the kernels switched off with ``LOCKS_HF_KERNELS=0``."""
     if not torch.cuda.is_available():
         return "no CUDA device"
-    if os.environ.get("LOCKS_HF_KERNELS", "1") == "0":
-        return "LOCKS_HF_KERNELS=0"
-    try:
-        from . import kernels
-    except ImportError:
-        return "locks_hf.kernels cannot be imported"
-    return None if kernels.HAVE_TRITON else "Triton is not installed"
+    if not backend.kernels_enabled():
+        return f"{backend.KERNELS_ENV}=0"
+    return None if backend.kernels_available() else "Triton (locks_hf.kernels) cannot be imported"
 
 
 def choose_layout(layout: str, locks: LocksConfig, layer_types: list[str] | None) -> bool:

@@ -9,6 +9,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from .config import LocksConfig, LocksConfigError
+from .selectors import selector_class
 
 ATTENTION_NAME = "locks"
 
@@ -77,11 +78,9 @@ def check_attention_dispatch(config: PretrainedConfig) -> None:
 
 def check_head_dim(locks: LocksConfig, head_dim: int) -> None:
     """Raise `LocksConfigError` when ``locks`` cannot summarize keys of ``head_dim``."""
-    d = head_dim
-    if locks.selector in ("locks", "shared_basis", "shared_all") and locks.rank > d:
-        raise LocksConfigError(f"rank={locks.rank} exceeds the model's head_dim={d}; choose rank <= {d}")
-    if locks.basis_bits in (2, 4) and (d * locks.basis_bits) % 8:
-        raise LocksConfigError(f"head_dim={d} cannot be packed at {locks.basis_bits} bits per entry")
+    selector_class(locks.selector).validate(locks, head_dim=head_dim)
+    if locks.basis_bits in (2, 4) and (head_dim * locks.basis_bits) % 8:
+        raise LocksConfigError(f"head_dim={head_dim} cannot be packed at {locks.basis_bits} bits per entry")
 
 
 def check_loaded_for_locks(config: PretrainedConfig) -> None:

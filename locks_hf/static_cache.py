@@ -34,15 +34,22 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 from transformers.utils import is_torchdynamo_compiling
 
-from .attention import kernel_path
-from .cache import LocksCache, PagedLayer, compute_summary, pages_to_mask, slot_validity
+from . import backend
+from .cache import LocksCache
 from .config import LocksConfig, LocksConfigError
-from .layout import STATIC_SELECTORS, mark_static, resized
-from .selectors import make_selector
+from .layout import mark_static, resized
+from .paged import PagedLayer, pages_to_mask, slot_validity
+from .selectors import make_selector, static_selector_names
 
 __all__ = ["STATIC_SELECTORS", "LocksStaticCache", "LocksStaticLayer"]
 
 logger = logging.getLogger(__name__)
+
+
+def __getattr__(name: str):
+    if name == "STATIC_SELECTORS":  # selectors whose state is kept per page (declared `static_cache`)
+        return static_selector_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class LocksStaticLayer(StaticLayer, PagedLayer):
@@ -53,6 +60,7 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         super().__init__(max_cache_len=-(-max_cache_len // B) * B)
         self.config = config
         self.selector = make_selector(config)
+        self.shared = {}  # no sequence-level selector state: every page is summarized on its own
         # The page lists are `max_slots` wide; the budget in use (`slots_t`, a device tensor) may be any
         # k <= max_slots, so that configs differing only in budget share one compiled graph.
         self.max_slots = max(config.page_slots, max_slots or 0)
@@ -98,7 +106,7 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         b, h, _, d = self.keys.shape
         B = self.config.page_size
         # The summary layout (names, shapes, dtypes) of one all-zero page, allocated for every page.
-        probe = compute_summary(self, self.keys.new_zeros((b, h, 1, B, d)),
+        probe = self.summarize_pages(self.keys.new_zeros((b, h, 1, B, d)),
                                 torch.ones((b, h, 1, B), dtype=torch.bool, device=self.device))
         summary = {n: t.new_zeros((b, h, self.num_pages, *t.shape[3:])) for n, t in probe.items()}
         if not is_torchdynamo_compiling():
@@ -120,13 +128,8 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         self.length_t.copy_(self.cumulative_length.view(1))
         return keys, values
 
-    @property
-    def _kbuf(self) -> torch.Tensor:
-        return self.keys
-
-    @property
-    def _vbuf(self) -> torch.Tensor:
-        return self.values
+    def kv_buffers(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self.keys, self.values
 
     @property
     def capacity(self) -> int:
@@ -168,41 +171,6 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         done = torch.div(self.length_t - self.row_start, self.config.page_size, rounding_mode="floor")
         return self.row_start, done.clamp_min(0).to(torch.int32)
 
-    # -- pages (tensor-only: no Python value depends on the length) --------------------------------
-    def _page_slots(self, pages: torch.Tensor) -> torch.Tensor:
-        B = self.config.page_size
-        start = self.row_start.long().view(-1, *([1] * pages.dim()))
-        return start + pages.unsqueeze(-1) * B + torch.arange(B, device=self.device)
-
-    def _slot_ok(self, slots: torch.Tensor) -> torch.Tensor:
-        inside = (slots >= 0) & (slots < self.length_t.long())
-        flat = slots.flatten(1).clamp(0, self.capacity - 1)
-        return self.slot_valid.gather(1, flat).view_as(slots) & inside
-
-    def _gather_slots(self, buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        index = slots.clamp(0, self.capacity - 1).unsqueeze(-1).expand(-1, -1, -1, buf.shape[-1])
-        return buf.gather(2, index)
-
-    def page_validity(self) -> torch.Tensor:
-        b = self.row_start.shape[0]
-        pages = torch.arange(self.num_pages, device=self.device).expand(b, -1)
-        return self._slot_ok(self._page_slots(pages)).unsqueeze(1)
-
-    def page_validity_of(self, pages: torch.Tensor) -> torch.Tensor:
-        return self._slot_ok(self._page_slots(pages))
-
-    def page_keys(self, pages: torch.Tensor, values: bool = False) -> torch.Tensor:
-        slots = self._page_slots(pages)
-        out = self._gather_slots(self.values if values else self.keys, slots.flatten(2))
-        return out.unflatten(2, slots.shape[2:])
-
-    def all_page_keys(self) -> torch.Tensor:
-        b, h = self.keys.shape[:2]
-        return self.page_keys(torch.arange(self.num_pages, device=self.device).expand(b, h, -1))
-
-    def complete_pages(self) -> torch.Tensor:
-        return torch.arange(self.num_pages, device=self.device) < self.row_tensors()[1][:, None]
-
     def summary_view(self) -> dict[str, torch.Tensor]:
         return self.summary
 
@@ -233,7 +201,7 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         switch on the length); with the ``"full"`` selector on the kernels that attends every page:
         dense flash-decoding over the written length, where SDPA would read the whole capacity through
         a mask. Without the kernels ``"full"`` decodes with SDPA (cheaper than gathering every page)."""
-        return query_len > 1 or (self.selector is None and kernel_path(self) is None)
+        return query_len > 1 or (self.selector is None and not backend.uses_kernels(self))
 
     def _prefill(self, attention_mask: torch.Tensor | None, query_len: int) -> None:
         # Eager (transformers never compiles prefill): host values are fine here.
@@ -255,23 +223,19 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         if n <= first:
             return
         b, h = self.keys.shape[:2]
-        pages = torch.arange(first, n, device=self.device).expand(b, h, -1)
-        valid = self.page_validity_of(pages[:, :1]).expand(-1, h, -1, -1)
-        new = compute_summary(self, self.page_keys(pages), valid)
+        new = self.summarize_pages(*self.page_inputs(torch.arange(first, n, device=self.device).expand(b, h, -1)))
         for name, tensor in new.items():
             self.summary[name][:, :, first:n] = tensor
 
     def _summarize_newest_page(self) -> None:
-        kernels = kernel_path(self)
-        if kernels is not None:  # [locks_hf.kernels dispatch] only the page this step completed, fused
-            kernels.update_newest_page(self)
+        if backend.uses_kernels(self):  # only the page this step completed, one fused launch
+            backend.kernel_update_newest_page(self)
             return
         b, h = self.keys.shape[:2]
         newest = torch.div(self.length_t.long() - 1 - self.row_start.long(), self.config.page_size,
                            rounding_mode="floor").clamp_min(0)  # [b]
         pages = newest.view(b, 1, 1).expand(b, h, 1)
-        valid = self.page_validity_of(pages[:, :1]).expand(-1, h, -1, -1)
-        new = compute_summary(self, self.page_keys(pages), valid)
+        new = self.summarize_pages(*self.page_inputs(pages))
         for name, tensor in new.items():
             index = pages.view(b, h, 1, *([1] * (tensor.dim() - 3))).expand_as(tensor)
             self.summary[name].scatter_(2, index, tensor)
@@ -404,8 +368,8 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
             raise LocksConfigError(
                 f"set_config: page_size {config.page_size} differs from the cache's {self.config.page_size}; "
                 "the page grid is fixed at creation")
-        if config.selector not in STATIC_SELECTORS or config.min_context:
-            raise LocksConfigError(f"set_config: LocksStaticCache supports selector in {STATIC_SELECTORS} with "
+        if config.selector not in static_selector_names() or config.min_context:
+            raise LocksConfigError(f"set_config: LocksStaticCache supports selector in {static_selector_names()} with "
                                    f"min_context=0, got selector={config.selector!r} min_context={config.min_context}")
         old, new = self.config.summary_layout, config.summary_layout
         self._use_budget(config)
@@ -429,8 +393,8 @@ class LocksStaticCache(LocksCache):
 
     `LocksCache` chooses the static layout by itself on a GPU (and grows it); this class insists on
     it, on any device, and refuses to write past ``max_cache_len`` (rounded up to whole pages)
-    instead of growing. Supports the ``locks``, ``oracle``, ``quest`` and ``full`` selectors with
-    ``min_context=0``; for sweeps, one prefix decoded under several settings (`mark_prefix`,
+    instead of growing. Supports the selectors that keep per-page state only (``locks_hf.selectors.static_selector_names()``:
+    ``locks``, ``oracle``, ``quest``, ``full``) with ``min_context=0``; for sweeps, one prefix decoded under several settings (`mark_prefix`,
     `rewind`, `set_config`).
     """
 

@@ -24,12 +24,11 @@ estimation read (e.g. RocketKV's reduced keys), added to the layer's traffic cou
 from __future__ import annotations
 
 import copy
-from abc import ABC
 from collections.abc import Callable
 
 import torch
 
-from .config import LocksConfig
+from .selectors.base import SelectionMethod
 
 
 class PolicyState:
@@ -84,29 +83,19 @@ class PolicyState:
         return new
 
 
-class TokenPolicy(ABC):
+class TokenPolicy(SelectionMethod):
     """Base class of the token-level policies: a `start`, and a `select` and/or an `observe`.
 
-    Capabilities, as for page selectors: a token policy never reads page summaries, has no kernel
-    path (the reference PyTorch path runs on CPU and GPU alike) and is not usable by
-    `LocksStaticCache` (its state is per slot and changes shape).
+    Declared like page selectors (and registered in the same registry): a token policy never reads
+    page summaries, has no kernel path (the reference PyTorch path runs on CPU and GPU alike) and is
+    not usable by the static layout (its state is per slot and changes shape).
     """
 
-    name: str = ""
     token_level = True
-    reads_keys = False
-    per_head = False
     static_cache = False
-    kernel_method = None
+    report_order = 50
     #: Keep one mask per query head (``Gm = G``) instead of one per KV head.
     per_query_head = False
-
-    def __init__(self, config: LocksConfig) -> None:
-        self.config = config
-
-    @classmethod
-    def validate_config(cls, config: LocksConfig) -> None:
-        """Raise `LocksConfigError` for settings the method cannot run with."""
 
     def start(self, layer, query: torch.Tensor, scale: float) -> PolicyState:
         """State at the first decode step (``query [b, h, G, d]`` is that step's): every real slot

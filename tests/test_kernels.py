@@ -333,12 +333,13 @@ def test_decode_step_matches_reference_pipeline():
 @pytest.mark.parametrize("static,selector", [(False, "locks"), (True, "locks"), (False, "quest"), (True, "quest"),
                                              (True, "full"), ("wide", "locks"), ("wide", "quest")])
 def test_layer_glue_matches_reference_path(monkeypatch, static, selector):
-    """`kernels.sparse_decode` on a `LocksLayer` / `LocksStaticLayer` (run directly, on this device) =
+    """`backend.kernel_decode` on a `LocksLayer` / `LocksStaticLayer` (run directly, on this device) =
     the reference path on the same layer: output, page set, token statistics. (``"full"`` decodes on
     the page path only in the static cache: a dynamic cache hands it to SDPA.) ``"wide"``: a static
     layer whose page lists are sized for a larger budget, decoding at its own (read on the device)."""
     monkeypatch.setenv("LOCKS_HF_KERNELS", "0")  # the reference calls below must not dispatch
-    from locks_hf.attention import sparse_decode as reference_decode
+    from locks_hf.attention import reference_decode
+    from locks_hf.backend import kernel_decode
     from locks_hf.cache import LocksLayer
     from locks_hf.static_cache import LocksStaticLayer
 
@@ -348,15 +349,15 @@ def test_layer_glue_matches_reference_path(monkeypatch, static, selector):
         else LocksLayer(cfg)
     layer.update(c.dev("keys")[:, :, : c.length], c.dev("values")[:, :, : c.length])
     # Slots past the length are unwritten memory: poison them, neither path may read them.
-    layer._kbuf[:, :, c.length:] = float("nan")
-    layer._vbuf[:, :, c.length:] = float("nan")
+    layer.key_buffer()[:, :, c.length:] = float("nan")
+    layer.value_buffer()[:, :, c.length:] = float("nan")
     layer.prepare(None, c.length)  # what the attention function does after a prefill
     q = c.dev("query")
     ref = reference_decode(layer, q, 0.3)
     ref_sel, ref_stats = layer.last_selection.clone(), layer.counts.clone()
     assert 0 < ref_stats[0] <= ref_stats[1] and (selector != "full") == bool(ref_sel.any())
     layer.reset_stats()
-    got = kernels.sparse_decode(layer, q, 0.3)
+    got = kernel_decode(layer, q, 0.3)
     assert torch.equal(layer.last_selection.cpu(), ref_sel.cpu())
     assert torch.equal(layer.counts, ref_stats)
     assert ((got.double() - ref.double()).norm() / ref.double().norm()).item() < 1e-5
@@ -364,9 +365,10 @@ def test_layer_glue_matches_reference_path(monkeypatch, static, selector):
 
 @pytest.mark.parametrize("selector", ["locks", "quest"])
 def test_static_per_step_page_summary_glue(monkeypatch, selector):
-    """`kernels.update_newest_page` on a `LocksStaticLayer` = the layer's reference per-step summary
+    """`backend.kernel_update_newest_page` on a `LocksStaticLayer` = the layer's reference per-step summary
     for the page a step completes; on a step that completes none it writes nothing."""
     monkeypatch.setenv("LOCKS_HF_KERNELS", "0")  # the layer's own calls take the reference path
+    from locks_hf.backend import kernel_update_newest_page
     from locks_hf.static_cache import LocksStaticLayer
 
     c = Cache(7, b=2, pages=20, pad=(0, 0), hole=False)
@@ -382,7 +384,7 @@ def test_static_per_step_page_summary_glue(monkeypatch, selector):
         for layer in (ref, ker):
             layer.update(keys[:, :, L + step: L + step + 1], values[:, :, L + step: L + step + 1])
         ref.prepare(None, 1)
-        kernels.update_newest_page(ker)
+        kernel_update_newest_page(ker)
         done = (L + step + 1) % B == 0
         page = (L + step + 1) // B - 1
         for name, t in ker.summary.items():

@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from ..selectors.registry import register_selector
 from ..token_policy import PolicyState, TokenPolicy
 
 ALPHA = 1e-4
@@ -53,6 +54,7 @@ def evicted(keep: torch.Tensor, score: torch.Tensor, budget: int, window: int) -
     return torch.where((keep.sum(-1) > budget).unsqueeze(-1), best | newest, keep)
 
 
+@register_selector
 class LazyEvictionPolicy(TokenPolicy):
     """LazyEviction at per-query-head capacity ``b`` with window ``W = 0.243 b``."""
 

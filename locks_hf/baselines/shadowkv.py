@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..config import BudgetDoesNotFit
+from ..selectors.registry import register_selector
 from ..token_policy import TokenPolicy, slots_mask
 
 CHUNK = 8
@@ -47,13 +48,15 @@ def chunk_scores(landmarks: torch.Tensor, query: torch.Tensor, scale: float) -> 
     return torch.softmax(logits, dim=-1).amax(-2)
 
 
+@register_selector
 class ShadowKVPolicy(TokenPolicy):
     """ShadowKV at budget ``b >= 424``: 384 outlier tokens + 32 local + ``b - 416`` selected."""
 
     name = "shadowkv"
 
     @classmethod
-    def validate_config(cls, config) -> None:
+    def validate(cls, config, head_dim=None) -> None:
+        super().validate(config, head_dim)
         if selectable_chunks(config.budget) < 1:
             raise BudgetDoesNotFit(
                 f"shadowkv does not fit budget {config.budget}: its 384-token outlier block and 32-token local "

@@ -1,0 +1,111 @@
+"""`PageSelector`: the interface of a page selector, and the capabilities it declares.
+
+A selector sees one layer's paged cache at a decode step:
+
+* ``keys``   ``[b, h, P, B, d]`` cached post-RoPE keys, split into pages (the last may be partial),
+  given only to selectors that set ``reads_keys`` (the oracle); ``None`` for the others;
+* ``valid``  ``[b, 1, P, B]`` which slots hold real tokens (False for padding and unwritten slots);
+* ``summary`` its own per-page tensors ``[b, h, P, ...]`` built by `summarize` (complete pages only);
+* ``query``  ``[b, h, G, d]`` the step's query heads grouped by KV head.
+
+`page_scores` returns ``[b, h, G, P]`` per query head; `selection.select_pages` turns them into the
+page set of the paper's §2 and §4: sink and most recent page forced, the best ``k - 2`` remaining complete
+pages added.
+
+What a selector can do is declared on its class (read by `LocksConfig` validation, the static
+cache, the kernel dispatch in `locks_hf.backend`, the sweep's arm labels and the reports), so a new
+selector is one module that subclasses `PageSelector` and registers it (`registry.register_selector`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from ..config import LocksConfig
+
+
+class SelectionMethod:
+    """What every registered method declares (page selectors and token-level policies alike): read by
+    `LocksConfig` validation, the caches, the kernel dispatch, the sweep's arm labels and the reports."""
+
+    #: The `LocksConfig.selector` value (set by each registered class).
+    name: ClassVar[str]
+    #: Each query head picks its own pages and the group attends their union (Quest's GQA port).
+    per_head: ClassVar[bool] = False
+    #: Scoring reads every cached key (the exact oracle) rather than summaries only.
+    reads_keys: ClassVar[bool] = False
+    #: Usable by `LocksStaticCache`: per-page state only, no state fitted on the whole sequence.
+    static_cache: ClassVar[bool] = True
+    #: The kernels' scoring mode (``locks_hf.kernels.implements``) or ``None``: reference path only.
+    kernel_method: ClassVar[str | None] = None
+    #: `LocksConfig` fields (besides ``page_size``) that define the summary layout: a cache fork
+    #: rebuilds its summaries when one of them changes.
+    summary_fields: ClassVar[tuple[str, ...]] = ()
+    #: The selector has a rank ``r`` (``LocksConfig.rank``), which must fit the model's head_dim.
+    uses_rank: ClassVar[bool] = False
+    #: Dense attention, no selection (``"full"``): `make_selector` gives ``None`` and arms take no budget.
+    dense: ClassVar[bool] = False
+    #: Position of the family in reports (smaller first).
+    report_order: ClassVar[int] = 100
+    #: The arm label grammar in words, for error messages and ``--help``.
+    family_grammar: ClassVar[str] = ""
+    #: Chooses single tokens through a keep mask (`locks_hf.token_policy.TokenPolicy`) instead of pages.
+    token_level: ClassVar[bool] = False
+
+    def __init__(self, config: LocksConfig) -> None:
+        self.config = config
+
+    # -- declarations -----------------------------------------------------------------------------
+    @classmethod
+    def validate(cls, config: LocksConfig, head_dim: int | None = None) -> None:
+        """Selector-specific checks of ``config`` (and of the model's ``head_dim`` once known);
+        raise `LocksConfigError` with what to change."""
+        if head_dim is not None and cls.uses_rank and config.rank > head_dim:
+            from ..config import LocksConfigError
+
+            raise LocksConfigError(f"rank={config.rank} exceeds the model's head_dim={head_dim}; "
+                                   f"choose rank <= {head_dim}")
+
+    @classmethod
+    def parse_family(cls, family: str) -> dict | None:
+        """`LocksConfig` fields for an arm family label of this selector (``None``: not this selector's).
+        The default grammar is the bare name (``"oracle"``)."""
+        return {} if family == cls.name else None
+
+    @classmethod
+    def family(cls, config: LocksConfig) -> str:
+        """The arm family label of ``config`` (its label without the budget); `parse_family`'s inverse."""
+        return cls.name
+
+    @classmethod
+    def family_sort_key(cls, fields: dict) -> tuple:
+        """Order of this selector's families in reports (larger summaries first)."""
+        return (-fields.get("rank", 0), -fields.get("basis_bits", 0))
+
+
+
+class PageSelector(SelectionMethod, ABC):
+    """Base class: a new selector is a `summarize` (optional) and a `page_scores`, plus its declarations."""
+
+    def fit_sequence(self, keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Sequence-level state ``[b, h, ...]`` fitted once on the prompt's pages, then frozen.
+
+        ``keys [b, h, n, B, d]``, ``valid [b, h, n, B]``. Only the shared-basis controls use it.
+        """
+        return {}
+
+    def summarize(self, keys: torch.Tensor, valid: torch.Tensor,
+                  shared: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Per-page state from ``keys [b, h, n, B, d]`` and ``valid [b, h, n, B]`` (complete pages),
+        given the sequence-level state ``shared`` from `fit_sequence`."""
+        return {}
+
+    @abstractmethod
+    def page_scores(self, summary: dict[str, torch.Tensor], keys: torch.Tensor | None, valid: torch.Tensor,
+                    query: torch.Tensor, scale: float) -> torch.Tensor:
+        """Scores ``[b, h, G, P]``; larger means the page should be kept. ``summary`` holds the
+        per-page tensors and the sequence-level ones of `fit_sequence`."""
