@@ -314,6 +314,7 @@ class SweepRunner:
         for arm, s in work:
             t1 = time.perf_counter()
             cache = base.fork(arm.config)
+            cache.expect_new_tokens(max_new)
             crit = []
             gen_kwargs = dict(max_new_tokens=None, do_sample=False, pad_token_id=_pad_id(tok, eos))
             if sampled:
@@ -350,16 +351,25 @@ class SweepRunner:
             pred = _cut_at_stop(raw, stop)
             metrics = self.bench.score(rec, pred)
             frac = cache.attended_fraction()
+            traffic = cache.decode_traffic() or {}
             row = {"id": rec["id"], "task": rec.get("task", self.bench.name), "length": rec.get("length"),
                    "arm": arm.name, "family": arm.family, "budget": arm.budget, "selector": arm.selector,
                    "sample": s, "prompt_tokens": T, "new_tokens": len(gen[0]) - start, "pred": pred,
                    **metrics, "attended_fraction": None if math.isnan(frac) else round(frac, 6),
+                   # per (layer, KV head) and decode step: tokens whose K/V were read, and bytes read
+                   # (those K/V plus the estimation's reads: summaries, reduced keys, ...)
+                   "attended_tokens": _rounded(traffic.get("attended_tokens")),
+                   "read_bytes": _rounded(traffic.get("read_bytes")),
                    "seconds": round(time.perf_counter() - t1, 3), "prefill_seconds": round(prefill_s, 3),
                    "shard": f"{self.shard[0]}/{self.shard[1]}"}
             del cache
             bar.update(1)
             bar.set_postfix_str(f"{rec['id']} {arm.name} score={metrics.get('score', float('nan')):.2f}")
             yield row
+
+
+def _rounded(value: float | None, digits: int = 2) -> float | None:
+    return None if value is None else round(value, digits)
 
 
 def _stable_seed(*parts) -> int:
@@ -391,6 +401,9 @@ PROTOCOL_TEXT = {
 
 # ----------------------------------------------------------------------------------------------------
 # merge
+#: Decode-traffic columns of scores.csv (means over the cell's generations) and their rounding.
+TRAFFIC = {"attended_fraction": 4, "attended_tokens": 1, "read_bytes": 0}
+
 def merge(run_dir) -> dict:
     """Combine every shard's predictions into ``results.jsonl`` / ``scores.csv`` / ``timing.csv``.
 
@@ -416,23 +429,26 @@ def merge(run_dir) -> dict:
     # per (task, length, arm): mean score x 100 (avg over samples first, then records: avg@k)
     agg: dict[tuple, list] = defaultdict(list)
     per_rec: dict[tuple, list] = defaultdict(list)
-    fracs: dict[tuple, list] = defaultdict(list)
+    traffic = {name: defaultdict(list) for name in TRAFFIC}
     meta = {}
     for r in merged:
         per_rec[(r["task"], r["length"], r["arm"], r["id"])].append(r.get("score", 0.0))
-        if r.get("attended_fraction") is not None:
-            fracs[(r["task"], r["length"], r["arm"])].append(r["attended_fraction"])
+        for name, values in traffic.items():
+            if r.get(name) is not None:
+                values[(r["task"], r["length"], r["arm"])].append(r[name])
         meta[r["arm"]] = (r["family"], r["budget"], r["selector"])
     for (task, length, arm, _), scores in per_rec.items():
         agg[(task, length, arm)].append(sum(scores) / len(scores))
-    lines = ["task,length,arm,family,budget,selector,n,score,attended_fraction"]
+    lines = ["task,length,arm,family,budget,selector,n,score," + ",".join(TRAFFIC)]
     for (task, length, arm) in sorted(agg, key=lambda k: (str(k[1]), k[0], arm_order.get(k[2], 999), k[2])):
         vals = agg[(task, length, arm)]
         fam, bud, sel = meta[arm]
-        fr = fracs.get((task, length, arm))
+        means = []
+        for name, digits in TRAFFIC.items():
+            got = traffic[name].get((task, length, arm))
+            means.append("" if not got else str(round(sum(got) / len(got), digits)))
         lines.append(f"{task},{'' if length is None else length},{arm},{fam},{'' if bud is None else bud},{sel},"
-                     f"{len(vals)},{round(100 * sum(vals) / len(vals), 2)},"
-                     f"{'' if not fr else round(sum(fr) / len(fr), 4)}")
+                     f"{len(vals)},{round(100 * sum(vals) / len(vals), 2)}," + ",".join(means))
     _write_atomic(run_dir / "scores.csv", "\n".join(lines) + "\n")
     tl = ["arm,generations,seconds_total,seconds_per_generation"]
     for arm in sorted(timing, key=lambda a: arm_order.get(a, 999)):

@@ -23,6 +23,7 @@ from .cache import take_handoff
 from .models_support import UnsupportedModelError
 from .paged import PagedLayer
 from .selectors import select_pages
+from .token_policy import policy_decode
 
 logger = logging.get_logger(__name__)
 
@@ -145,13 +146,19 @@ def locks_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         for observe in _DECODE_OBSERVERS:
             observe(layer_idx, key.shape[2], query, scaling)
     layer.prepare(attention_mask, q_len)
+    if q_len > 1:
+        layer.observe_prompt_queries(query)
     if layer.attends_densely(q_len):
         if q_len == 1:
             real = layer.real_tokens() * key.shape[1]
             layer.record_step(real, real)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    return sparse_decode(layer, query, scaling), None
+    if layer.selector.token_level:  # eviction / per-token policies: their own reference path on any device
+        return policy_decode(layer, query, scaling), None
+    out = sparse_decode(layer, query, scaling)
+    layer.record_selection_traffic()
+    return out, None
 
 
 def register() -> None:

@@ -22,6 +22,10 @@ from .models_support import check_model_supported
 from .paged import PagedLayer, pages_to_mask, slot_validity
 from .selectors import PageSelector, make_selector, summary_layout
 
+#: Prompt queries kept per layer (the last ones of the multi-token forwards) for policies that score
+#: the prompt with an observation window (RocketKV's SnapKV stage uses 32).
+PROMPT_QUERY_WINDOW = 32
+
 # `Cache.update` runs just before the model calls the attention function, which receives the K/V
 # but not the cache. The layer that produced them is handed over through this thread-local slot and
 # checked there (`take_handoff`) by identity of the key tensor.
@@ -66,10 +70,42 @@ class LocksLayer(DynamicLayer, PagedLayer):
         self.summary: dict[str, torch.Tensor] = {}
         self.shared: dict[str, torch.Tensor] = {}  # sequence-level selector state [b, h, ...]
         self._last_pages: tuple[torch.Tensor, int] | None = None  # page lists of the last step, P
+        self.prompt_queries: torch.Tensor | None = None  # [b, Hq, <=PROMPT_QUERY_WINDOW, d]
+        self.policy_state = None  # a token-level policy's `PolicyState`, built at the first decode step
+        self.expected_new_tokens = 0  # decode length announced by `LocksCache.expect_new_tokens`
         self.reset_stats()
 
     def reset_stats(self) -> None:
         self.counts = None  # int64 [2]: tokens attended, real tokens cached, summed over decode steps
+        self.decode_steps = 0  # decode steps recorded since the last reset
+        self.estimate_bytes = 0  # bytes read to choose what to attend, summed over steps, rows, heads
+
+    def record_step(self, attended: torch.Tensor | None, context: torch.Tensor) -> None:
+        super().record_step(attended, context)
+        self.decode_steps += 1
+
+    def record_estimate(self, nbytes: int) -> None:
+        """Add the bytes one decode step read to choose its tokens (summed over rows and KV heads)."""
+        self.estimate_bytes += int(nbytes)
+
+    def selection_read_bytes(self) -> int:
+        """Bytes a page selector reads per decode step to score pages, over rows and KV heads: the
+        summaries of the scored pages and any sequence-level state (the oracle reads every key)."""
+        if self.selector is None:
+            return 0
+        if self.selector.reads_keys:  # every written slot's key (no host sync for the padding count)
+            keys = self.key_buffer()
+            b, h, _, d = keys.shape
+            return self.length * b * h * d * keys.element_size()
+        return sum(t.numel() * t.element_size() for t in self.summary_view().values())
+
+    def record_selection_traffic(self) -> None:
+        self.record_estimate(self.selection_read_bytes())
+
+    def observe_prompt_queries(self, query: torch.Tensor) -> None:
+        """Keep the last `PROMPT_QUERY_WINDOW` queries ``[b, Hq, t, d]`` of multi-token forwards."""
+        held = query if self.prompt_queries is None else torch.cat([self.prompt_queries, query], dim=2)
+        self.prompt_queries = held[:, :, -PROMPT_QUERY_WINDOW:].detach()
 
     def count_buffer(self) -> torch.Tensor:
         """The running ``(attended, cached)`` token counts, ``int64 [2]`` on the layer's device (the
@@ -194,8 +230,11 @@ class LocksLayer(DynamicLayer, PagedLayer):
         """Dense for multi-token forwards, the ``"full"`` selector, contexts under ``min_context``
         and contexts that fit in the budget (every page would be selected anyway)."""
         cfg = self.config
-        return (query_len > 1 or self.selector is None or self.length < cfg.min_context
-                or self.length <= cfg.page_slots * cfg.page_size)
+        if query_len > 1 or self.selector is None:
+            return True
+        if self.selector.token_level:  # the policy decides (eviction state evolves)
+            return False
+        return self.length < cfg.min_context or self.length <= cfg.page_slots * cfg.page_size
 
     @property
     def num_pages(self) -> int:
@@ -207,7 +246,7 @@ class LocksLayer(DynamicLayer, PagedLayer):
 
     def summarize_completed(self) -> None:
         """Summarize every complete page not summarized yet, in one batched pass over the rows."""
-        if self.selector is None:
+        if self.selector is None or self.selector.token_level:
             return
         B = self.config.page_size
         target = [max(self.length - s, 0) // B for s in self.row_start]
@@ -240,6 +279,7 @@ class LocksLayer(DynamicLayer, PagedLayer):
             self.summary, self.shared, self.n_summarized = {}, {}, [0] * len(self.row_start)
         self.config = config
         self.selector = make_selector(config)
+        self.policy_state = None
 
     # -- state hooks used by generate() -----------------------------------------------------------
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], rows: list[int]) -> None:
@@ -249,6 +289,10 @@ class LocksLayer(DynamicLayer, PagedLayer):
         self._kbuf, self._vbuf, self.slot_valid = fn(self._kbuf), fn(self._vbuf), fn(self.slot_valid)
         self.summary = {n: fn(t) for n, t in self.summary.items()}
         self.shared = {n: fn(t) for n, t in self.shared.items()}
+        if self.prompt_queries is not None:
+            self.prompt_queries = fn(self.prompt_queries)
+        if self.policy_state is not None:
+            self.policy_state = self.policy_state.mapped(fn)
         self.row_start = [self.row_start[r] for r in rows]
         self.n_summarized = [self.n_summarized[r] for r in rows]
         self._last_pages = None
@@ -278,6 +322,8 @@ class LocksLayer(DynamicLayer, PagedLayer):
         B = self.config.page_size
         self.n_summarized = [min(n, max(self.length - s, 0) // B)
                              for n, s in zip(self.n_summarized, self.row_start)]
+        if self.policy_state is not None:
+            self.policy_state.truncate(self.length)
         self._refresh_views()
 
     def reset(self) -> None:
@@ -351,6 +397,31 @@ class LocksCache(LocksCacheMixin, DynamicCache):
         for i, layer_type in enumerate(layer_types):
             if layer_type == "full_attention":
                 self.layers[i] = LocksLayer(locks)
+
+    def expect_new_tokens(self, count: int) -> None:
+        """Announce how many tokens the next decode will generate (policies whose budget rule uses
+        the total sequence length, such as RocketKV's, read it; others ignore it)."""
+        for layer in self.locks_layers:
+            layer.expected_new_tokens = int(count)
+
+    def decode_traffic(self) -> dict[str, float] | None:
+        """Per (layer, row, KV head) and decode step, averaged over the Locks layers since the last
+        ``reset_stats``: ``attended_tokens`` (tokens whose K/V were read) and ``read_bytes`` (those
+        K/V plus what choosing them read: page summaries, reduced keys, ...). ``None`` before any
+        decode step."""
+        head_steps = attended = read = 0
+        for layer in self.locks_layers:
+            if not layer.decode_steps or layer.counts is None:
+                continue
+            keys, values = layer.kv_buffers()
+            b, h, _, dk = keys.shape
+            tokens = int(layer.counts[0])
+            head_steps += layer.decode_steps * b * h
+            attended += tokens
+            read += tokens * (dk + values.shape[-1]) * keys.element_size() + layer.estimate_bytes
+        if not head_steps:
+            return None
+        return {"attended_tokens": attended / head_steps, "read_bytes": read / head_steps}
 
     def fork(self, locks: LocksConfig | None = None) -> "LocksCache":
         """An independent copy (e.g. of a prefilled prompt) that decodes with other settings.

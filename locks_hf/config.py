@@ -104,8 +104,11 @@ def _selector_class(name: str):
 
 
 def __getattr__(name: str):
-    if name == "SELECTORS":  # the registered selector names (a tuple here before the registry)
-        from .selectors import selector_names
+    # Derived from the selector registry (these were tuples here before it).
+    from .selectors import selector_class, selector_names
 
+    if name == "SELECTORS":  # every registered selector name
         return selector_names()
+    if name == "BASELINE_POLICIES":  # the paper's baselines, token-level cache policies (`locks_hf.baselines`)
+        return tuple(n for n in selector_names() if selector_class(n).token_level)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

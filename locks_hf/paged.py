@@ -123,6 +123,12 @@ class PagedLayer(ABC):
             counts[0] += attended
         counts[1] += context
 
+    def observe_prompt_queries(self, query: torch.Tensor) -> None:
+        """Prefill hook (``query [b, Hq, t, d]``, t > 1): layers that keep prompt queries override it."""
+
+    def record_selection_traffic(self) -> None:
+        """After a page-selected decode step: layers that count estimation traffic override it."""
+
     @property
     def attended(self) -> torch.Tensor | None:
         """Tokens attended over the decode steps since the last ``reset_stats`` (int64 scalar)."""

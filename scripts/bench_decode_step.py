@@ -38,6 +38,10 @@ from locks_hf import LocksCache, LocksConfig, LocksStaticCache
 SHAPES = {
     "llama3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                         num_key_value_heads=8, head_dim=128, vocab_size=128256),
+    # GLM-4-9B-Chat-1M: the paper's headline efficiency model (40 layers, 32 query / 2 KV heads); a Llama
+    # block of its shape (GLM's partial RoPE does not change the cost of a decode step).
+    "glm4-9b": dict(hidden_size=4096, intermediate_size=13696, num_hidden_layers=40, num_attention_heads=32,
+                    num_key_value_heads=2, head_dim=128, vocab_size=151552),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=256),
 }

@@ -2,7 +2,8 @@
 
 `base` the interface and its declared capabilities; `registry` name -> class, arm labels;
 `selection` the page-set rule shared by all (sink + most recent + best ``k - 2``); one module per
-selector: `locks`, `oracle`, `quest`, `full` (dense, no selection), `shared_basis` (+ ``shared_all``).
+selector: `locks`, `oracle`, `quest`, `full` (dense, no selection), `shared_basis` (+ ``shared_all``);
+the paper's baselines (token-level policies, `locks_hf.token_policy`) live in `locks_hf.baselines`.
 A new selector is a new module here (a `PageSelector` subclass decorated with `register_selector`)
 imported below, plus its tests.
 """
@@ -19,6 +20,7 @@ from .oracle import OracleSelector
 from .quest import QuestSelector
 from .full import FullAttention
 from .shared_basis import SharedAllSelector, SharedBasisSelector
+from .. import baselines  # noqa: E402,F401  (the paper's baselines, token-level policies, register themselves)
 
 __all__ = ["NEG_INF", "FullAttention", "LocksSelector", "OracleSelector", "PageSelector", "QuestSelector",
            "SharedAllSelector", "SharedBasisSelector", "combine_group", "config_for_family", "family_help", "family_of",

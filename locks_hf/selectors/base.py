@@ -46,6 +46,8 @@ class PageSelector(ABC):
     summary_fields: ClassVar[tuple[str, ...]] = ()
     #: The selector has a rank ``r`` (``LocksConfig.rank``), which must fit the model's head_dim.
     uses_rank: ClassVar[bool] = False
+    #: Chooses single tokens through a keep mask (`locks_hf.token_policy`) instead of pages.
+    token_level: ClassVar[bool] = False
     #: Dense attention, no selection (``"full"``): `make_selector` gives ``None`` and arms take no budget.
     dense: ClassVar[bool] = False
     #: Position of the family in reports (smaller first).
