@@ -15,8 +15,8 @@ that changes from step to step. So, compared with `LocksLayer`:
 * prefill (several query tokens) runs eagerly, as transformers runs it: it reads padding off the
   mask and summarizes every page in one batched pass.
 
-Everything else (scoring, selection, sparse attention, the kernels) is shared with `LocksCache`:
-both layer classes answer the same page-access methods.
+Everything else (page access, scoring, selection, sparse attention, the kernels) is shared with
+`LocksCache`: both layer classes are `locks_hf.paged.PagedLayer`s, which hold the page logic once.
 """
 
 from __future__ import annotations
