@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from locks_hf.config import LocksConfig
+from locks_hf.config import BudgetDoesNotFit, LocksConfig
 from locks_hf.selectors import config_for_family, family_of, parse_family
 
 DEFAULT_ARMS = ("full", "oracle", "locks-r8i4", "locks-r4i4", "quest")
@@ -35,8 +35,12 @@ def family_config(family: str, budget: int, page_size: int = 16, **extra) -> Loc
     return config_for_family(family, budget=budget, page_size=page_size, **extra)
 
 
-def parse_arms(families, budgets, page_size: int = 16) -> list[Arm]:
-    """Expand arm families x budgets (a dense family such as ``full`` once, without a budget)."""
+def parse_arms(families, budgets, page_size: int = 16, not_run: list | None = None) -> list[Arm]:
+    """Expand arm families x budgets (a dense family such as ``full`` once, without a budget).
+
+    An arm whose method does not fit its budget (`BudgetDoesNotFit`, e.g. ShadowKV below 424 tokens)
+    raises, or with a ``not_run`` list is left out and appended there as ``(name, reason)``.
+    """
     arms: list[Arm] = []
     for fam in families:
         fam = fam.strip()
@@ -48,7 +52,13 @@ def parse_arms(families, budgets, page_size: int = 16) -> list[Arm]:
             arms.append(Arm(family_of(config), None, config))
             continue
         for b in budgets:
-            config = family_config(fam, int(b), page_size)
+            try:
+                config = family_config(fam, int(b), page_size)
+            except BudgetDoesNotFit as err:
+                if not_run is None:
+                    raise
+                not_run.append((f"{fam}-b{b}", str(err)))
+                continue
             arms.append(Arm(family_of(config), int(b), config))
     names = [a.name for a in arms]
     if len(set(names)) != len(names):

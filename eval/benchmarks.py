@@ -122,7 +122,7 @@ class RulerBenchmark(Benchmark):
         return STOP_SENTENCE if rec["task"].startswith("niah") or rec["task"] == "vt" else STOP_NEWLINE
 
     def score(self, rec, pred):
-        from .ruler import postprocess_pred, METRICS
+        from .ruler import METRICS, postprocess_pred
 
         return {"score": METRICS[rec["metric"]](postprocess_pred(pred), rec["outputs"])}
 

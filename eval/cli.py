@@ -6,7 +6,7 @@ Examples::
         --num-samples 10 --arms full,oracle,locks-r8i4,locks-r4i4,quest --budgets 64,128,256,512 --out runs/ruler4k
     locks-hf-eval sweep ... --shard 0/2          # this process does shard 0 of 2; then `merge`
     accelerate launch -m locks_hf.eval.cli sweep ...   # one shard per process, rank 0 merges
-    locks-hf-eval report --run runs/ruler4k --out docs/eval
+    locks-hf-eval report --run runs/ruler4k --out runs/ruler4k-report
     locks-hf-eval fidelity --model gemma3-270m --records-from runs/ruler4k --num-prompts 4 --out runs/fid
     locks-hf-eval infinitebench-score --predictions ../shared/data/infinitebench/reference_predictions/yi-34b-200k
 """
@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
-import sys
 import time
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 
 def _threads(n):
@@ -118,14 +120,18 @@ def cmd_sweep(args):
     from .arms import parse_arms
     from .runner import SweepRunner, merge
 
-    arms = parse_arms(_split(args.arms), [int(b) for b in _split(args.budgets)], page_size=args.page_size)
+    not_run: list[tuple[str, str]] = []
+    arms = parse_arms(_split(args.arms), [int(b) for b in _split(args.budgets)], page_size=args.page_size,
+                      not_run=not_run)
+    for name, reason in not_run:
+        logger.warning("not run: %s: %s", name, reason)
     t0 = time.time()
     model, tok = load_any_model(args.model, _device(args.device), args.dtype)
-    print(f"loaded {args.model} in {time.time() - t0:.0f} s", file=sys.stderr)
+    logger.info("loaded %s in %.0f s", args.model, time.time() - t0)
     bench = build_benchmark(args, tok)
     runner = SweepRunner(model, tok, bench, arms, args.out, protocol=args.protocol, shard=args.shard,
                          model_name=args.model, limit=args.limit, max_new_tokens=args.max_new_tokens
-                         if args.benchmark != "math" else None, seed=args.seed or 0)
+                         if args.benchmark != "math" else None, seed=args.seed or 0, not_run=not_run)
     runner.run()
     i, n = runner.shard
     if n > 1 and not args.shard:  # accelerate / torchrun: rank 0 merges after everyone finished
@@ -134,14 +140,13 @@ def cmd_sweep(args):
 
             PartialState().wait_for_everyone()
         except Exception as err:  # pragma: no cover
-            print(f"could not synchronise processes ({err}); run `merge` afterwards", file=sys.stderr)
+            logger.warning("could not synchronise processes (%s); run `merge` afterwards", err)
             return
     if n == 1 or (i == 0 and not args.shard):
         info = merge(args.out)
-        print(f"merged {info['rows']} predictions into {args.out}/results.jsonl, scores.csv", file=sys.stderr)
+        logger.info("merged %s predictions into %s/results.jsonl, scores.csv", info["rows"], args.out)
     else:
-        print(f"shard {i}/{n} done; run `locks-hf-eval merge --out {args.out}` once all shards finished",
-              file=sys.stderr)
+        logger.info("shard %s/%s done; run `locks-hf-eval merge --out %s` once all shards finished", i, n, args.out)
 
 
 def cmd_merge(args):
@@ -201,7 +206,7 @@ def cmd_fidelity(args):
             prompts.append((r["id"], bench.prompt_ids(r, tok)))
     with torch.no_grad():
         run_fidelity(model, prompts, arms, args.out, steps=args.steps, page_size=args.page_size)
-    print(f"wrote {args.out}/fidelity.csv", file=sys.stderr)
+    logger.info("wrote %s/fidelity.csv", args.out)
 
 
 def cmd_ruler_generate(args):
@@ -218,7 +223,7 @@ def cmd_ruler_generate(args):
         for t in _split(args.tasks) or TASKS:
             recs = gen.generate(t, L, args.num_samples)
             (out / f"{t}-{L}.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
-            print(f"{t} {L}: {len(recs)} records, max {max(r['length_tokens'] for r in recs)} tokens", file=sys.stderr)
+            logger.info("%s %s: %d records, max %d tokens", t, L, len(recs), max(r["length_tokens"] for r in recs))
 
 
 def cmd_ib_score(args):
@@ -232,24 +237,30 @@ def cmd_ib_score(args):
 
 
 def main(argv=None):
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     p = argparse.ArgumentParser(prog="locks-hf-eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def common(sp):
         sp.add_argument("--model", default="gemma3-270m", help="gemma3-270m | smollm2-135m | tiny-<llama|gemma3|qwen3>[-d<head_dim>]")
-        sp.add_argument("--device", default=None)
-        sp.add_argument("--dtype", default="float32")
+        sp.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when available, else cpu)")
+        sp.add_argument("--dtype", default="float32", help="model weights and K/V dtype: float32 | bfloat16 | float16")
         sp.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
-        sp.add_argument("--arms", default="full,oracle,locks-r8i4,locks-r4i4,locks-r2i4,quest")
-        sp.add_argument("--budgets", default="64,128,256,512,1024,2048")
-        sp.add_argument("--page-size", type=int, default=16)
-        sp.add_argument("--tasks", default=None)
-        sp.add_argument("--lengths", default=None)
+        sp.add_argument("--arms", default="full,oracle,locks-r8i4,locks-r4i4,locks-r2i4,quest",
+                        help="comma-separated arm families: full, oracle, quest, locks-r<rank>i<bits> (or r8i4), "
+                        "locks-r<rank>bf16, shared_basis-r<rank>, shared_all-r<rank>; each but full runs at every budget")
+        sp.add_argument("--budgets", default="64,128,256,512,1024,2048",
+                        help="comma-separated token budgets b per layer and KV head")
+        sp.add_argument("--page-size", type=int, default=16, help="tokens per page B")
+        sp.add_argument("--tasks", default=None, help="comma-separated task names of the benchmark (default: RULER all 13, "
+                        "LongBench multi_news, InfiniteBench passkey, math math500)")
+        sp.add_argument("--lengths", default=None, help="comma-separated prompt lengths in tokens for generated tasks "
+                        "(RULER, InfiniteBench; default 4096)")
         sp.add_argument("--num-samples", type=int, default=10, help="records per task (and length)")
-        sp.add_argument("--seed", type=int, default=None)
+        sp.add_argument("--seed", type=int, default=None, help="seed of record generation (default: the benchmark's)")
         sp.add_argument("--data-dir", default=None, help="evaluation data (layout of shared/data); default: "
                         "$LOCKS_HF_DATA, ../shared/data, else packaged samples")
-        sp.add_argument("--out", required=True)
+        sp.add_argument("--out", required=True, help="run folder (created; an existing one is resumed)")
 
     s = sub.add_parser("sweep", help="run arms over a benchmark (resumable)")
     common(s)

@@ -219,7 +219,7 @@ def run_fidelity(model, prompts: list[tuple], arms, out_dir, steps: int = 8, pag
             caps, cache = capture_decode(model, ids, steps=steps, page_size=page_size)
             rows = []
             first_len = min((c.length for c in caps), default=None)  # the first decode step
-            for step_i, cap in enumerate(caps):
+            for cap in caps:
                 for arm_name, m in capture_metrics(cap, cache, arms, page_size, fit_length=first_len,
                                                    needle=needle).items():
                     rows.append({"prompt": name, "layer": cap.layer, "length": cap.length, "arm": arm_name, **m})

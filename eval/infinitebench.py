@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .benchmarks import STOP_EOS, Benchmark, encode_text
+from .jsonl import iter_jsonl, resolve
 from .metrics import infinitebench_score_one
 from .paths import data_file
 
@@ -126,15 +127,9 @@ def regenerate(task: str, tokenizer, length: int, num_samples: int, seed: int = 
 
 # -------------------------------------------------------------------------------------------------
 # scoring published prediction files
-def _iter_jsonl(path: Path):
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
-            yield json.loads(line)
-
-
 def score_prediction_file(task: str, path, model_name: str = "") -> tuple[float, int]:
-    """Mean score x100 of a ``preds_<task>.jsonl`` (fields prediction/pred and ground_truth/label)."""
-    rows = list(_iter_jsonl(path))
+    """Mean score x100 of a ``preds_<task>.jsonl`` or ``.jsonl.gz`` (fields prediction/pred and ground_truth/label)."""
+    rows = list(iter_jsonl(path))
     scores = []
     for r in rows:
         pred = r.get("prediction", r.get("pred"))
@@ -151,7 +146,7 @@ def score_prediction_dir(folder, data_dir=None, model_name: str | None = None) -
     reported = spec["reported_results_readme_percent"].get(readme_names.get(model_name, model_name), {})
     table = []
     for task in spec["tasks"]:
-        path = folder / f"preds_{task}.jsonl"
+        path = resolve(folder / f"preds_{task}.jsonl")  # or preds_<task>.jsonl.gz
         if not path.exists():
             continue
         score, n = score_prediction_file(task, path, model_name)
@@ -197,7 +192,7 @@ class InfiniteBenchBenchmark(Benchmark):
 
     def _load(self, task):
         if self.records_dir:
-            return list(_iter_jsonl(Path(self.records_dir) / self.spec["tasks"][task]["file"]))
+            return list(iter_jsonl(Path(self.records_dir) / self.spec["tasks"][task]["file"]))
         try:  # pragma: no cover - needs network
             from datasets import load_dataset
 

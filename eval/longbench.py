@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .benchmarks import STOP_EOS, STOP_NEWLINE, Benchmark, encode_text
 from .metrics import longbench_sample_score
-from .paths import data_file, shared_data_dir, package_data
+from .paths import data_file, package_data, shared_data_dir
 
 HF_DATASET = "THUDM/LongBench"
 

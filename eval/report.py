@@ -11,6 +11,7 @@ from pathlib import Path
 
 from locks_hf.selectors import family_sort_key
 
+from .jsonl import read_jsonl, resolve
 from .runner import merge
 
 # Arm families are ordered by selector (each declares its `report_order`), larger summaries first.
@@ -23,10 +24,11 @@ def load_cells(run_dir: Path, complete_only: bool = True) -> list[dict]:
     ``complete_only``: only records that every arm of the run has finished enter (a partial or
     in-progress run then compares all arms on the same records).
     """
-    merge(run_dir)
+    if (run_dir / "predictions").is_dir():  # a sweep's folder; a published one holds only the merged files
+        merge(run_dir)
     cfg = json.loads((run_dir / "config.json").read_text())
     arms = [a["name"] for a in cfg.get("arms", [])]
-    rows = [json.loads(l) for l in (run_dir / "results.jsonl").read_text().splitlines() if l.strip()]
+    rows = read_jsonl(run_dir / "results.jsonl")  # or results.jsonl.gz
     by_id = defaultdict(set)
     for r in rows:
         by_id[r["id"]].add(r["arm"])
@@ -235,7 +237,7 @@ def agreement_markdown(run_dir: Path) -> str:
     arms = [a["name"] for a in cfg.get("arms", [])]
     if "full" not in arms:
         return ""
-    rows = [json.loads(l) for l in (run_dir / "results.jsonl").read_text().splitlines() if l.strip()]
+    rows = read_jsonl(run_dir / "results.jsonl")  # or results.jsonl.gz
     preds = defaultdict(dict)
     meta = {}
     for r in rows:
@@ -290,7 +292,7 @@ def write_report(run_dirs: list[Path], out_dir: Path, title: str = "Locks sweep"
             parts += ["| " + " | ".join(l.split(",")) + " |" for l in lines[1:]]
             parts.append("")
     for fd in fidelity_dirs or []:
-        csv_path, raw_path = fd / "fidelity.csv", fd / "fidelity_raw.jsonl"
+        csv_path, raw_path = fd / "fidelity.csv", resolve(fd / "fidelity_raw.jsonl")
         if not csv_path.exists() or csv_path.stat().st_mtime < raw_path.stat().st_mtime:
             from .fidelity import summarize_fidelity
 
@@ -298,7 +300,7 @@ def write_report(run_dirs: list[Path], out_dir: Path, title: str = "Locks sweep"
         with open(csv_path) as f:
             rows = list(csv.DictReader(f))
         parts.append(f"## Selection fidelity ({fd.name})\n")
-        raw = [json.loads(l) for l in (fd / "fidelity_raw.jsonl").read_text().splitlines() if l.strip()]
+        raw = read_jsonl(raw_path)
         prompts = sorted({r["prompt"] for r in raw})
         parts.append(f"{len(prompts)} prompts ({', '.join(prompts)}), {len(raw)} (step, layer, arm) measurements; "
                      "means over decode steps, layers (full-attention layers only) and KV heads.\n")

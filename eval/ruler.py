@@ -21,9 +21,9 @@ import random
 import re
 import string
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from .paths import data_file
 

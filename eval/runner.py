@@ -196,7 +196,7 @@ class SweepRunner:
 
     def __init__(self, model, tokenizer, bench: Benchmark, arms: list[Arm], run_dir, *, protocol: str = "dense-question",
                  shard: str | None = None, model_name: str = "model", progress: bool = True, limit: int | None = None,
-                 max_new_tokens: int | None = None, seed: int = 0):
+                 max_new_tokens: int | None = None, seed: int = 0, not_run=()):
         if protocol not in ("dense-question", "sparse-question"):
             raise ValueError("protocol must be 'dense-question' or 'sparse-question'")
         self.model, self.tokenizer, self.bench, self.arms = model, tokenizer, bench, arms
@@ -205,6 +205,7 @@ class SweepRunner:
         self.shard = parse_shard(shard)
         self.model_name, self.progress, self.limit = model_name, progress, limit
         self.max_new_cap, self.seed = max_new_tokens, seed
+        self.not_run = list(not_run)  # (arm, reason): arms whose method does not fit their budget
         self.device = next(model.parameters()).device
 
     # -- config ------------------------------------------------------------------------------------
@@ -216,6 +217,7 @@ class SweepRunner:
             "benchmark": self.bench.describe(),
             "arms": [{"name": a.name, "family": a.family, "budget": a.budget, "selector": a.selector,
                       "config": {k: getattr(a.config, k) for k in a.config.__dataclass_fields__}} for a in self.arms],
+            "arms_not_run": [{"name": name, "reason": reason} for name, reason in self.not_run],
             "protocol": self.protocol if self.bench.samples == 1 else "prefill-all-but-last-token (sampled)",
             "protocol_text": PROTOCOL_TEXT[self.protocol if self.bench.samples == 1 else "sampled"],
             "samples": self.bench.samples, "sampling": self.bench.sampling,

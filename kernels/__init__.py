@@ -25,12 +25,12 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
     HAVE_TRITON = False
 
 if HAVE_TRITON:
+    from . import ops  # noqa: F401  (registers the torch.ops.locks_hf custom ops)
     from ._common import SENTINEL, SUMMARY_NAMES, on_device
     from .attend import sparse_attention
     from .build import build_summary, fit_pages_eigh, quantize_summary
     from .decode import decode_step, implements
     from .page_update import update_completed_pages
-    from . import ops  # noqa: F401  (registers the torch.ops.locks_hf custom ops)
     from .score import score_pages
     from .select import select_pages
 

@@ -423,7 +423,7 @@ class LocksCache(LocksCacheMixin, DynamicCache):
             return None
         return {"attended_tokens": attended / head_steps, "read_bytes": read / head_steps}
 
-    def fork(self, locks: LocksConfig | None = None) -> "LocksCache":
+    def fork(self, locks: LocksConfig | None = None) -> LocksCache:
         """An independent copy (e.g. of a prefilled prompt) that decodes with other settings.
 
         The K/V are copied once; summaries are reused when their layout is unchanged and rebuilt in

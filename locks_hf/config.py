@@ -10,9 +10,13 @@ BASIS_BITS = (2, 4, 8, 16)  # 16 = unquantized (stored in the K/V dtype)
 VALUE_BITS = (8, 16)  # for coefficients and centroids
 
 
-
 class LocksConfigError(ValueError):
     """A `LocksConfig` field has a value the method cannot run with."""
+
+
+class BudgetDoesNotFit(LocksConfigError):
+    """The method's fixed token blocks do not fit in the budget (e.g. ShadowKV below 424 tokens):
+    a sweep reports such an arm as not run."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,6 @@ class LocksConfig:
             )
         if not isinstance(self.rank, int) or self.rank < 1:
             raise LocksConfigError(f"rank must be a positive int, got {self.rank!r}")
-        selector.validate(self)
         if self.basis_bits not in BASIS_BITS:
             raise LocksConfigError(f"basis_bits must be one of {BASIS_BITS}, got {self.basis_bits!r}")
         for name in ("coef_bits", "centroid_bits"):
@@ -68,6 +71,7 @@ class LocksConfig:
             )
         if not isinstance(self.min_context, int) or self.min_context < 0:
             raise LocksConfigError(f"min_context must be a non-negative int, got {self.min_context!r}")
+        selector.validate(self)  # the selector's own checks (e.g. rank <= page_size, a policy's budget)
 
     @property
     def page_slots(self) -> int:
@@ -82,7 +86,7 @@ class LocksConfig:
         return family if cls.dense else f"{family}-b{self.budget}"
 
     @classmethod
-    def from_label(cls, label: str, **overrides) -> "LocksConfig":
+    def from_label(cls, label: str, **overrides) -> LocksConfig:
         """Parse ``r8i4`` / ``r4i2`` / ``r8bf16`` (optionally prefixed ``locks-``) into a Locks config."""
         fields = _selector_class("locks").parse_family(label)
         if fields is None:
@@ -91,7 +95,7 @@ class LocksConfig:
             )
         return cls(**fields, **overrides)
 
-    def replace(self, **changes) -> "LocksConfig":
+    def replace(self, **changes) -> LocksConfig:
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)
 

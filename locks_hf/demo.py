@@ -14,6 +14,7 @@ the decode wall time.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 
@@ -100,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the one-time model conversion
     parser = build_parser()
     args = parser.parse_args(argv)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  prefill (dense, once): {time.perf_counter() - start:.1f} s", flush=True)
 
         rows = []
-        for arm, config in configs.items():
+        for config in configs.values():
             start = time.perf_counter()
             fork = cache.fork(config)
             new = decode_from(model, input_ids, first, fork, args.max_new_tokens, tokenizer,
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     width = max(len(r[0]) for r in rows)
     print()
     print(f"{'arm':<{width}}  {'found':<5}  {'attended':>8}  {'decode':>7}  answer")
-    for label, text, found, attended, seconds, n in rows:
+    for label, text, found, attended, seconds, _tokens in rows:
         share = "n/a" if attended != attended else f"{attended:.1%}"
         print(f"{label:<{width}}  {'yes' if found else 'NO':<5}  {share:>8}  {seconds:6.2f}s  {text!r}")
     print(f"\n(attended: share of cached tokens read by the {len(cache.locks_layers)} full-attention layers "

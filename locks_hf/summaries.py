@@ -1,4 +1,4 @@
-"""Page-local key summaries (SPEC §1): centroid, top-r basis of the centered keys, coefficients.
+"""Page-local key summaries (the paper's §4): centroid, top-r basis of the centered keys, coefficients.
 
 A summary is a dict of tensors whose leading dims are the pages' (e.g. ``[batch, kv_heads, pages]``):
 

@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import torch
 
+from .config import LocksConfig
 from .selectors.base import PageSelector
 
 
@@ -74,7 +75,7 @@ class PolicyState:
     def truncate(self, length: int) -> None:
         self.slot = {n: t[..., :length] for n, t in self.slot.items()}
 
-    def mapped(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "PolicyState":
+    def mapped(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> PolicyState:
         """A new state with a batch-dim transform (beam reorder, row selection, clone) of every tensor."""
         new = copy.copy(self)
         new.slot = {n: fn(t) for n, t in self.slot.items()}
@@ -97,6 +98,15 @@ class TokenPolicy(PageSelector):
     kernel_method = None
     #: Keep one mask per query head (``Gm = G``) instead of one per KV head.
     per_query_head = False
+
+    @classmethod
+    def validate(cls, config: LocksConfig, head_dim: int | None = None) -> None:
+        super().validate(config, head_dim)
+        cls.validate_config(config)
+
+    @classmethod
+    def validate_config(cls, config: LocksConfig) -> None:
+        """Raise `LocksConfigError` for settings the method cannot run with."""
 
     def page_scores(self, summary, keys, valid, query, scale):
         raise TypeError(f"{self.name} is a token-level policy: it selects slots (`select`), not pages")

@@ -12,7 +12,7 @@ reference at real shapes (tests/test_kernels_real_shapes.py, also ``pytest -m gp
 
 Prints a markdown table and writes JSON::
 
-    python scripts/bench_decode.py --check --out docs/bench_h200.json --md docs/bench_h200.md
+    python scripts/bench_decode.py --check --out runs/bench_h200.json --md runs/bench_h200.md   # summarised in docs/performance.md
 
 Needs torch with CUDA and triton; not transformers (``locks_hf`` is loaded without its
 transformers integration when that cannot be imported).

@@ -153,7 +153,7 @@ def time_steps(stepper: Stepper, steps: int) -> list[float]:
 
 def profile_step(stepper: Stepper, steps: int, top: int = 12) -> dict:
     """Kernels of ``steps`` eager one-token forwards (torch.profiler): count per step and the top ones
-    by device time, so a step's time can be attributed (graph replays hide their kernels)."""
+    by GPU kernel time, so a step's time can be attributed (graph replays hide their kernels)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -168,7 +168,7 @@ def profile_step(stepper: Stepper, steps: int, top: int = 12) -> dict:
     kernels = sum(e.count for e in events) / steps
     rows = [{"name": e.key[:90], "ms_per_step": e.device_time_total / steps / 1e3, "per_step": e.count / steps}
             for e in events[:top]]
-    print(f"  profile: {kernels:.0f} kernels/step, {total:.2f} ms device time/step")
+    print(f"  profile: {kernels:.0f} kernels/step, {total:.2f} ms GPU kernel time/step")
     for r in rows:
         print(f"    {r['ms_per_step']:8.3f} ms  x{r['per_step']:5.0f}  {r['name']}")
     return {"kernels_per_step": kernels, "device_ms_per_step": total, "top": rows}

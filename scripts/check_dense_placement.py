@@ -7,8 +7,7 @@ run to run on one GPU, with and without the cuDNN SDPA backend, and split over 2
     python scripts/check_dense_placement.py
 """
 import torch
-
-from multi_gpu_generate import LlamaConfig, LlamaForCausalLM, LocksConfig, SHAPES, run_arm, split_over_gpus
+from multi_gpu_generate import SHAPES, LlamaConfig, LlamaForCausalLM, LocksConfig, run_arm, split_over_gpus
 
 config = LlamaConfig(**SHAPES["llama3.1-8b"], max_position_embeddings=2**21, bos_token_id=1, eos_token_id=2)
 torch.manual_seed(0)

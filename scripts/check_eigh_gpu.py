@@ -2,8 +2,13 @@
 
 Run from the repository root on a CUDA machine: ``python3 scripts/check_eigh_gpu.py`` (loads kernels/ directly).
 """
-import statistics, sys, types, importlib
+import importlib
+import statistics
+import sys
+import types
+
 import torch
+
 lk = types.ModuleType("lk"); lk.__path__ = ["kernels"]; sys.modules["lk"] = lk
 E = importlib.import_module("lk.eigh"); Bd = importlib.import_module("lk.build")
 dev = "cuda"

@@ -7,7 +7,7 @@ mkdir -p "$OUT"
 rm -rf /tmp/pk/tests && cp -r tests /tmp/pk/tests
 # Compiling every kernel variant cold is most of the run (the unrolled "fma" scoring kernel alone takes
 # ~20 s per specialization on one core, docs/compile_time.md, and the tests need dozens): spread the
-# tests over the host's cores (session 9: 114 tests in 227 s on 14 workers; one process: 58 in 320 s).
+# tests over the host's cores (on the H200, 2026-11-29: 114 tests in 227 s on 14 workers; one process: 58 in 320 s).
 (cd /tmp/pk && timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -n "${WORKERS:-14}" -v --durations=25 -rfE \
     tests/test_kernels.py tests/test_eigh.py tests/test_page_update.py tests/test_static_cache.py \
     -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} > "$OUT/pytest.txt" 2>&1; tail -40 "$OUT/pytest.txt" | cut -c1-200)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 5 on a machine with 2 GPUs: a RULER sweep split by `accelerate launch` vs one process, then
+# Several GPUs of one machine: a RULER sweep split by `accelerate launch` vs one process, then
 # generate() on a model split over both GPUs vs one GPU. Writes under ${OUT:-out}.
 source scripts/gpu_env.sh
 OUT=${OUT:-out}

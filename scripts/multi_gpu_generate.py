@@ -20,9 +20,9 @@ import statistics
 import time
 
 import torch
+from bench_decode_step import SHAPES, parse_tokens  # scripts/ is on sys.path when run as a script
 from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
 
-from bench_decode_step import SHAPES, parse_tokens  # scripts/ is on sys.path when run as a script
 from locks_hf import LocksCache, LocksConfig
 
 

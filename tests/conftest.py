@@ -1,4 +1,11 @@
-"""Shared fixtures: the package's tiny random-weight models, in float64 so comparisons are exact."""
+"""Shared fixtures (the package's tiny random-weight models, in float64 so comparisons are exact) and
+the markers that split the suite.
+
+Markers (registered in pyproject.toml): ``interpret`` for the Triton kernel tests, which run in
+Triton's CPU interpreter without a GPU and take most of the suite's time; ``slow`` for tests that load
+a real model or run a long job; ``gpu`` for tests that need CUDA (skipped without it). CI runs
+everything; the fast developer loop is ``python -m pytest -m "not interpret and not slow"``.
+"""
 
 import os
 import shutil
@@ -12,6 +19,18 @@ import pytest
 import torch
 
 from locks_hf.models import TINY_ARCHS, tiny_model
+
+#: Test files whose tests run Triton kernels (interpreted on a CPU machine): marked ``interpret``.
+INTERPRETER_TEST_FILES = frozenset({"test_kernels.py", "test_page_update.py", "test_eigh.py"})
+
+
+def pytest_collection_modifyitems(config, items):
+    has_cuda = torch.cuda.is_available()
+    for item in items:
+        if item.path.name in INTERPRETER_TEST_FILES:
+            item.add_marker(pytest.mark.interpret)
+        if item.get_closest_marker("gpu") is not None and not has_cuda:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
 
 
 def tiny(arch: str, attn: str = "locks", dtype=torch.float64, seed: int = 0):

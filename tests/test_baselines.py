@@ -5,12 +5,11 @@ import math
 
 import pytest
 import torch
+from conftest import tiny
 
 from locks_hf import LocksCache, LocksConfig
-from locks_hf.baselines.rocketkv import OBSERVATION_WINDOW, POOL_KERNEL, hybrid_scores, rocket_budgets, snapkv_keep
+from locks_hf.baselines.rocketkv import POOL_KERNEL, hybrid_scores, rocket_budgets, snapkv_keep
 from locks_hf.token_policy import attend_slots
-
-from conftest import tiny
 
 GEN = torch.Generator().manual_seed(0)
 
@@ -130,28 +129,90 @@ def test_rocketkv_needs_a_prefill_with_queries():
         _decode(model, cache, _ids(1), 2)
 
 
-@pytest.mark.parametrize("selector", ["rocketkv"])
+@pytest.mark.parametrize("selector", ["rocketkv", "rkv", "lazy_eviction", "shadowkv"])
 def test_covering_budget_generates_the_dense_tokens(arch, selector):
     ids = _ids(40)
     ref = tiny(arch, "sdpa").generate(ids, max_new_tokens=8, do_sample=False)
     model = tiny(arch)
-    cache = LocksCache(model.config, LocksConfig(selector=selector, budget=256))
+    cache = LocksCache(model.config, LocksConfig(selector=selector, budget=512))
     out = model.generate(ids, max_new_tokens=8, do_sample=False, past_key_values=cache)
     assert torch.equal(out, ref)
     assert cache.attended_fraction() == 1.0
 
 
-@pytest.mark.parametrize("selector", ["rocketkv"])
+# (prompt, budget, new tokens) for each method to leave tokens out (R-KV: its first compression at
+# 128 generated tokens; ShadowKV: its smallest budget and a prompt beyond its 48 outlier chunks)
+SPARSE_RUN = {"rocketkv": (300, 64, 10), "rkv": (300, 64, 140), "lazy_eviction": (300, 64, 40),
+              "shadowkv": (1000, 512, 6)}
+
+
+@pytest.mark.parametrize("selector", list(SPARSE_RUN))
 def test_small_budget_generate_runs(arch, selector):
     model = tiny(arch)
-    cache = LocksCache(model.config, LocksConfig(selector=selector, budget=64))
-    out = model.generate(_ids(300), max_new_tokens=10, do_sample=False, past_key_values=cache)
-    assert out.shape == (1, 310)
-    assert 0 < cache.attended_fraction() < 0.5
+    prompt, budget, n = SPARSE_RUN[selector]
+    cache = LocksCache(model.config, LocksConfig(selector=selector, budget=budget))
+    out = model.generate(_ids(prompt), max_new_tokens=n, do_sample=False, past_key_values=cache)
+    assert out.shape == (1, prompt + n)
+    assert 0 < cache.attended_fraction() < 1
+
+
+# -- ShadowKV --------------------------------------------------------------------------------------
+def test_shadowkv_landmarks_outliers_and_chunk_scores_follow_the_published_rule():
+    from locks_hf.baselines.shadowkv import chunk_scores, landmarks_and_outliers
+
+    h, C, d, G, n_out = 2, 12, 6, 3, 5
+    keys = _randn(h, C * 8, d)
+    marks, outliers = landmarks_and_outliers(keys, n_out)
+    q = _randn(h, G, d)
+    scores = chunk_scores(marks, q, 0.7)
+    for j in range(h):
+        lowest = []
+        for c in range(C):
+            chunk = keys[j, c * 8:(c + 1) * 8]
+            mean = chunk.mean(0)
+            assert torch.allclose(marks[j, c], mean, atol=1e-12)
+            lowest.append(min(float(k @ mean / (k.norm() * mean.norm())) for k in chunk))
+        want = set(sorted(range(C), key=lambda c: (lowest[c], c))[:n_out])
+        assert set(torch.nonzero(outliers[j]).flatten().tolist()) == want
+        per_head = torch.stack([torch.softmax(0.7 * marks[j] @ q[j, g], 0) for g in range(G)])
+        assert torch.allclose(scores[j], per_head.amax(0), atol=1e-12)
+
+
+def test_shadowkv_attends_outliers_local_window_and_the_budgets_chunks():
+    from locks_hf.baselines.shadowkv import CHUNK, OUTLIER_CHUNKS
+
+    model = tiny("llama")
+    cache = LocksCache(model.config, LocksConfig(selector="shadowkv", budget=512))
+    T = 1003  # 121 chunks of context, then a local window of 4 chunks + 3 tokens
+    out = model(_ids(T), past_key_values=cache)
+    token = out.logits[:, -1:].argmax(-1)
+    model(token, past_key_values=cache)
+    state = cache.locks_layers[0].policy_state
+    chunks = T // CHUNK - 4
+    fixed = state.keep[0, :, 0, :T]
+    assert (fixed[:, chunks * CHUNK:]).all()  # the local window
+    assert (fixed[:, : chunks * CHUNK].sum(-1) == OUTLIER_CHUNKS * CHUNK).all()
+    selected = (512 - 416) // CHUNK * CHUNK
+    # every step: the outliers, the local window, the selected chunks and the generated tokens
+    assert cache.decode_traffic()["attended_tokens"] == OUTLIER_CHUNKS * CHUNK + (T - chunks * CHUNK) + selected + 1
+
+
+def test_shadowkv_below_its_fixed_blocks_does_not_fit_and_the_sweep_skips_it():
+    from locks_hf.config import BudgetDoesNotFit
+    from locks_hf.eval.arms import parse_arms
+
+    with pytest.raises(BudgetDoesNotFit, match="424"):
+        LocksConfig(selector="shadowkv", budget=256)
+    not_run = []
+    arms = parse_arms(["quest", "shadowkv"], [256, 512], not_run=not_run)
+    assert [a.name for a in arms] == ["quest-b256", "quest-b512", "shadowkv-b512"]
+    assert [n for n, _ in not_run] == ["shadowkv-b256"]
+    with pytest.raises(BudgetDoesNotFit):
+        parse_arms(["shadowkv"], [256])
 
 
 # -- the sweep -------------------------------------------------------------------------------------
-SWEEP_FAMILIES = ["rocketkv"]
+SWEEP_FAMILIES = ["rocketkv", "rkv", "lazy_eviction"]
 
 
 def test_sweep_rows_report_attended_tokens_and_bytes(tmp_path):
@@ -176,3 +237,140 @@ def test_sweep_rows_report_attended_tokens_and_bytes(tmp_path):
     # Locks reads its summaries besides the attended pages: more than the K/V of its tokens
     kv_bytes = 2 * model.config.head_dim * 4  # float32 K and V per token
     assert float(rows["locks-r4i4-b64"]["read_bytes"]) > float(rows["locks-r4i4-b64"]["attended_tokens"]) * kv_bytes
+
+
+# -- R-KV ------------------------------------------------------------------------------------------
+def _brute_redundancy(keys):
+    R = keys.shape[0]
+    unit = keys / (keys.norm(dim=-1, keepdim=True) + 1e-8)
+    sim = [[0.0 if i == j else float(unit[i] @ unit[j]) for j in range(R)] for i in range(R)]
+    for i in range(R):
+        similar = [j for j in range(R) if sim[i][j] > 0.5]
+        sim[i][max(similar) if similar else 0] = 0.0  # the newest near-duplicate is exempted
+    col = torch.tensor([sum(sim[i][j] for i in range(R)) / R for j in range(R)], dtype=torch.float64)
+    return torch.softmax(col, 0)
+
+
+def test_rkv_scores_match_importance_minus_redundancy():
+    from locks_hf.baselines.rkv import MIX_LAMBDA, rkv_scores
+
+    b, h, G, R, d, w = 1, 2, 2, 30, 6, 8
+    keys = _randn(b, h, R, d)
+    keys[0, 0, 5] = keys[0, 0, 2] * 1.5 + 0.01  # near-duplicates so that the exemption matters
+    window = _randn(b, h, G, w, d)
+    got = rkv_scores(keys, window, 0.4)
+    for j in range(h):
+        imp = torch.zeros(R - w, dtype=torch.float64)
+        for i in range(w):
+            logits = torch.stack([0.4 * keys[0, j, :R - w] @ window[0, j, g, i] for g in range(G)]).amax(0)
+            imp += torch.softmax(logits, 0) / w
+        pooled = torch.stack([imp[max(0, t - 3): t + 4].max() for t in range(R - w)])
+        want = MIX_LAMBDA * pooled - (1 - MIX_LAMBDA) * _brute_redundancy(keys[0, j])[: R - w]
+        assert torch.allclose(got[0, j], want, atol=1e-12)
+
+
+def test_rkv_compression_keeps_the_best_scores_and_the_newest_tokens():
+    from locks_hf import LocksLayer
+    from locks_hf.baselines.rkv import RKVPolicy, rkv_scores
+    from locks_hf.token_policy import PolicyState
+
+    b, h, G, L, d, budget = 1, 2, 2, 200, 8, 64
+    policy = RKVPolicy(LocksConfig(selector="rkv", budget=budget))
+    layer = LocksLayer(policy.config)
+    layer.update(_randn(b, h, L, d), _randn(b, h, L, d))
+    keep = torch.rand(b, h, 1, L, generator=GEN) < 0.97
+    keep[..., -8:] = True
+    keep[:, 1] = keep[:, 0]  # the heads of a row hold the same number of tokens
+    state = PolicyState(keep, L)
+    window = _randn(b, h, G, 8, d)
+    got = policy.compressed(layer, state, window, 0.3)
+    for j in range(h):
+        resident = torch.nonzero(keep[0, j, 0]).flatten().tolist()
+        scores = rkv_scores(layer.keys[:, j:j + 1, resident], window[:, j:j + 1], 0.3)[0, 0].tolist()
+        want = {resident[i] for i in _ranked(scores)[: budget - 8]} | set(resident[-8:])
+        assert set(torch.nonzero(got[0, j, 0]).flatten().tolist()) == want
+    # under b + 128 resident tokens nothing happens
+    state.keep = keep & (torch.arange(L) >= L - 150)
+    assert torch.equal(policy.compressed(layer, state, window, 0.3), state.keep)
+
+
+def test_rkv_decode_compresses_every_128_generated_tokens():
+    model = tiny("qwen3")
+    cache = LocksCache(model.config, LocksConfig(selector="rkv", budget=64))
+    out = model(_ids(100), past_key_values=cache)
+    token = out.logits[:, -1:].argmax(-1)
+    resident = []
+    for _ in range(260):
+        out = model(token, past_key_values=cache)
+        token = out.logits[:, -1:].argmax(-1)
+        resident.append(int(cache.locks_layers[0].policy_state.keep[0, 0, 0].sum()))
+    # steps 1..127 keep everything; step 128 cuts 228 tokens to 64; step 256 cuts 192 to 64
+    assert resident[:127] == list(range(101, 228))
+    assert resident[127] == 64 and resident[128] == 65 and resident[254] == 191 and resident[255] == 64
+
+
+# -- LazyEviction --------------------------------------------------------------------------------
+def test_lazy_eviction_recurrence_and_importance_follow_the_published_rule():
+    from locks_hf.baselines.lazy_eviction import ALPHA, importance, record_recurrence
+    from locks_hf.token_policy import PolicyState
+
+    L, steps = 12, 9
+    probs = torch.rand(steps, 1, 1, 1, L, generator=GEN, dtype=torch.float64) * 3e-4  # about 1/3 below alpha
+    state = PolicyState(torch.ones(1, 1, 1, L, dtype=torch.bool), L)
+    state.add_slot_tensor("last", torch.zeros(1, 1, 1, L, dtype=torch.float64), 0.0)
+    state.add_slot_tensor("period", torch.zeros(1, 1, 1, L, dtype=torch.float64), 0.0)
+    last, period = [0.0] * L, [0.0] * L
+    for t in range(1, steps + 1):
+        record_recurrence(state, t, probs[t - 1])
+        for i in range(L):
+            if probs[t - 1, 0, 0, 0, i] >= ALPHA:
+                period[i] = max(period[i], t - last[i])
+                last[i] = t
+    assert state.slot["last"].flatten().tolist() == last and state.slot["period"].flatten().tolist() == period
+    want = [2 / (1 + math.exp(1 + (steps - l) / (p + 1e-5))) + (0 if p == 0 else 2 / (1 + math.exp(p - 1)))
+            for l, p in zip(last, period)]
+    assert torch.allclose(importance(steps, state.slot["last"], state.slot["period"]).flatten(),
+                          torch.tensor(want, dtype=torch.float64), atol=1e-12)
+
+
+def test_lazy_eviction_cut_keeps_the_window_and_the_most_important():
+    from locks_hf.baselines.lazy_eviction import evicted
+
+    b, h, G, L, budget, W = 1, 2, 3, 60, 20, 5
+    keep = torch.rand(b, h, G, L, generator=GEN) < 0.7
+    keep[0, 1, 2] = torch.arange(L) < 15  # a head under budget is left alone
+    score = torch.rand(b, h, G, L, generator=GEN, dtype=torch.float64)
+    got = evicted(keep, score, budget, W)
+    for j in range(h):
+        for g in range(G):
+            kept = torch.nonzero(keep[0, j, g]).flatten().tolist()
+            if len(kept) <= budget:
+                want = set(kept)
+            else:
+                older = kept[:-W]
+                ranked = sorted(older, key=lambda i: (-float(score[0, j, g, i]), i))
+                want = set(ranked[: budget - W]) | set(kept[-W:])
+            assert set(torch.nonzero(got[0, j, g]).flatten().tolist()) == want
+
+
+def test_lazy_eviction_decode_keeps_each_query_heads_budget():
+    from locks_hf.baselines.lazy_eviction import window_size
+
+    model = tiny("llama")
+    budget = 64
+    W = window_size(budget)
+    cache = LocksCache(model.config, LocksConfig(selector="lazy_eviction", budget=budget))
+    out = model(_ids(100), past_key_values=cache)
+    token = out.logits[:, -1:].argmax(-1)
+    for step in range(1, 3 * W + 1):
+        out = model(token, past_key_values=cache)
+        token = out.logits[:, -1:].argmax(-1)
+        keep = cache.locks_layers[0].policy_state.keep
+        assert keep.shape[2] == model.config.num_attention_heads // model.config.num_key_value_heads
+        counts = keep.sum(-1)
+        if step < W:
+            assert (counts == 100 + step).all()
+        elif step % W == 0:
+            assert (counts == budget).all()
+    G = keep.shape[2]
+    assert cache.decode_traffic()["attended_tokens"] <= G * (budget + W)

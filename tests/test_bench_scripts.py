@@ -5,6 +5,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode_step.py"
 
 
@@ -26,6 +28,7 @@ def test_bench_decode_step_runs_on_cpu(tmp_path):
     assert all(r["median_ms"] > 0 and len(r["all_ms"]) == 2 for r in rows.values())
 
 
+@pytest.mark.slow  # an ahead-of-time Triton compile: tens of seconds of CPU
 def test_compile_time_script_compiles_the_rolled_fma_kernel_for_sm90():
     """scripts/compile_time.py (docs/compile_time.md) drives Triton's private AOT API: keep it working.
     Rank 8 takes the rolled chunk loop, which compiles in seconds and fits in 128 registers."""

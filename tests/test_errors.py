@@ -2,12 +2,11 @@
 
 import pytest
 import torch
+from conftest import tiny
 from transformers import Gemma2Config, LlamaConfig, MistralConfig
 
 from locks_hf import LocksCache, LocksConfig, LocksConfigError, UnsupportedModelError
 from locks_hf.attention import locks_attention_forward
-
-from conftest import tiny
 
 
 @pytest.mark.parametrize("kwargs,needle", [

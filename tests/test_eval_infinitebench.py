@@ -1,12 +1,16 @@
 """InfiniteBench: scoring the published yi-34b-200k predictions reproduces the README; regeneration."""
 
 
+from pathlib import Path
+
 import pytest
 
-from locks_hf.eval.infinitebench import (build_prompt, load_spec, matches_reported, regenerate,
-                                         score_prediction_dir)
+from locks_hf.eval.infinitebench import build_prompt, load_spec, matches_reported, regenerate, score_prediction_dir
 from locks_hf.eval.paths import shared_data_dir
 from locks_hf.eval.testing import ByteTokenizer
+
+#: Ten of the twelve tasks' published predictions, gzip-compressed (tests/data/infinitebench/README.md).
+SHIPPED_YI = Path(__file__).parent / "data" / "infinitebench" / "yi-34b-200k"
 
 
 def _yi_dir():
@@ -17,17 +21,29 @@ def _yi_dir():
     return d if d.is_dir() else None
 
 
-@pytest.mark.skipif(_yi_dir() is None, reason="shared evaluation data not found (set $LOCKS_HF_DATA or put "
-                    "shared/data beside the repository): needs infinitebench/reference_predictions/yi-34b-200k")
-def test_yi_34b_200k_reproduces_readme():
-    table = score_prediction_dir(_yi_dir())
-    assert len(table) == 12
+def _check_reproduces_readme(table):
     reported = load_spec()["reported_results_readme_percent"]["Yi-34B-200K"]
     for row in table:
         assert row["reported"] == reported[row["task"]]
         assert matches_reported(row["score"], row["reported"]), row
     exact = {r["task"]: round(r["score"], 2) for r in table}
     assert exact["longbook_choice_eng"] == 38.43 and exact["code_debug"] == 13.96 and exact["math_find"] == 25.71
+
+
+def test_yi_34b_200k_shipped_predictions_reproduce_readme():
+    table = score_prediction_dir(SHIPPED_YI)
+    assert sorted(r["task"] for r in table) == sorted(p.name[len("preds_"):-len(".jsonl.gz")]
+                                                      for p in SHIPPED_YI.glob("preds_*.jsonl.gz"))
+    assert len(table) == 10
+    _check_reproduces_readme(table)
+
+
+@pytest.mark.skipif(_yi_dir() is None, reason="shared evaluation data not found (set $LOCKS_HF_DATA or put "
+                    "shared/data beside the repository): needs infinitebench/reference_predictions/yi-34b-200k")
+def test_yi_34b_200k_all_twelve_tasks_reproduce_readme():
+    table = score_prediction_dir(_yi_dir())
+    assert len(table) == 12
+    _check_reproduces_readme(table)
 
 
 def test_matches_reported_can_fail():

@@ -1,11 +1,14 @@
 """LongBench: official prompt, middle truncation as pred.py, per-task max tokens and metrics."""
 
+import pytest
+
 from locks_hf.eval.longbench import LongBenchBenchmark, build_prompt, load_records, load_spec, truncate_middle_text
 from locks_hf.eval.testing import ByteTokenizer
 
 TOK = ByteTokenizer()
 
 
+@pytest.mark.slow  # ROUGE over a full multi_news record: about a minute of CPU
 def test_prompt_truncation_and_score():
     spec = load_spec()
     assert spec["tasks"]["multi_news"]["max_new_tokens"] == 512 and spec["tasks"]["multi_news"]["metric"] == "rouge"

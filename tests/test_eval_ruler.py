@@ -2,8 +2,15 @@
 
 import pytest
 
-from locks_hf.eval.ruler import (TASKS, RulerGenerator, postprocess_pred, score_record, split_sentences,
-                                 string_match_all, string_match_part)
+from locks_hf.eval.ruler import (
+    TASKS,
+    RulerGenerator,
+    postprocess_pred,
+    score_record,
+    split_sentences,
+    string_match_all,
+    string_match_part,
+)
 from locks_hf.eval.testing import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -81,6 +88,7 @@ def _gemma_tokenizer():
         return None
 
 
+@pytest.mark.slow  # tokenizes full-length haystacks with the real Gemma 3 tokenizer
 def test_hits_length_with_real_tokenizer():
     tok = _gemma_tokenizer()
     if tok is None:

@@ -2,12 +2,11 @@
 
 import pytest
 import torch
+from conftest import tiny
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from locks_hf import LocksCache, LocksConfig, LocksLayer
 from locks_hf.attention import sparse_decode
-
-from conftest import tiny
 
 PROMPT = 300
 

@@ -7,11 +7,10 @@ Triton is not importable.
 
 import math
 import os
+import sys
 
 import pytest
 import torch
-
-import sys  # noqa: E402
 
 if not torch.cuda.is_available():
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
@@ -20,13 +19,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
 
-from locks_hf.config import LocksConfig  # noqa: E402
-from locks_hf.selectors import QuestSelector  # noqa: E402
-from locks_hf.selectors import select_pages as ref_select  # noqa: E402
-from locks_hf.summaries import build_summary as ref_build  # noqa: E402
-from locks_hf.summaries import dequantize_summary, estimated_page_lse, exact_page_lse  # noqa: E402
-
 from locks_hf import kernels  # noqa: E402
+from locks_hf.config import LocksConfig  # noqa: E402
+from locks_hf.selectors import QuestSelector, select_pages as ref_select  # noqa: E402
+from locks_hf.summaries import (  # noqa: E402
+    build_summary as ref_build,
+    dequantize_summary,
+    estimated_page_lse,
+    exact_page_lse,
+)
 
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 B = 16
@@ -381,8 +382,10 @@ def test_static_per_step_page_summary_glue(monkeypatch, selector):
     assert done
 
 
-@pytest.mark.skipif(DEV != "cuda", reason="generate() dispatches to the kernels only for CUDA tensors; "
-                    "on the CPU each kernel is checked above under the interpreter")
+# generate() dispatches to the kernels only for CUDA tensors; on the CPU each kernel is checked above
+# under the interpreter.
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="TRITON_INTERPRET=1 is set: the kernels are not compiled")
 @pytest.mark.parametrize("selector", ["locks", "quest", "oracle"])
 def test_generate_on_gpu_matches_reference_path(monkeypatch, selector):
     """A left-padded batch through generate(): kernels and the PyTorch reference give the same tokens."""

@@ -11,10 +11,9 @@ import os
 import pytest
 import torch
 
-from locks_hf.selectors import QuestSelector, select_pages as reference_select
 from locks_hf.config import LocksConfig
-from locks_hf.summaries import build_summary as reference_build
-from locks_hf.summaries import dequantize_summary, estimated_page_lse, exact_page_lse
+from locks_hf.selectors import QuestSelector, select_pages as reference_select
+from locks_hf.summaries import build_summary as reference_build, dequantize_summary, estimated_page_lse, exact_page_lse
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,7 +38,7 @@ def rel(a, b) -> float:
 class RealCache:
     """One layer's cache at a real shape, its decode query and every summary the checks score."""
 
-    def __init__(self, model: str, length: int = CONTEXT, seed: int = 1):
+    def __init__(self, model: str, length: int = CONTEXT, seed: int = 1, dtype: torch.dtype = torch.bfloat16):
         from locks_hf.kernels import fit_pages_eigh, quantize_summary
 
         hq, h, d = SHAPES[model]
@@ -47,11 +46,11 @@ class RealCache:
         P = length // B
         self.hq, self.h, self.d, self.G, self.P, self.length = hq, h, d, hq // h, P, length
         self.scale = d ** -0.5
-        self.keys = torch.randn((1, h, length, d), device=DEV, dtype=torch.bfloat16, generator=gen)
-        offsets = torch.randn((1, h, P, 1, d), device=DEV, dtype=torch.bfloat16, generator=gen)
+        self.keys = torch.randn((1, h, length, d), device=DEV, dtype=dtype, generator=gen)
+        offsets = torch.randn((1, h, P, 1, d), device=DEV, dtype=dtype, generator=gen)
         self.keys.view(1, h, P, B, d).add_(offsets * 1.5)
-        self.values = torch.randn((1, h, length, d), device=DEV, dtype=torch.bfloat16, generator=gen)
-        self.query = torch.randn((1, hq, 1, d), device=DEV, dtype=torch.bfloat16, generator=gen)
+        self.values = torch.randn((1, h, length, d), device=DEV, dtype=dtype, generator=gen)
+        self.query = torch.randn((1, hq, 1, d), device=DEV, dtype=dtype, generator=gen)
         self.q64 = self.query.view(1, h, self.G, d).double()
         self.pages = self.keys.view(1, h, P, B, d)
         self.valid = torch.ones((1, 1, P, B), device=DEV, dtype=torch.bool)

@@ -13,14 +13,13 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no CUDA: run the Triton kernel tests with TRITON_INTERPRET=1", allow_module_level=True)
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
 
+from locks_hf import kernels  # noqa: E402
 from locks_hf.config import LocksConfig  # noqa: E402
+from locks_hf.kernels.build import summary_shapes  # noqa: E402
+from locks_hf.kernels.decode import SUMMARY_NAMES  # noqa: E402
 from locks_hf.quant import unpack  # noqa: E402
 from locks_hf.selectors import QuestSelector  # noqa: E402
 from locks_hf.summaries import dequantize_summary, estimated_page_lse, exact_page_lse  # noqa: E402
-
-from locks_hf import kernels  # noqa: E402
-from locks_hf.kernels.build import summary_shapes  # noqa: E402
-from locks_hf.kernels.decode import SUMMARY_NAMES  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 D, P = 64, 4  # head dim, pages per row

@@ -1,4 +1,4 @@
-"""Page selection against a direct, loop-by-loop implementation of SPEC §1."""
+"""Page selection against a direct, loop-by-loop implementation of the paper's §4 selection rule."""
 
 import math
 
@@ -10,7 +10,7 @@ from locks_hf.selectors import QuestSelector, combine_group, select_pages
 
 
 def brute_force_selection(scores, page_real, n_complete, k, per_head):
-    """SPEC §1 written out: per row and KV head, the set of attended pages (Python sets)."""
+    """The paper's §4 selection rule written out: per row and KV head, the set of attended pages (Python sets)."""
     b, h, G, P = scores.shape
     result = torch.zeros(b, h, P, dtype=torch.bool)
     for i in range(b):

@@ -2,11 +2,10 @@
 
 import pytest
 import torch
+from conftest import tiny
 from transformers import CompileConfig
 
 from locks_hf import LocksCache, LocksConfig, LocksConfigError, LocksStaticCache
-
-from conftest import tiny
 
 PROMPT = 300
 
@@ -88,6 +87,7 @@ def test_static_real_tokens_count_padding_and_holes():
         token = model(token, attention_mask=mask, past_key_values=cache).logits[:, -1:].argmax(-1)
 
 
+@pytest.mark.slow  # torch.compile of a whole decode step
 def test_compiled_decode_is_one_graph_without_recompiles():
     """generate() auto-compiles the decode step of a static cache: fullgraph (no graph break), one
     graph for every step (nothing that changes per step is a Python value), same tokens as eager."""
@@ -143,7 +143,7 @@ def test_static_cache_cannot_be_cropped():
         cache.crop(10)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the compiled kernels need a GPU")
+@pytest.mark.gpu  # CUDA graphs and the compiled kernels
 @pytest.mark.parametrize("selector", ["locks", "quest", "oracle", "full"])
 def test_generate_auto_compiles_the_kernel_decode_step_on_cuda(selector):
     """On a GPU, generate() with a LocksStaticCache compiles the decode step (inductor + CUDA graphs,

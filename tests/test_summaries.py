@@ -9,8 +9,7 @@ from hypothesis import given, settings, strategies as st
 from locks_hf import LocksConfig, summary_bytes
 from locks_hf.quant import pack, qmax, quantize, unpack
 from locks_hf.selectors import LocksSelector
-from locks_hf.summaries import (build_summary, dequantize_summary, estimated_page_lse, exact_page_lse,
-                                fit_pages)
+from locks_hf.summaries import build_summary, dequantize_summary, estimated_page_lse, exact_page_lse, fit_pages
 
 
 def _random_pages(b=2, h=3, P=5, B=16, d=32, seed=0, dtype=torch.float64):

@@ -4,8 +4,11 @@ Each module holds one method and registers it (`locks_hf.selectors.register_sele
 `LocksConfig.selector` name; `POLICIES` maps those names to the classes.
 """
 
+from .lazy_eviction import LazyEvictionPolicy
+from .rkv import RKVPolicy
 from .rocketkv import RocketKVPolicy
+from .shadowkv import ShadowKVPolicy
 
-POLICIES = {cls.name: cls for cls in (RocketKVPolicy,)}
+POLICIES = {cls.name: cls for cls in (RocketKVPolicy, RKVPolicy, LazyEvictionPolicy, ShadowKVPolicy)}
 
-__all__ = ["POLICIES", "RocketKVPolicy"]
+__all__ = ["POLICIES", "LazyEvictionPolicy", "RKVPolicy", "RocketKVPolicy", "ShadowKVPolicy"]

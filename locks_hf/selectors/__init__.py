@@ -9,21 +9,34 @@ imported below, plus its tests.
 """
 
 from .base import PageSelector
-from .registry import (config_for_family, family_help, family_of, family_sort_key, make_selector, parse_family,
-                       register_selector, selector_class, selector_names, static_selector_names, summary_layout,
-                       unregister_selector)
+from .registry import (
+    config_for_family,
+    family_help,
+    family_of,
+    family_sort_key,
+    make_selector,
+    parse_family,
+    register_selector,
+    selector_class,
+    selector_names,
+    static_selector_names,
+    summary_layout,
+    unregister_selector,
+)
 from .selection import NEG_INF, combine_group, forced_pages, select_pages
 
-# Built-in selectors, registered on import (this order is the order of `selector_names()`).
+# isort: off
+# Registered on import, in this order (the order of `selector_names()` and of arm-label parsing).
 from .locks import LocksSelector
 from .oracle import OracleSelector
 from .quest import QuestSelector
 from .full import FullAttention
 from .shared_basis import SharedAllSelector, SharedBasisSelector
-from .. import baselines  # noqa: E402,F401  (the paper's baselines, token-level policies, register themselves)
+from .. import baselines  # noqa: F401  (the paper's baselines register themselves)
+# isort: on
 
 __all__ = ["NEG_INF", "FullAttention", "LocksSelector", "OracleSelector", "PageSelector", "QuestSelector",
-           "SharedAllSelector", "SharedBasisSelector", "combine_group", "config_for_family", "family_help", "family_of",
-           "family_sort_key", "forced_pages", "make_selector", "parse_family", "register_selector",
+           "SharedAllSelector", "SharedBasisSelector", "combine_group", "config_for_family", "family_help",
+           "family_of", "family_sort_key", "forced_pages", "make_selector", "parse_family", "register_selector",
            "select_pages", "selector_class", "selector_names", "static_selector_names", "summary_layout",
            "unregister_selector"]
