@@ -131,7 +131,8 @@ def cmd_sweep(args):
     bench = build_benchmark(args, tok)
     runner = SweepRunner(model, tok, bench, arms, args.out, protocol=args.protocol, shard=args.shard,
                          model_name=args.model, limit=args.limit, max_new_tokens=args.max_new_tokens
-                         if args.benchmark != "math" else None, seed=args.seed or 0, not_run=not_run)
+                         if args.benchmark != "math" else None, seed=args.seed or 0, not_run=not_run,
+                         engine=args.engine, batch_rows=args.batch_rows, step=args.step)
     runner.run()
     i, n = runner.shard
     if n > 1 and not args.shard:  # accelerate / torchrun: rank 0 merges after everyone finished
@@ -248,7 +249,9 @@ def main(argv=None):
         sp.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
         sp.add_argument("--arms", default="full,oracle,locks-r8i4,locks-r4i4,locks-r2i4,quest",
                         help="comma-separated arm families: full, oracle, quest, locks-r<rank>i<bits> (or r8i4), "
-                        "locks-r<rank>bf16, shared_basis-r<rank>, shared_all-r<rank>; each but full runs at every budget")
+                        "locks-r<rank>bf16, shared_basis-r<rank>, shared_all-r<rank>, the baselines rocketkv, shadowkv, rkv, "
+                        "triattention, lazy_eviction; each but full runs at every budget (an arm whose method does not "
+                        "fit its budget is listed as not run)")
         sp.add_argument("--budgets", default="64,128,256,512,1024,2048",
                         help="comma-separated token budgets b per layer and KV head")
         sp.add_argument("--page-size", type=int, default=16, help="tokens per page B")
@@ -269,6 +272,12 @@ def main(argv=None):
     s.add_argument("--shard", default=None, help="i/n: this process runs records j with j %% n == i")
     s.add_argument("--limit", type=int, default=None, help="first N records only")
     s.add_argument("--max-new-tokens", type=int, default=None, help="cap on generated tokens (math: the generation cap)")
+    s.add_argument("--engine", default="eager", choices=["eager", "static"],
+                   help="eager: each (record, arm, sample) through generate() on a fork of a LocksCache; static: "
+                        "batched rows, one prefill per batch shared by every arm, CUDA-graph decode on a GPU")
+    s.add_argument("--batch-rows", type=int, default=8, help="static engine: rows (records x samples) per batch")
+    s.add_argument("--step", default="auto", choices=["auto", "graph", "compile", "eager"],
+                   help="static engine: how a decode step runs (auto: CUDA graph on a GPU, eager on the CPU)")
     s.add_argument("--haystack", default=None, help="RULER essay haystack text file")
     s.add_argument("--wordlists", default=None, help="folder with wonderwords-2.2.0_{noun,adjective,verb}list.txt")
     s.add_argument("--no-stop-newline", action="store_true", help="RULER: do not stop at the first newline")

@@ -31,6 +31,7 @@ import re
 import sys
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,6 +40,7 @@ from .arms import Arm
 from .benchmarks import STOP_NEWLINE, STOP_SENTENCE, Benchmark
 
 VOLATILE = ("seconds", "prefill_seconds", "host", "shard")
+ENGINES = ("eager", "static")  # see SweepRunner
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -72,11 +74,14 @@ class _StopAtNewline:
         self.tokenizer, self.start, self.loops, self.stop = tokenizer, start, loops, stop
 
     def __call__(self, input_ids, scores, **kwargs):
-        done = []
-        for row in input_ids:
-            text = self.tokenizer.decode(row[self.start:], skip_special_tokens=True)
-            done.append(stop_position(text, self.stop) is not None or (self.loops and looping(text)))
+        done = [answer_ended(self.tokenizer.decode(row[self.start:], skip_special_tokens=True), self.stop, self.loops)
+                for row in input_ids]
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
+def answer_ended(text: str, stop: str, loops: bool = True) -> bool:
+    """The answer ``text`` ended under ``stop`` (`stop_position`) or runs into a loop (`looping`)."""
+    return stop_position(text, stop) is not None or (loops and looping(text))
 
 
 def looping(text: str) -> bool:
@@ -196,9 +201,19 @@ class SweepRunner:
 
     def __init__(self, model, tokenizer, bench: Benchmark, arms: list[Arm], run_dir, *, protocol: str = "dense-question",
                  shard: str | None = None, model_name: str = "model", progress: bool = True, limit: int | None = None,
-                 max_new_tokens: int | None = None, seed: int = 0, not_run=()):
+                 max_new_tokens: int | None = None, seed: int = 0, not_run=(), engine: str = "eager",
+                 batch_rows: int = 8, step: str = "auto"):
         if protocol not in ("dense-question", "sparse-question"):
             raise ValueError("protocol must be 'dense-question' or 'sparse-question'")
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+        if engine == "static":
+            from .engine import check_arms
+
+            check_arms(arms)
+        self.engine, self.batch_rows, self.step = engine, batch_rows, step
+        #: static engine: one dict per (batch, arm) decoded (rows, steps, tokens, seconds, warm-up, prefill)
+        self.arm_runs: list[dict] = []
         self.model, self.tokenizer, self.bench, self.arms = model, tokenizer, bench, arms
         self.run_dir = Path(run_dir)
         self.protocol = protocol
@@ -221,6 +236,8 @@ class SweepRunner:
             "protocol": self.protocol if self.bench.samples == 1 else "prefill-all-but-last-token (sampled)",
             "protocol_text": PROTOCOL_TEXT[self.protocol if self.bench.samples == 1 else "sampled"],
             "samples": self.bench.samples, "sampling": self.bench.sampling,
+            # greedy tokens are the same on both engines; sampled ones come from different random streams
+            "engine": self.engine,
             "max_new_tokens_cap": self.max_new_cap,
             "locks_hf_version": getattr(locks_hf, "__version__", "?"), "torch": torch.__version__,
         }
@@ -233,6 +250,9 @@ class SweepRunner:
             if old.get("model") != cfg["model"] or old.get("protocol") != cfg["protocol"]:
                 raise ValueError(f"{path} holds a run of model={old.get('model')} protocol={old.get('protocol')}; "
                                  "use another --out folder")
+            if cfg["sampling"] and old.get("engine", "eager") != cfg["engine"]:
+                raise ValueError(f"{path} holds a sampled run of --engine {old.get('engine', 'eager')}: the engines "
+                                 "draw different samples; resume with that engine or use another --out folder")
             known = {a["name"] for a in old.get("arms", [])}
             cfg["arms"] = old["arms"] + [a for a in cfg["arms"] if a["name"] not in known]
             if old.get("benchmark") != cfg["benchmark"]:
@@ -257,7 +277,13 @@ class SweepRunner:
         records = load_or_make_records(self.run_dir, self.bench)
         if self.limit:
             records = records[: self.limit]
-        mine = [r for j, r in enumerate(records) if j % n == i]
+        if self.engine == "static":  # batches are planned over all records: a shard takes whole batches
+            from .batched import plan_batches
+
+            batches = plan_batches(self, records)
+            mine = [r for j, batch in enumerate(batches) if j % n == i for r, _ in batch]
+        else:
+            mine = [r for j, r in enumerate(records) if j % n == i]
         done = self.done_keys()
         out_path = self.run_dir / "predictions" / f"shard-{i}-of-{n}.jsonl"
         out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -272,45 +298,87 @@ class SweepRunner:
         if out_path.exists() and out_path.stat().st_size and not out_path.read_bytes().endswith(b"\n"):
             with open(out_path, "a") as f:  # a line torn by a kill: end it so the next one parses
                 f.write("\n")
+        if self.engine == "static":
+            from .batched import run_batches
+
+            work = {rec["id"]: w for rec, w in todo}
+            results = run_batches(self, [b for j, b in enumerate(batches) if j % n == i], work, bar)
+        else:
+            results = (row for rec, work in todo for row in self._run_record(rec, work, bar))
         with open(out_path, "a") as f:
-            for rec, work in todo:
-                for row in self._run_record(rec, work, bar):
-                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
-                    f.flush()
+            for row in results:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                f.flush()
         bar.close()
         return out_path
+
+    def _score_context(self, rec: dict, prefilled: torch.Tensor, base, arms) -> None:
+        """Once per record, the prefill-time work of the arms' methods that need one (KVzip's
+        reconstruction passes), kept on ``base`` for every fork."""
+        from locks_hf.baselines import POLICIES
+
+        if not any(getattr(POLICIES.get(arm.selector), "needs_context_scores", False) for arm in arms):
+            return
+        from locks_hf.baselines.kvzip import score_context
+
+        n = _context_length(self.bench, rec, self.tokenizer, prefilled.shape[1])
+        score_context(self.model, self.tokenizer, base, prefilled[:, :n])
+
+    def plan(self, rec: dict) -> RecordPlan:
+        """How ``rec`` is run: its prompt ids, the prefilled part, the generation cap, the stop rule."""
+        tok = self.tokenizer
+        ids = self.bench.prompt_ids(rec, tok)
+        T = ids.shape[1]
+        max_new = self.bench.max_new_tokens(rec)
+        if self.max_new_cap:
+            max_new = min(max_new, self.max_new_cap)
+        sampled = self.bench.samples > 1 or self.bench.sampling is not None
+        split = T
+        if sampled:
+            split = T - 1
+        elif self.protocol == "sparse-question":
+            split = min(_context_length(self.bench, rec, tok, T), T - 1)
+        return RecordPlan(ids, split, max_new, self.bench.stop(rec), sampled)
+
+    def result_row(self, rec: dict, arm: Arm, sample: int, plan: RecordPlan, new: list[int], frac: float,
+                   traffic: dict | None, seconds: float, prefill_seconds: float) -> dict:
+        """The prediction line of (``rec``, ``arm``, ``sample``) from its new tokens (as generated), its
+        attended fraction and decode traffic (`LocksCache.decode_traffic`)."""
+        traffic = traffic or {}
+        eos = _eos_ids(self.model, self.tokenizer)
+        n_new = len(new)
+        while new and new[-1] in eos:
+            new = new[:-1]
+        raw = self.tokenizer.decode(new, skip_special_tokens=True)
+        pred = _cut_at_stop(raw, plan.stop)
+        metrics = self.bench.score(rec, pred)
+        return {"id": rec["id"], "task": rec.get("task", self.bench.name), "length": rec.get("length"),
+                "arm": arm.name, "family": arm.family, "budget": arm.budget, "selector": arm.selector,
+                "sample": sample, "prompt_tokens": plan.T, "new_tokens": n_new, "pred": pred,
+                **metrics, "attended_fraction": None if math.isnan(frac) else round(frac, 6),
+                # per (layer, KV head) and decode step: tokens whose K/V were read, and bytes read
+                # (those K/V plus the estimation's reads: summaries, reduced keys, ...)
+                "attended_tokens": _rounded(traffic.get("attended_tokens")),
+                "read_bytes": _rounded(traffic.get("read_bytes")),
+                "seconds": round(seconds, 3), "prefill_seconds": round(prefill_seconds, 3),
+                "shard": f"{self.shard[0]}/{self.shard[1]}"}
 
     @torch.no_grad()
     def _run_record(self, rec: dict, work, bar):
         from locks_hf import LocksCache, LocksConfig
 
         model, tok = self.model, self.tokenizer
-        ids = self.bench.prompt_ids(rec, tok).to(self.device)
-        T = ids.shape[1]
-        max_new = self.bench.max_new_tokens(rec)
-        if self.max_new_cap:
-            max_new = min(max_new, self.max_new_cap)
-        stop = self.bench.stop(rec)
-        sampled = self.bench.samples > 1 or self.bench.sampling is not None
-        split = T
-        if sampled:
-            split = T - 1
-        elif self.protocol == "sparse-question":
-            q = self.bench.question_start_text(rec)
-            if q is not None:
-                text = self.bench.prompt_text(rec)
-                from .benchmarks import encode_text
-
-                split = min(encode_text(tok, text[:q]).shape[1], T - 1)
-            else:
-                split = T - 1
+        plan = self.plan(rec)
+        ids, T, split, max_new, stop, sampled = (plan.ids.to(self.device), plan.T, plan.split, plan.max_new,
+                                                 plan.stop, plan.sampled)
 
         t0 = time.perf_counter()
         base = LocksCache(model.config, LocksConfig(selector="full"))
         out = model(ids[:, :split], past_key_values=base, use_cache=True)
         first = out.logits[:, -1].argmax(-1, keepdim=True)
-        prefill_s = time.perf_counter() - t0
         del out
+        self._score_context(rec, ids[:, :split], base, [arm for arm, _ in work])
+        prefill_s = time.perf_counter() - t0
         eos = _eos_ids(model, tok)
 
         for arm, s in work:
@@ -346,28 +414,38 @@ class SweepRunner:
 
                 gen = model.generate(inputs, attention_mask=torch.ones_like(inputs), past_key_values=cache,
                                      stopping_criteria=StoppingCriteriaList(crit), **gen_kwargs)
-            new = gen[0, start:].tolist()
-            while new and new[-1] in eos:
-                new = new[:-1]
-            raw = tok.decode(new, skip_special_tokens=True)
-            pred = _cut_at_stop(raw, stop)
-            metrics = self.bench.score(rec, pred)
-            frac = cache.attended_fraction()
-            traffic = cache.decode_traffic() or {}
-            row = {"id": rec["id"], "task": rec.get("task", self.bench.name), "length": rec.get("length"),
-                   "arm": arm.name, "family": arm.family, "budget": arm.budget, "selector": arm.selector,
-                   "sample": s, "prompt_tokens": T, "new_tokens": len(gen[0]) - start, "pred": pred,
-                   **metrics, "attended_fraction": None if math.isnan(frac) else round(frac, 6),
-                   # per (layer, KV head) and decode step: tokens whose K/V were read, and bytes read
-                   # (those K/V plus the estimation's reads: summaries, reduced keys, ...)
-                   "attended_tokens": _rounded(traffic.get("attended_tokens")),
-                   "read_bytes": _rounded(traffic.get("read_bytes")),
-                   "seconds": round(time.perf_counter() - t1, 3), "prefill_seconds": round(prefill_s, 3),
-                   "shard": f"{self.shard[0]}/{self.shard[1]}"}
+            row = self.result_row(rec, arm, s, plan, gen[0, start:].tolist(), cache.attended_fraction(),
+                                  cache.decode_traffic(), time.perf_counter() - t1, prefill_s)
             del cache
             bar.update(1)
-            bar.set_postfix_str(f"{rec['id']} {arm.name} score={metrics.get('score', float('nan')):.2f}")
+            bar.set_postfix_str(f"{rec['id']} {arm.name} score={row.get('score', float('nan')):.2f}")
             yield row
+
+
+@dataclass
+class RecordPlan:
+    """How a record is run (`SweepRunner.plan`): ``ids [1, T]``; ``split`` tokens are prefilled (the
+    rest fed by decode steps); at most ``max_new`` new tokens; ``stop`` the benchmark's stop rule."""
+
+    ids: torch.Tensor
+    split: int
+    max_new: int
+    stop: str
+    sampled: bool
+
+    @property
+    def T(self) -> int:
+        return self.ids.shape[1]
+
+
+def _context_length(bench, rec: dict, tok, prefilled: int) -> int:
+    """Tokens of the prompt's context (before the question), at most the ``prefilled`` tokens."""
+    q = bench.question_start_text(rec)
+    if q is None:
+        return prefilled
+    from .benchmarks import encode_text
+
+    return min(encode_text(tok, bench.prompt_text(rec)[:q]).shape[1], prefilled)
 
 
 def _rounded(value: float | None, digits: int = 2) -> float | None:

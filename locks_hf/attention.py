@@ -147,14 +147,16 @@ def locks_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
             observe(layer_idx, key.shape[2], query, scaling)
     layer.prepare(attention_mask, q_len)
     if q_len > 1:
-        layer.observe_prompt_queries(query)
+        layer.observe_prompt_queries(query, scaling)
     if layer.attends_densely(q_len):
         if q_len == 1:
             real = layer.real_tokens() * key.shape[1]
             layer.record_step(real, real)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    if layer.selector.token_level:  # eviction / per-token policies: their own reference path on any device
+    # eviction / per-token policies: their own reference path on any device (a static cache's "full"
+    # reaches this point on the kernels, with no selector)
+    if layer.selector is not None and layer.selector.token_level:
         return policy_decode(layer, query, scaling), None
     out = sparse_decode(layer, query, scaling)
     layer.record_selection_traffic()

@@ -20,7 +20,7 @@ from .backend import build_summary as compute_summary  # noqa: F401  (the former
 from .config import LocksConfig
 from .models_support import check_model_supported
 from .paged import PagedLayer, pages_to_mask, slot_validity
-from .selectors import PageSelector, make_selector, summary_layout
+from .selectors import PageSelector, make_selector
 
 #: Prompt queries kept per layer (the last ones of the multi-token forwards) for policies that score
 #: the prompt with an observation window (RocketKV's SnapKV stage uses 32).
@@ -73,6 +73,9 @@ class LocksLayer(DynamicLayer, PagedLayer):
         self.prompt_queries: torch.Tensor | None = None  # [b, Hq, <=PROMPT_QUERY_WINDOW, d]
         self.policy_state = None  # a token-level policy's `PolicyState`, built at the first decode step
         self.expected_new_tokens = 0  # decode length announced by `LocksCache.expect_new_tokens`
+        self.text_config = None  # the model's text config, set by `LocksCache` (rotary frequencies)
+        self.prefill_scores: dict[str, torch.Tensor] = {}  # per-token scores computed once per prompt (KVzip)
+        self.score_request = None  # collects scores from the queries of multi-token forwards (KVzip)
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -102,10 +105,13 @@ class LocksLayer(DynamicLayer, PagedLayer):
     def record_selection_traffic(self) -> None:
         self.record_estimate(self.selection_read_bytes())
 
-    def observe_prompt_queries(self, query: torch.Tensor) -> None:
-        """Keep the last `PROMPT_QUERY_WINDOW` queries ``[b, Hq, t, d]`` of multi-token forwards."""
+    def observe_prompt_queries(self, query: torch.Tensor, scale: float) -> None:
+        """Keep the last `PROMPT_QUERY_WINDOW` queries ``[b, Hq, t, d]`` of multi-token forwards (and
+        hand them to a pending score request)."""
         held = query if self.prompt_queries is None else torch.cat([self.prompt_queries, query], dim=2)
         self.prompt_queries = held[:, :, -PROMPT_QUERY_WINDOW:].detach()
+        if self.score_request is not None:
+            self.score_request.update(query, self.keys, scale)
 
     def count_buffer(self) -> torch.Tensor:
         """The running ``(attended, cached)`` token counts, ``int64 [2]`` on the layer's device (the
@@ -275,7 +281,7 @@ class LocksLayer(DynamicLayer, PagedLayer):
 
     def set_config(self, config: LocksConfig) -> None:
         """Switch selector settings; summaries are rebuilt (lazily) when their layout changes."""
-        if summary_layout(config) != summary_layout(self.config):
+        if config.summary_layout != self.config.summary_layout:
             self.summary, self.shared, self.n_summarized = {}, {}, [0] * len(self.row_start)
         self.config = config
         self.selector = make_selector(config)
@@ -291,6 +297,7 @@ class LocksLayer(DynamicLayer, PagedLayer):
         self.shared = {n: fn(t) for n, t in self.shared.items()}
         if self.prompt_queries is not None:
             self.prompt_queries = fn(self.prompt_queries)
+        self.prefill_scores = {n: fn(t) for n, t in self.prefill_scores.items()}
         if self.policy_state is not None:
             self.policy_state = self.policy_state.mapped(fn)
         self.row_start = [self.row_start[r] for r in rows]
@@ -397,6 +404,7 @@ class LocksCache(LocksCacheMixin, DynamicCache):
         for i, layer_type in enumerate(layer_types):
             if layer_type == "full_attention":
                 self.layers[i] = LocksLayer(locks)
+                self.layers[i].text_config = text_config
 
     def expect_new_tokens(self, count: int) -> None:
         """Announce how many tokens the next decode will generate (policies whose budget rule uses

@@ -79,6 +79,14 @@ class LocksConfig:
         return math.ceil(self.budget / self.page_size)
 
     @property
+    def summary_layout(self) -> tuple:
+        """What the per-page summaries depend on (the selector's declared `summary_fields`): configs with
+        equal layouts (e.g. differing only in budget or group rule) share the same summaries."""
+        from .selectors import summary_layout
+
+        return summary_layout(self)
+
+    @property
     def label(self) -> str:
         """Short name of the arm, e.g. ``locks-r8i4-b128`` or ``quest-b128`` (``full``: no budget)."""
         cls = _selector_class(self.selector)

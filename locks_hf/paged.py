@@ -123,7 +123,7 @@ class PagedLayer(ABC):
             counts[0] += attended
         counts[1] += context
 
-    def observe_prompt_queries(self, query: torch.Tensor) -> None:
+    def observe_prompt_queries(self, query: torch.Tensor, scale: float) -> None:
         """Prefill hook (``query [b, Hq, t, d]``, t > 1): layers that keep prompt queries override it."""
 
     def record_selection_traffic(self) -> None:

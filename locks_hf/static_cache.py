@@ -23,7 +23,13 @@ from __future__ import annotations
 
 import torch
 from transformers import PretrainedConfig
-from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING, Cache, StaticLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import (
+    STATIC_LAYER_TYPE_MAPPING,
+    Cache,
+    StaticLayer,
+    StaticSlidingWindowLayer,
+    get_layer_types_and_kwargs,
+)
 from transformers.utils import is_torchdynamo_compiling
 
 from . import backend
@@ -49,7 +55,10 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         self.config = config
         self.selector = make_selector(config)
         self.shared = {}  # no sequence-level selector state: every page is summarized on its own
-        self.counts = self.last_selection = None  # tensors from lazy_initialization on
+        self.counts = self.last_selection = self.row_counts = None  # tensors from lazy_initialization on
+        # Summaries of the layouts not in use (`set_config`), each with the length up to which its
+        # complete pages are summarized.
+        self._stored_layouts: dict[tuple, tuple[dict[str, torch.Tensor], int]] = {}
 
     # -- storage ---------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -62,17 +71,28 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         self.pad = torch.zeros(b, dtype=torch.int32, device=dev)  # padding slots per row (set by prefill)
         self.length_t = torch.zeros(1, dtype=torch.int32, device=dev)  # int32 copy of cumulative_length
         self.counts = torch.zeros(2, dtype=torch.int64, device=dev)  # tokens attended, cached (see record_step)
+        self.row_counts = torch.zeros((b, 2), dtype=torch.int64, device=dev)  # the same per row
         self.last_selection = torch.zeros((b, h, P), dtype=torch.bool, device=dev)
-        self.summary = {}
-        if self.selector is not None:
-            # The summary layout (names, shapes, dtypes) of one all-zero page, allocated for every page.
-            probe = self.summarize_pages(key_states.new_zeros((b, h, 1, self.config.page_size, d)),
-                                         torch.ones((b, h, 1, self.config.page_size), dtype=torch.bool, device=dev))
-            self.summary = {n: t.new_zeros((b, h, P, *t.shape[3:])) for n, t in probe.items()}
+        self.summary = self._new_summary()
         if not is_torchdynamo_compiling():
-            for t in (self.slot_valid, self.row_start, self.pad, self.length_t, self.counts, self.last_selection,
-                      *self.summary.values()):
+            for t in (self.slot_valid, self.row_start, self.pad, self.length_t, self.counts, self.row_counts,
+                      self.last_selection):
                 torch._dynamo.mark_static_address(t)
+
+    def _new_summary(self) -> dict[str, torch.Tensor]:
+        """Zeroed summary buffers of the current selector for every page (``{}`` without summaries)."""
+        if self.selector is None:
+            return {}
+        b, h, _, d = self.keys.shape
+        B = self.config.page_size
+        # The summary layout (names, shapes, dtypes) of one all-zero page, allocated for every page.
+        probe = self.summarize_pages(self.keys.new_zeros((b, h, 1, B, d)),
+                                     torch.ones((b, h, 1, B), dtype=torch.bool, device=self.device))
+        summary = {n: t.new_zeros((b, h, self.num_pages, *t.shape[3:])) for n, t in probe.items()}
+        if not is_torchdynamo_compiling():
+            for t in summary.values():
+                torch._dynamo.mark_static_address(t)
+        return summary
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,7 +145,14 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         the page this step completed (see `_summarize_newest_page`)."""
         if query_len > 1:
             self._prefill(attention_mask, query_len)
-        elif self.selector is not None and self.summary:
+            return
+        # per-row statistics: real tokens cached (all of them attended under "full"); decode tokens
+        # are real, so a row's count is the written length minus its padding
+        context = ((self.length_t - self.pad) * self.keys.shape[1]).to(torch.int64)
+        self.row_counts[:, 1] += context
+        if self.selector is None:
+            self.row_counts[:, 0] += context
+        elif self.summary:
             self._summarize_newest_page()
 
     def attends_densely(self, query_len: int) -> bool:
@@ -145,15 +172,19 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         slots = torch.arange(end, device=self.device)
         self.row_start.copy_(torch.where(self.slot_valid[:, :end], slots, end).amin(-1).to(torch.int32))
         self.pad.copy_((~self.slot_valid[:, :end]).sum(-1))
+        self._summarize_pages(0)
+
+    def _summarize_pages(self, first: int) -> None:
+        """Summarize pages ``first ..`` up to the last complete page of any row (eager, one pass)."""
         if self.selector is None:
             return
         n = int(self.row_tensors()[1].max())
-        if n == 0:
+        if n <= first:
             return
         b, h = self.keys.shape[:2]
-        new = self.summarize_pages(*self.page_inputs(torch.arange(n, device=self.device).expand(b, h, -1)))
+        new = self.summarize_pages(*self.page_inputs(torch.arange(first, n, device=self.device).expand(b, h, -1)))
         for name, tensor in new.items():
-            self.summary[name][:, :, :n] = tensor
+            self.summary[name][:, :, first:n] = tensor
 
     def _summarize_newest_page(self) -> None:
         if backend.uses_kernels(self):  # only the page this step completed, one fused launch
@@ -173,20 +204,25 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         return self.counts
 
     def note_selection(self, pages: torch.Tensor) -> None:
-        """Remember the pages a decode step attended (``[b, h, W]``, ``< 0`` = none) as a page mask."""
+        """Remember the pages a decode step attended (``[b, h, W]``, ``< 0`` = none, no page twice) as
+        a page mask, and add the real tokens of those pages to the row's statistics."""
         self.last_selection.copy_(pages_to_mask(pages, self.num_pages))
+        taken = self.page_validity_of(pages.clamp_min(0)) & (pages >= 0).unsqueeze(-1)
+        self.row_counts[:, 0] += taken.flatten(1).sum(-1)
 
     def reset_stats(self) -> None:
         if self.is_initialized:
             self.counts.zero_()
+            self.row_counts.zero_()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: reorder every row-indexed buffer in place (their addresses stay static)."""
         if not self.is_initialized:
             return
         idx = beam_idx.to(self.device)
+        stored = [t for summary, _ in self._stored_layouts.values() for t in summary.values()]
         for t in (self.keys, self.values, self.slot_valid, self.row_start, self.pad, self.last_selection,
-                  *self.summary.values()):
+                  self.row_counts, *self.summary.values(), *stored):
             t.copy_(t.index_select(0, idx))
 
     def reset(self) -> None:
@@ -198,6 +234,58 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
             self.length_t.zero_()
             self.last_selection.zero_()
             self.reset_stats()
+            for summary, _ in self._stored_layouts.values():  # they hold pages of the old sequence
+                for t in summary.values():
+                    t.zero_()
+            self._stored_layouts = {k: (summary, 0) for k, (summary, _) in self._stored_layouts.items()}
+
+    # -- one prefix, several decode settings (sweeps) -------------------------------------------------
+    def rewind(self, length: int) -> None:
+        """Forget every slot from ``length`` on: the next token is written at ``length``. Summaries of
+        the pages still complete stay valid; pages that become incomplete are masked and summarized
+        again once decode completes them. Statistics restart at zero. Eager (reads the length)."""
+        held = int(self.cumulative_length) if self.is_initialized else 0
+        if not 0 <= length <= held:
+            raise ValueError(f"rewind({length}): the layer holds {held} tokens; rewind to 0..{held}")
+        self.cumulative_length.fill_(length)
+        self.length_t.fill_(length)
+        if length:
+            valid = self.slot_valid[:, :length]
+            slots = torch.arange(length, device=self.device)
+            self.row_start.copy_(torch.where(valid, slots, length).amin(-1))
+            self.pad.copy_((~valid).sum(-1))
+        else:
+            self.row_start.zero_()
+            self.pad.zero_()
+        self.last_selection.zero_()
+        self.reset_stats()
+
+    def set_config(self, config: LocksConfig) -> None:
+        """Decode with other settings from here on (same page size). Summaries are kept per layout
+        (`LocksConfig.summary_layout`): switching back to a layout reuses its summaries and builds
+        only the pages completed since it was last in use; a new layout summarizes every complete
+        page once. Eager: call it between decode runs, not inside a compiled step."""
+        if config.page_size != self.config.page_size:
+            raise LocksConfigError(
+                f"set_config: page_size {config.page_size} differs from the cache's {self.config.page_size}; "
+                "the page grid is fixed at creation")
+        if config.selector not in static_selector_names() or config.min_context:
+            raise LocksConfigError(f"set_config: LocksStaticCache supports selector in {static_selector_names()} with "
+                                   f"min_context=0, got selector={config.selector!r} min_context={config.min_context}")
+        old, new = self.config.summary_layout, config.summary_layout
+        self.config, self.selector = config, make_selector(config)
+        if old == new or not self.is_initialized:
+            return
+        length = int(self.cumulative_length)
+        self._stored_layouts[old] = (self.summary, length)
+        if new in self._stored_layouts:
+            self.summary, built = self._stored_layouts.pop(new)
+            # pages complete at min(built, length) are still those it summarized; later ones are stale
+            first = int(torch.div(min(built, length) - self.row_start, self.config.page_size,
+                                  rounding_mode="floor").clamp_min(0).min())
+        else:
+            self.summary, first = self._new_summary(), 0
+        self._summarize_pages(first)
 
 
 class LocksStaticCache(LocksCacheMixin, Cache):
@@ -238,3 +326,54 @@ class LocksStaticCache(LocksCacheMixin, Cache):
 
     def crop(self, max_length: int) -> None:
         raise ValueError("LocksStaticCache cannot be cropped (assisted decoding): use LocksCache")
+
+    # -- one prefix, several decode settings (sweeps) -------------------------------------------------
+    def mark_prefix(self) -> None:
+        """Remember the current contents as the shared prefix that `rewind` returns to (e.g. a prefilled
+        prompt that several arms decode from). Layers that keep only a window (sliding-window
+        attention) are copied here, since decode overwrites them; Locks layers copy nothing."""
+        self._prefix_length = int(self.get_seq_length())
+        self._prefix_state = [None if isinstance(layer, LocksStaticLayer) else _window_state(layer)
+                              for layer in self.layers]
+
+    def rewind(self) -> None:
+        """Back to the prefix of `mark_prefix`: the decode tail is forgotten, statistics restart at zero,
+        summaries of the prefix's pages are kept (no K/V is copied)."""
+        if getattr(self, "_prefix_length", None) is None:
+            raise ValueError("LocksStaticCache.rewind: call mark_prefix() after the prefill first")
+        for layer, state in zip(self.layers, self._prefix_state):
+            if state is None:
+                layer.rewind(self._prefix_length)
+            else:
+                _restore_window_state(layer, state)
+
+    def set_config(self, locks: LocksConfig) -> None:
+        """Decode with ``locks`` from here on (see `LocksStaticLayer.set_config`: summaries per layout)."""
+        self.locks_config = locks
+        for layer in self.locks_layers:
+            layer.set_config(locks)
+
+    def row_stats(self) -> torch.Tensor:
+        """``int64 [b, 2]``: per row, tokens attended and real tokens cached, summed over the Locks layers
+        and the decode steps since the last `rewind` / `reset_stats` (their ratio is a row's attended
+        fraction)."""
+        return torch.stack([layer.row_counts for layer in self.locks_layers]).sum(0)
+
+
+def _window_state(layer) -> dict:
+    """A copy of what a transformers static (or sliding-window) layer holds: its K/V and counters."""
+    if type(layer) not in (StaticLayer, StaticSlidingWindowLayer):
+        raise ValueError(f"LocksStaticCache.mark_prefix cannot save a {type(layer).__name__} (its state is not "
+                         "only K/V): rewinding this model's cache is not supported")
+    if not layer.is_initialized:
+        return {}
+    return {name: value.clone() if torch.is_tensor(value) else value for name, value in vars(layer).items()
+            if name in ("keys", "values", "cumulative_length", "cumulative_length_int")}
+
+
+def _restore_window_state(layer, state: dict) -> None:
+    for name, value in state.items():
+        if torch.is_tensor(value):
+            getattr(layer, name).copy_(value)  # in place: compiled graphs hold these addresses
+        else:
+            setattr(layer, name, value)

@@ -34,6 +34,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
 from locks_hf import LocksCache, LocksConfig, LocksStaticCache
+from locks_hf.config import BASELINE_POLICIES
 
 SHAPES = {
     "llama3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -66,6 +67,12 @@ def synthetic_prefill(cache, config, n_tokens: int, device, dtype, page_size: in
         layer = cache.layers[idx]
         if hasattr(layer, "prepare"):  # a Locks layer: what the attention function does after prefill
             layer.prepare(None, n_tokens)
+            # what a real prefill also leaves: the last prompt queries (RocketKV's SnapKV stage, TriAttention's
+            # statistics) and, after KVzip's reconstruction passes, its scores (random here: the cost is the same)
+            queries = torch.randn(1, config.num_attention_heads, 32, d, device=device, generator=gen).to(dtype)
+            layer.observe_prompt_queries(queries, d ** -0.5)
+            if hasattr(layer, "prefill_scores"):
+                layer.prefill_scores["kvzip"] = torch.rand(1, h, n_tokens, device=device, generator=gen)
         del keys, values
 
 
@@ -73,7 +80,7 @@ HF_STATIC = "hf-static"  # transformers' own StaticCache (dense, masked SDPA ove
 
 
 def make_arm(name: str, budget: int) -> LocksConfig:
-    if name in ("full", "quest", "oracle", HF_STATIC):
+    if name in ("full", "quest", "oracle", HF_STATIC, *BASELINE_POLICIES):  # baselines: eager (--graphs none)
         return LocksConfig(selector="full" if name == HF_STATIC else name, budget=budget)
     return LocksConfig.from_label(name, budget=budget)
 
@@ -181,7 +188,8 @@ def main(argv=None) -> None:
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--arms", default="full,r4i4,r8i4,quest",
                     help=f"comma list: full (dense), {HF_STATIC} (transformers' StaticCache; with graphs), quest, "
-                         "oracle, Locks labels (r4i4, ...)")
+                         "oracle, Locks labels (r4i4, ...), the baselines (rocketkv, shadowkv, kvzip, rkv, triattention, "
+                         "lazy_eviction; eager only)")
     ap.add_argument("--graphs", default="none", choices=["none", "cuda", "compile"])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)

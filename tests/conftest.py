@@ -44,3 +44,16 @@ def tiny(arch: str, attn: str = "locks", dtype=torch.float64, seed: int = 0):
 @pytest.fixture(params=TINY_ARCHS)
 def arch(request):
     return request.param
+
+
+def count_forwards(model, monkeypatch) -> dict:
+    """Count ``model.forward`` calls in ``calls["n"]`` until ``monkeypatch.undo()``."""
+    calls = {"n": 0}
+    forward = model.forward
+
+    def counting(*a, **k):
+        calls["n"] += 1
+        return forward(*a, **k)
+
+    monkeypatch.setattr(model, "forward", counting)
+    return calls

@@ -129,7 +129,7 @@ def test_rocketkv_needs_a_prefill_with_queries():
         _decode(model, cache, _ids(1), 2)
 
 
-@pytest.mark.parametrize("selector", ["rocketkv", "rkv", "lazy_eviction", "shadowkv"])
+@pytest.mark.parametrize("selector", ["rocketkv", "rkv", "lazy_eviction", "shadowkv", "triattention"])
 def test_covering_budget_generates_the_dense_tokens(arch, selector):
     ids = _ids(40)
     ref = tiny(arch, "sdpa").generate(ids, max_new_tokens=8, do_sample=False)
@@ -143,10 +143,12 @@ def test_covering_budget_generates_the_dense_tokens(arch, selector):
 # (prompt, budget, new tokens) for each method to leave tokens out (R-KV: its first compression at
 # 128 generated tokens; ShadowKV: its smallest budget and a prompt beyond its 48 outlier chunks)
 SPARSE_RUN = {"rocketkv": (300, 64, 10), "rkv": (300, 64, 140), "lazy_eviction": (300, 64, 40),
-              "shadowkv": (1000, 512, 6)}
+              "shadowkv": (1000, 512, 6), "triattention": (30, 64, 120)}
 
 
-@pytest.mark.parametrize("selector", list(SPARSE_RUN))
+# Runs of 100+ generated tokens take most of this file's time: `slow` (CI runs them).
+@pytest.mark.parametrize("selector", [pytest.param(s, marks=pytest.mark.slow) if SPARSE_RUN[s][2] >= 100 else s
+                                      for s in SPARSE_RUN])
 def test_small_budget_generate_runs(arch, selector):
     model = tiny(arch)
     prompt, budget, n = SPARSE_RUN[selector]
@@ -211,8 +213,79 @@ def test_shadowkv_below_its_fixed_blocks_does_not_fit_and_the_sweep_skips_it():
         parse_arms(["shadowkv"], [256])
 
 
+# -- TriAttention ----------------------------------------------------------------------------------
+def test_rope_frequencies_are_the_models(arch):
+    from locks_hf.rope import rope_frequencies
+
+    model = tiny(arch)
+    rotary = model.model.rotary_emb
+    buffers = dict(rotary.named_buffers())
+    want = buffers.get("full_attention_inv_freq", buffers.get("inv_freq"))
+    assert torch.allclose(rope_frequencies(model.config.get_text_config(decoder=True)), want.double())
+
+
+def test_trig_scores_match_the_published_expectation_over_future_offsets():
+    from locks_hf.baselines.triattention import OFFSETS, trig_scores
+
+    h, G, R, d, now = 2, 3, 9, 8, 300.0
+    F = d // 2
+    omega = 1.0 / 100.0 ** (torch.arange(F, dtype=torch.float64) / F)
+    pre = _randn(h, R, d)  # pre-RoPE keys at positions p
+    positions = torch.randint(0, 290, (R,), generator=GEN).double()
+    angle = positions[:, None] * omega  # [R, F]
+    x1, x2 = pre[..., :F], pre[..., F:]
+    post = torch.cat([x1 * angle.cos() - x2 * angle.sin(), x2 * angle.cos() + x1 * angle.sin()], -1)
+    q_mean = torch.complex(_randn(h, G, F), _randn(h, G, F))
+    q_abs = q_mean.abs() + torch.rand(h, G, F, generator=GEN, dtype=torch.float64)
+    got = trig_scores(post, q_mean, q_abs, omega, now)
+    for j in range(h):
+        for g in range(G):
+            for r in range(R):
+                k = torch.complex(pre[j, r, :F], pre[j, r, F:])
+                phi = torch.angle(q_mean[j, g] * k.conj())
+                amp = q_mean[j, g].abs() * k.abs()
+                trig = sum(float((amp * torch.cos(omega * (now + off - positions[r]) + phi)).sum())
+                           for off in OFFSETS.tolist()) / len(OFFSETS)
+                extra = float(((q_abs[j, g] - q_mean[j, g].abs()) * k.abs()).sum())
+                assert got[j, g, r] == pytest.approx(trig + extra, abs=1e-9)
+
+
+def test_triattention_keeps_the_prompt_and_the_best_generated_tokens():
+    from locks_hf.baselines.triattention import trig_scores
+
+    model = tiny("qwen3")
+    budget, prompt = 64, 30
+    cache = LocksCache(model.config, LocksConfig(selector="triattention", budget=budget))
+    out = model(_ids(prompt), past_key_values=cache)
+    token = out.logits[:, -1:].argmax(-1)
+    layer = cache.locks_layers[0]
+    for _ in range(128 - prompt):  # the step that reaches position 128 compresses
+        out = model(token, past_key_values=cache)
+        token = out.logits[:, -1:].argmax(-1)
+    state = layer.policy_state
+    assert (state.keep[..., :prompt]).all()  # the prompt is protected
+    assert (state.keep.sum(-1) == budget).all()  # budget - prompt generated tokens stay
+    # the kept generated tokens are the best by the group-max score under the statistics of the step
+    count = state.tensors["count"]
+    q_mean, q_abs = state.tensors["q_sum"] / count, state.tensors["abs_sum"] / count
+    for j in range(layer.keys.shape[1]):
+        candidates = torch.arange(prompt, 128)  # every generated token was resident
+        scores = trig_scores(layer.keys[0, j, candidates], q_mean[0, j], q_abs[0, j], state.info["omega"], 128.0)
+        ranked = _ranked(scores.amax(0).tolist())[: budget - prompt]
+        assert set(torch.nonzero(state.keep[0, j, 0, prompt:]).flatten().add(prompt).tolist()) == \
+            {int(candidates[i]) for i in ranked}
+
+
+def test_triattention_needs_the_model_config():
+
+    model = tiny("llama")
+    cache = LocksCache(None, LocksConfig(selector="triattention", budget=64))
+    with pytest.raises(Exception, match="model config"):
+        _decode(model, cache, _ids(20), 1)
+
+
 # -- the sweep -------------------------------------------------------------------------------------
-SWEEP_FAMILIES = ["rocketkv", "rkv", "lazy_eviction"]
+SWEEP_FAMILIES = ["rocketkv", "rkv", "lazy_eviction", "triattention", "kvzip"]
 
 
 def test_sweep_rows_report_attended_tokens_and_bytes(tmp_path):
@@ -294,6 +367,7 @@ def test_rkv_compression_keeps_the_best_scores_and_the_newest_tokens():
     assert torch.equal(policy.compressed(layer, state, window, 0.3), state.keep)
 
 
+@pytest.mark.slow  # generates past two compressions
 def test_rkv_decode_compresses_every_128_generated_tokens():
     model = tiny("qwen3")
     cache = LocksCache(model.config, LocksConfig(selector="rkv", budget=64))
@@ -374,3 +448,67 @@ def test_lazy_eviction_decode_keeps_each_query_heads_budget():
             assert (counts == budget).all()
     G = keep.shape[2]
     assert cache.decode_traffic()["attended_tokens"] <= G * (budget + W)
+
+
+# -- KVzip -------------------------------------------------------------------------------------------
+def test_kvzip_repeat_inputs_follow_the_published_chunking():
+    from locks_hf.baselines.kvzip import CHUNK, FIRST_PROMPT, NEXT_PROMPT, SINK, repeat_inputs
+
+    def encode(text):
+        return torch.tensor([[ord(c) % 200 for c in text]])
+
+    context = torch.randint(3, 256, (1, SINK + CHUNK + 100), generator=GEN)
+    chunks = repeat_inputs(encode, context)
+    assert [(s, e) for s, e, _ in chunks] == [(SINK, SINK + CHUNK), (SINK + CHUNK, SINK + CHUNK + 100)]
+    assert torch.equal(chunks[0][2], torch.cat([encode(FIRST_PROMPT), context[:, SINK:SINK + CHUNK]], 1))
+    tail = context[:, SINK + CHUNK - 8:SINK + CHUNK]
+    assert torch.equal(chunks[1][2], torch.cat([encode(NEXT_PROMPT), tail, context[:, SINK + CHUNK:]], 1))
+
+
+def test_kvzip_scores_are_the_max_reconstruction_attention():
+    from locks_hf.baselines.kvzip import SINK, ReconstructionScores
+
+    b, h, G, n_ctx, t, d = 1, 2, 2, 300, 40, 8
+    start, end = 100, 170
+    keys, q = _randn(b, h, n_ctx + t, d), _randn(b, h * G, t, d)
+    store = torch.zeros(b, h, n_ctx, dtype=torch.float64)
+    ReconstructionScores(store, start, end).update(q, keys, 0.4)
+    for j in range(h):
+        for r in range(start, end):
+            best = 0.0
+            for g in range(G):
+                for i in range(t):
+                    visible = list(range(SINK)) + list(range(start, end)) + list(range(n_ctx, n_ctx + i + 1))
+                    p = torch.softmax(0.4 * keys[0, j, visible] @ q[0, j * G + g, i], 0)
+                    best = max(best, float(p[SINK + r - start]))
+            assert float(store[0, j, r]) == pytest.approx(best, abs=1e-12)
+    assert (store[..., :start] == 0).all() and (store[..., end:] == 0).all()
+
+
+def test_kvzip_keeps_the_best_context_tokens_the_question_and_the_generated():
+    from locks_hf.baselines.kvzip import SINK, score_context
+    from locks_hf.eval.testing import ByteTokenizer
+
+    model, budget, context, T = tiny("gemma3"), 64, 250, 300
+    ids = _ids(T)
+    base = LocksCache(model.config, LocksConfig(selector="full"))
+    with torch.no_grad():
+        model(ids, past_key_values=base)
+        score_context(model, ByteTokenizer(), base, ids[:, :context])
+        cache = base.fork(LocksConfig(selector="kvzip", budget=budget))
+        _decode(model, cache, ids[:, -1:], 3)  # the prompt's last token again, then 3 generated
+    for base_layer, layer in zip(base.locks_layers, cache.locks_layers):
+        scores = base_layer.prefill_scores["kvzip"]
+        keep = layer.policy_state.keep[0, :, 0]
+        assert (keep[:, context:]).all()  # question and generated tokens beyond the budget
+        for j in range(keep.shape[0]):
+            want = set(_ranked(scores[0, j].tolist())[:budget])
+            assert set(torch.nonzero(keep[j, :context]).flatten().tolist()) == want
+            assert set(range(SINK)) <= want
+
+
+def test_kvzip_needs_its_scores():
+    model = tiny("llama")
+    cache = LocksCache(model.config, LocksConfig(selector="kvzip", budget=64))
+    with pytest.raises(Exception, match="reconstruction scores"):
+        _decode(model, cache, _ids(100), 1)

@@ -49,3 +49,26 @@ def test_compile_time_script_compiles_the_rolled_fma_kernel_for_sm90():
     m = re.search(r"rank 8: ([\d.]+) s \{'registers': (\d+), 'local_bytes': (\d+)", run.stdout)
     assert m, run.stdout
     assert int(m.group(2)) <= 128 and int(m.group(3)) == 0
+
+
+@pytest.mark.slow  # both engines on three tiny jobs: about a minute of CPU
+def test_bench_sweep_runs_on_cpu(tmp_path):
+    """scripts/bench_sweep.py at a tiny shape: both engines on jobs a and b, the identity check at a
+    covering budget, and the memory job (one prefix, every arm) write their table and JSON."""
+    spec = importlib.util.spec_from_file_location("bench_sweep", SCRIPT.parent / "bench_sweep.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "sweep.json"
+    module.main(["--shape", "tiny", "--device", "cpu", "--jobs", "a,b,memory", "--budget", "64",
+                 "--arms", "full,locks-r4i4,quest", "--a-records", "2", "--a-context", "128", "--a-new", "3",
+                 "--b-arms", "full,quest", "--b-prompt", "16", "--b-new", "20", "--b-samples", "2",
+                 "--b-old-new", "4", "--context", "256", "--memory-new", "2", "--check-context", "48",
+                 "--check-new", "3", "--check-records", "1", "--out", str(out)])
+    results = {r["job"]: r for r in json.loads(out.read_text())["results"]}
+    a, b, memory = results["a"], results["b"], results["memory"]
+    assert a["static"]["tokens"] == a["eager"]["tokens"] == 2 * 3 * 3  # records x arms x new tokens
+    assert b["static"]["tokens"] == 2 * 2 * 20 and b["eager"]["tokens"] == 2 * 4
+    for job in (a, b):
+        check = job["identity"]
+        assert check["identical"] == check["compared"] > 0 and check["attended_equal"]
+    assert [p["tokens"] for p in memory["per_arm"]] == [2, 2, 2]

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from conftest import count_forwards
 
 from locks_hf.eval.arms import parse_arms
 from locks_hf.eval.benchmarks import RulerBenchmark
@@ -84,14 +85,7 @@ def test_end_to_end_resume_and_shards(model, tmp_path, monkeypatch):
     # resume: nothing is generated or prefilled again
     pred_file = single / "predictions" / "shard-0-of-1.jsonl"
     before = pred_file.read_text()
-    calls = {"n": 0}
-    orig = model.forward
-
-    def counting(*a, **k):
-        calls["n"] += 1
-        return orig(*a, **k)
-
-    monkeypatch.setattr(model, "forward", counting)
+    calls = count_forwards(model, monkeypatch)
     _run(model, single)
     monkeypatch.undo()
     assert calls["n"] == 0 and pred_file.read_text() == before
