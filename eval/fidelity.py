@@ -129,7 +129,9 @@ def capture_decode(model, prompt_ids: torch.Tensor, steps: int = 8, page_size: i
     """Prefill densely, decode ``steps`` greedy tokens with full attention; return (captures, cache)."""
     from locks_hf import LocksCache, LocksConfig
 
-    cache = LocksCache(model.config, LocksConfig(selector="full", page_size=page_size))
+    # dynamic layout: the captures read each step's length off the key tensor (the static layout's is
+    # its whole capacity)
+    cache = LocksCache(model.config, LocksConfig(selector="full", page_size=page_size), layout="dynamic")
     out = model(prompt_ids, past_key_values=cache, use_cache=True)
     tok = out.logits[:, -1:].argmax(-1)
     raw: list = []

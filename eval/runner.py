@@ -373,7 +373,8 @@ class SweepRunner:
                                                  plan.stop, plan.sampled)
 
         t0 = time.perf_counter()
-        base = LocksCache(model.config, LocksConfig(selector="full"))
+        # the eager engine: dynamic caches, as this runner has always decoded (one fork per arm)
+        base = LocksCache(model.config, LocksConfig(selector="full"), layout="dynamic")
         out = model(ids[:, :split], past_key_values=base, use_cache=True)
         first = out.logits[:, -1].argmax(-1, keepdim=True)
         del out

@@ -27,12 +27,15 @@ def decode_step(method: str, query: torch.Tensor, *, key_buf: torch.Tensor, valu
                 slot_valid: torch.Tensor, row_start: torch.Tensor, n_complete: torch.Tensor, length: int | torch.Tensor,
                 n_pages: int, slots: int, scale: float, page_size: int,
                 summary: dict[str, torch.Tensor] | None = None, basis_bits: int = 4,
-                counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                counts: torch.Tensor | None = None,
+                active_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One sparse decode step on explicit tensors: ``(output [b, 1, Hq, d], pages [b*h, W])``.
 
     ``method`` is ``"locks"``, ``"quest"`` or ``"oracle"`` (see `score_pages` for the inputs), or
     ``"full"``: dense attention over every written page (no scoring, no selection; ``W = 0``).
     ``counts`` (int64, optional): ``counts[0]`` grows by the real tokens attended.
+    ``active_slots`` (``int32 [1]``, optional): the page slots ``k <= slots`` to select, read on the
+    device (``slots`` then only sizes the page lists).
     """
     length = as_length(length, query.device)  # one device tensor for the three kernels
     h = key_buf.shape[1]
@@ -44,7 +47,7 @@ def decode_step(method: str, query: torch.Tensor, *, key_buf: torch.Tensor, valu
                                    n_complete=n_complete, length=length, n_pages=n_pages, scale=scale,
                                    page_size=page_size, summary=summary, keys=key_buf, basis_bits=basis_bits)
     pages = select_pages(scores, partials, slots=slots, per_head=method == "quest", row_start=row_start,
-                         length=length, heads=h, page_size=page_size)
+                         length=length, heads=h, page_size=page_size, active_slots=active_slots)
     out = sparse_attention(query, key_buf, value_buf, pages, slot_valid=slot_valid, row_start=row_start,
                            length=length, scale=scale, page_size=page_size, counts=counts)
     return out, pages

@@ -57,12 +57,20 @@ def _sink_and_lse(part_ptr, row, n_blk, last_page, GG: tl.constexpr, NBP: tl.con
 
 
 @triton.jit
-def _select_chunk_kernel(score_ptr, part_ptr, n_blk, row_start_ptr, len_ptr, H, P, K,
+def _selected(k_ptr, K_MAX):
+    """Pages to select besides the sink and the recent one: the budget's ``k - 2`` read on the device
+    (so that a captured graph serves any budget), at most the ``K_MAX`` the lists were sized for."""
+    return tl.minimum(tl.maximum(tl.load(k_ptr) - 2, 0), K_MAX)
+
+
+@triton.jit
+def _select_chunk_kernel(score_ptr, part_ptr, n_blk, row_start_ptr, len_ptr, H, P, k_ptr, K_MAX,
                          key_ptr, page_ptr, sink_ptr, n_chunk,
                          PER_HEAD: tl.constexpr, G: tl.constexpr, GG: tl.constexpr, B: tl.constexpr, CH: tl.constexpr,
                          KP: tl.constexpr, NBP: tl.constexpr):
     chunk = tl.program_id(0)
     vrow = tl.program_id(1)
+    K = _selected(k_ptr, K_MAX)
     if PER_HEAD:
         row = vrow // G
         head = vrow % G
@@ -107,10 +115,11 @@ def _select_chunk_kernel(score_ptr, part_ptr, n_blk, row_start_ptr, len_ptr, H, 
 
 
 @triton.jit
-def _select_merge_kernel(key_ptr, page_ptr, sink_ptr, row_start_ptr, len_ptr, H, K, n_chunk,
+def _select_merge_kernel(key_ptr, page_ptr, sink_ptr, row_start_ptr, len_ptr, H, k_ptr, K_MAX, n_chunk,
                          out_ptr, W, PER_HEAD: tl.constexpr, G: tl.constexpr, B: tl.constexpr,
                          KP: tl.constexpr, M: tl.constexpr):
     vrow = tl.program_id(0)
+    K = _selected(k_ptr, K_MAX)
     e = tl.arange(0, M)
     inb = e < n_chunk * KP
     key = tl.load(key_ptr + vrow * n_chunk * KP + e, mask=inb, other=NO_KEY)
@@ -171,17 +180,22 @@ def page_list_width(method: str, slots: int, group: int) -> int:
 
 def select_pages(scores: torch.Tensor, partials: torch.Tensor, *, slots: int, per_head: bool,
                  row_start: torch.Tensor, length: int | torch.Tensor, heads: int, page_size: int,
-                 out: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, chunk: int | None = None,
+                 active_slots: torch.Tensor | None = None) -> torch.Tensor:
     """Page lists ``[b*h, W]`` int32 (``SENTINEL``-padded) from ``score_pages``' outputs.
 
     ``slots`` is ``k = ceil(b / B)``; ``W = k`` for the shared rule and ``G*(k-2) + 2`` for Quest's
     per-head union. Entry 0 is the sink page, entry 1 the most recent page (``SENTINEL`` when it
     is the sink), then the selected pages (page order for the shared rule, ascending for Quest).
     ``length``: slots written (an int, or the cache's ``int32 [1]`` device tensor).
+    ``active_slots``: optional ``int32 [1]`` device tensor, the ``k <= slots`` to select with (the
+    lists keep width ``W`` of ``slots``, padded); read by the kernels, so a captured graph serves
+    every budget up to ``slots``.
     """
     rows, G, P = scores.shape
     length = as_length(length, scores.device)
     K = max(slots - 2, 0)
+    k_active = as_length(slots if active_slots is None else active_slots, scores.device)
     KP = next_pow2(max(K, 1))
     CH = chunk or chunk_size(P, KP)
     n_chunk = max(1, triton.cdiv(P, CH))
@@ -193,21 +207,21 @@ def select_pages(scores: torch.Tensor, partials: torch.Tensor, *, slots: int, pe
     sink = torch.empty((rows,), dtype=torch.int32, device=dev)
     n_blk = partials.shape[1]
     _select_chunk_kernel[(n_chunk, vrows)](
-        scores, partials, n_blk, row_start, length, heads, P, K, keys, pages, sink, n_chunk,
+        scores, partials, n_blk, row_start, length, heads, P, k_active, K, keys, pages, sink, n_chunk,
         PER_HEAD=per_head, G=G, GG=partials.shape[-1], B=page_size, CH=CH, KP=KP, NBP=64, num_warps=4 if CH <= 1024 else 8)
     W = page_list_width("quest" if per_head else "shared", slots, G)
     if out is None:
         out = torch.empty((rows, W), dtype=torch.int32, device=dev)
     if per_head:
         lists = torch.empty((vrows, KP), dtype=torch.int32, device=dev)
-        _select_merge_kernel[(vrows,)](keys, pages, sink, row_start, length, heads, K, n_chunk, lists, KP,
+        _select_merge_kernel[(vrows,)](keys, pages, sink, row_start, length, heads, k_active, K, n_chunk, lists, KP,
                                        PER_HEAD=True, G=G, B=page_size, KP=KP, M=M,
                                        num_warps=4 if M <= 1024 else 8)
         N = next_pow2(G * KP)
         _union_kernel[(rows,)](lists, G * KP, sink, row_start, length, heads, out, W, B=page_size, N=N,
                                num_warps=4 if N <= 1024 else 8)
     else:
-        _select_merge_kernel[(vrows,)](keys, pages, sink, row_start, length, heads, K, n_chunk, out, W,
+        _select_merge_kernel[(vrows,)](keys, pages, sink, row_start, length, heads, k_active, K, n_chunk, out, W,
                                        PER_HEAD=False, G=G, B=page_size, KP=KP, M=M,
                                        num_warps=4 if M <= 1024 else 8)
     return out

@@ -92,13 +92,14 @@ def kernel_decode(layer, query: torch.Tensor, scale: float) -> torch.Tensor:
     keys = layer.key_buffer()
     b, h = query.shape[0], keys.shape[1]
     row_start, n_complete = layer.row_tensors()
+    width, active = layer.page_slots()  # page-list width, and the budget's k on the device (or None)
     # Triton launches on the *current* device; with a model split over GPUs (device_map) this layer's
     # tensors may live on another one. The kernels count the tokens they attend into the statistics.
     with kernels.on_device(query.device):
         out, pages = torch.ops.locks_hf.decode_step(
             kernel_method(cfg.selector), query, keys, layer.value_buffer(), layer.slot_valid, row_start, n_complete,
-            layer.length_tensor(), _summary_list(layer), layer.num_pages, cfg.page_slots, float(scale),
-            cfg.page_size, cfg.basis_bits, layer.count_buffer())
+            layer.length_tensor(), _summary_list(layer), layer.num_pages, width, float(scale),
+            cfg.page_size, cfg.basis_bits, layer.count_buffer(), active)
     if pages.shape[1]:  # dense ("full") selects no list: every page
         layer.note_selection(pages.view(b, h, -1))
     layer.record_step(None, layer.real_tokens() * h)

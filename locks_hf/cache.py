@@ -8,19 +8,35 @@ where the decode query exists.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections.abc import Callable
 
 import torch
 from transformers import PretrainedConfig
-from transformers.cache_utils import DynamicCache, DynamicLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import DynamicCache, DynamicLayer, StaticLayer, get_layer_types_and_kwargs
+from transformers.masking_utils import find_first_full_attention_index
+from transformers.utils import is_torchdynamo_compiling
 
 from .backend import build_summary as compute_summary  # noqa: F401  (the former name here)
-from .config import LocksConfig
+from .config import LocksConfig, LocksConfigError
+from .layout import (
+    CapacityPlan,
+    build_static_layers,
+    choose_layout,
+    config_refusal,
+    crop_hf_layer,
+    hf_copy,
+    page_slots_width,
+    reallocate_hf_layer,
+    to_dynamic_layer,
+)
 from .models_support import check_model_supported
 from .paged import PagedLayer, pages_to_mask, slot_validity
 from .selectors import PageSelector, make_selector
+
+logger = logging.getLogger(__name__)
 
 #: Prompt queries kept per layer (the last ones of the multi-token forwards) for policies that score
 #: the prompt with an observation window (RocketKV's SnapKV stage uses 32).
@@ -287,6 +303,21 @@ class LocksLayer(DynamicLayer, PagedLayer):
         self.selector = make_selector(config)
         self.policy_state = None
 
+    @classmethod
+    def from_paged(cls, layer: PagedLayer, config: LocksConfig, length: int) -> LocksLayer:
+        """A dynamic layer holding a copy of the first ``length`` slots of another Locks layer (e.g. a
+        static one); its summaries are rebuilt, in one batched pass, at the next forward."""
+        new = cls(config)
+        new.lazy_initialization(layer._kbuf, layer._vbuf)
+        new._kbuf = layer._kbuf[:, :, :length].clone()
+        new._vbuf = layer._vbuf[:, :, :length].clone()
+        new.slot_valid = layer.slot_valid[:, :length].clone()
+        new.length = length
+        new.row_start = layer.row_tensors()[0].tolist()
+        new.n_summarized = [0] * len(new.row_start)
+        new._refresh_views()
+        return new
+
     # -- state hooks used by generate() -----------------------------------------------------------
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], rows: list[int]) -> None:
         """Apply a batch-dim transform to every stored tensor; ``rows`` says where each new row came from."""
@@ -379,32 +410,147 @@ class LocksCacheMixin:
 
 
 class LocksCache(LocksCacheMixin, DynamicCache):
-    """A `DynamicCache` whose full-attention layers select pages for sparse decoding.
+    """A transformers `Cache` whose full-attention layers select pages for sparse decoding.
 
     Args:
-        config: the model's config (its text config is used); full-attention layers become
-            `LocksLayer`s, others keep transformers' layers. ``None``: every layer is a `LocksLayer`.
+        config: the model's config (its text config is used); full-attention layers become Locks
+            layers, others keep transformers' layers. ``None``: every layer is a `LocksLayer`.
         locks: the method's settings; keyword overrides build one (``LocksCache(cfg, budget=256)``).
+        max_cache_len: tokens the cache will hold (prompt + generated). Optional: without it the
+            static layout starts at the first forward's length plus headroom and grows (each growth
+            re-allocates once and recompiles the decode step once).
+        max_budget: the widest budget the cache will decode with (`set_budget`); default the
+            config's. The static layout sizes its page lists for it, so that budgets up to it share
+            one compiled graph.
+        layout: ``"auto"`` (default): the static layout (compiled decode: torch.compile + CUDA graphs
+            through ``generate``) when a CUDA device and the Triton kernels are available and the
+            configuration allows it, else the dynamic layout (eager; the CPU reference path);
+            ``"static"`` or ``"dynamic"`` to choose.
 
     Use with a model loaded with ``attn_implementation="locks"``.
     """
 
-    def __init__(self, config: PretrainedConfig | None = None, locks: LocksConfig | None = None,
+    #: Whether the static layout may grow past its capacity (`LocksStaticCache`: no).
+    _growable = True
+
+    def __init__(self, config: PretrainedConfig | None = None, locks: LocksConfig | None = None, *,
+                 max_cache_len: int | None = None, max_budget: int | None = None, layout: str = "auto",
                  **overrides) -> None:
         locks = (locks or LocksConfig()).replace(**overrides)
         self.locks_config = locks
+        self.max_budget = max_budget
+        self._plan: CapacityPlan | None = None  # the static layout's capacity (None: dynamic layout)
         if config is None:
+            choose_layout(layout, locks, None)
             super().__init__()
             self.layer_class_to_replicate = lambda: LocksLayer(locks)
             return
         text_config = config.get_text_config(decoder=True)
         check_model_supported(text_config, locks)
         super().__init__(config=text_config)
-        layer_types, _ = get_layer_types_and_kwargs(text_config)
-        for i, layer_type in enumerate(layer_types):
+        self._layer_types, self._layer_kwargs = get_layer_types_and_kwargs(text_config)
+        for i, layer_type in enumerate(self._layer_types):
             if layer_type == "full_attention":
                 self.layers[i] = LocksLayer(locks)
                 self.layers[i].text_config = text_config
+        if choose_layout(layout, locks, self._layer_types):
+            if max_budget is not None and max_budget < locks.budget:
+                raise LocksConfigError(f"max_budget={max_budget} is below the budget {locks.budget}")
+            self._plan = CapacityPlan(max_cache_len, locks.page_size, self._growable)
+            # every forward updates this layer first: where an eager forward is counted
+            self._first_kv_layer = next(i for i, kind in enumerate(self._layer_types) if kind != "dummy")
+            if max_cache_len is not None:
+                self._allocate(self._plan.capacity)
+
+    # -- the static layout ---------------------------------------------------------------------------
+    @property
+    def is_static(self) -> bool:
+        """Whether the cache keeps the static layout (compiled decode on a GPU)."""
+        return self._plan is not None
+
+    @property
+    def is_compileable(self) -> bool:
+        # Asked by generate() before the first forward, when the static layers may not exist yet.
+        return self._plan is not None
+
+    @property
+    def capacity(self) -> int | None:
+        """Tokens the static layout holds before it grows (``None``: dynamic, or before the first forward)."""
+        return None if self._plan is None else self._plan.capacity
+
+    def _allocate(self, capacity: int) -> None:
+        self.layers = build_static_layers(self._layer_types, self._layer_kwargs, self.locks_config, capacity,
+                                          page_slots_width(self.locks_config, self.max_budget))
+
+    def _ensure(self, capacity: int | None) -> None:
+        """Re-allocate every static layer to ``capacity`` slots (``None``: nothing to do)."""
+        if capacity is None:
+            return
+        if not any(layer.is_initialized for layer in self.layers if isinstance(layer, StaticLayer)):
+            self._plan.capacity = capacity  # nothing written yet: (re)build the static layers at this size
+            self._allocate(capacity)
+            return
+        logger.warning("LocksCache: growing the static cache from %d to %d tokens (one re-allocation; a compiled "
+                       "decode step recompiles once). Pass max_cache_len to allocate it once.",
+                       self._plan.capacity, capacity)
+        self._plan.capacity = capacity
+        for layer, kw in zip(self.layers, self._layer_kwargs):
+            if isinstance(layer, PagedLayer):
+                layer.reallocate(capacity)
+            elif isinstance(layer, StaticLayer):
+                reallocate_hf_layer(layer, capacity, window=kw.get("sliding_window"))
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._plan is not None and layer_idx == self._first_kv_layer:
+            if is_torchdynamo_compiling():
+                self._plan.compiled_ran = True  # a constant store: replayed after the graph, no guard
+            else:  # an eager forward (prefill, or a step not compiled): counted before any layer writes
+                t = key_states.shape[2]
+                if self._plan.capacity is None:
+                    self._ensure(self._plan.first_capacity(t))
+                self._ensure(self._plan.eager_write(t))
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        # Runs eagerly before every forward that builds a mask, compiled decode steps included (generate
+        # prepares their 4D mask outside the graph): the place to grow the static buffers.
+        if self._plan is not None and not is_torchdynamo_compiling() and \
+                layer_idx == find_first_full_attention_index(self):
+            if self._plan.capacity is None:
+                self._ensure(self._plan.first_capacity(query_length))
+            self._ensure(self._plan.announce(query_length))
+        return super().get_mask_sizes(query_length, layer_idx)
+
+    def set_budget(self, budget: int) -> None:
+        """Decode with budget ``budget`` from the next step on; the static layout switches in place
+        (no recompile) up to ``max_budget``."""
+        config = self.locks_config.replace(budget=budget)
+        for layer in self.locks_layers:  # a static layer refuses a budget wider than its page lists
+            if isinstance(layer, LocksLayer):
+                layer.set_config(config)
+            else:
+                layer.set_budget(budget)
+        self.locks_config = config
+
+    def reset(self) -> None:
+        super().reset()
+        self._rewound_to(0)  # buffers kept (same addresses: a compiled step serves the next prompt)
+
+    def _rewound_to(self, length: int) -> None:
+        """The static layout now holds ``length`` tokens (exact: after a host-side rewind)."""
+        if self._plan is not None:
+            self._plan.written, self._plan.announced, self._plan.compiled_ran = length, 0, False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if self._plan is None or not any(l.is_initialized for l in self.layers if isinstance(l, StaticLayer)):
+            return super().crop(tokens_to_remove)
+        for layer in self.layers:
+            if isinstance(layer, PagedLayer):
+                layer.crop(tokens_to_remove)
+            elif isinstance(layer, StaticLayer):
+                crop_hf_layer(layer, -tokens_to_remove)
+        self._rewound_to(int(self.locks_layers[0].length_tensor()))  # exact again (a host op may sync)
 
     def expect_new_tokens(self, count: int) -> None:
         """Announce how many tokens the next decode will generate (policies whose budget rule uses
@@ -435,25 +581,54 @@ class LocksCache(LocksCacheMixin, DynamicCache):
         """An independent copy (e.g. of a prefilled prompt) that decodes with other settings.
 
         The K/V are copied once; summaries are reused when their layout is unchanged and rebuilt in
-        one batched pass at the next forward otherwise. The fork's statistics start at zero.
+        one batched pass otherwise. A fork of a static-layout cache stays static when ``locks`` allows
+        it and converts to the dynamic layout (logged) when not. The fork's statistics start at zero.
         """
         import copy
 
         clone = copy.copy(self)
-        clone.layers = []
-        for layer in self.layers:
-            new = copy.copy(layer)
-            if isinstance(layer, LocksLayer):
-                new._apply(lambda t: t.clone(), list(range(len(layer.row_start))))
-            else:
-                new = copy.deepcopy(layer)
-            clone.layers.append(new)
-        if locks is not None:
-            clone.locks_config = locks
-            for layer in clone.locks_layers:
-                layer.set_config(locks)
+        clone.locks_config = locks or self.locks_config
+        refusal = None if self._plan is None else config_refusal(clone.locks_config, self._layer_types)
+        if self._plan is not None and refusal is None:
+            clone._plan = copy.copy(self._plan)
+            width = page_slots_width(clone.locks_config, self.max_budget)
+            clone.layers = [_copied_layer(layer, locks, width) for layer in self.layers]
+        elif self._plan is not None:
+            logger.warning("LocksCache.fork(%s): %s; the fork decodes with the dynamic layout",
+                           clone.locks_config.label, refusal)
+            clone._plan = None
+            clone.layers = self._dynamic_layers(clone.locks_config)
+        else:
+            clone.layers = [_copied_layer(layer, locks, None) for layer in self.layers]
         clone.reset_stats()
         return clone
+
+    def _dynamic_layers(self, locks: LocksConfig) -> list:
+        """Dynamic copies of this static-layout cache's layers (Locks layers decoding with ``locks``)."""
+        if not any(l.is_initialized for l in self.layers if isinstance(l, StaticLayer)):
+            return [_copied_layer(layer, locks, None) for layer in self.layers]
+        length = int(self.locks_layers[0].length_tensor())  # a host op: one sync
+        return [LocksLayer.from_paged(layer, locks, length) if isinstance(layer, PagedLayer)
+                else to_dynamic_layer(layer, length, kw.get("sliding_window")) if isinstance(layer, StaticLayer)
+                else _copied_layer(layer, locks, None)
+                for layer, kw in zip(self.layers, self._layer_kwargs)]
+
+
+def _copied_layer(layer, locks: LocksConfig | None, width: int | None):
+    """An independent copy of one cache layer, its Locks settings switched to ``locks`` if given."""
+    import copy
+
+    if isinstance(layer, LocksLayer):
+        new = copy.copy(layer)
+        new._apply(lambda t: t.clone(), list(range(len(layer.row_start))))
+        if locks is not None:
+            new.set_config(locks)
+        return new
+    if isinstance(layer, PagedLayer):  # a static Locks layer
+        return layer.fork(locks, width)
+    if isinstance(layer, StaticLayer):
+        return hf_copy(layer)
+    return copy.deepcopy(layer)
 
 
 def take_handoff(layer_idx: int | None, key: torch.Tensor) -> PagedLayer | None:

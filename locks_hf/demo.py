@@ -129,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
           f"({args.budget / input_ids.shape[1]:.1%} of the prompt)", flush=True)
 
     with torch.inference_mode():
-        cache = LocksCache(model.config, LocksConfig(selector="full", page_size=args.page_size))
+        # dynamic layout: each arm decodes a few tokens once, where a compiled step would cost more to
+        # compile than it saves
+        cache = LocksCache(model.config, LocksConfig(selector="full", page_size=args.page_size), layout="dynamic")
         start = time.perf_counter()
         first = prefill(model, input_ids, cache, args.prefill_chunk)
         print(f"  prefill (dense, once): {time.perf_counter() - start:.1f} s", flush=True)

@@ -110,6 +110,16 @@ class PagedLayer(ABC):
     def reset_stats(self) -> None:
         """Zero the statistics (`attended`, `context`)."""
 
+    #: Decode steps and estimation bytes counted on the host (`decode_traffic`); a static layer,
+    #: whose steps run in a compiled graph, keeps no host count.
+    decode_steps = 0
+    estimate_bytes = 0
+
+    def page_slots(self) -> tuple[int, torch.Tensor | None]:
+        """Width of the kernels' page lists and the budget in use as a device tensor (``None``: the
+        width is the budget)."""
+        return self.config.page_slots, None
+
     def _rows_start_at_zero(self) -> bool:
         """True when no row is padded, known on the host (then every page is a view of the buffer)."""
         return False

@@ -1,4 +1,5 @@
-"""`LocksStaticCache`: a fixed-capacity Locks cache whose decode step is one static graph.
+"""`LocksStaticLayer`: a Locks layer whose decode step is one static graph (the static layout of
+`LocksCache`, chosen on a GPU), and `LocksStaticCache`, that layout at a fixed capacity.
 
 What `torch.compile` and CUDA graphs need from a cache (transformers' `StaticLayer` pattern): buffers
 allocated once at their final size, every per-step quantity a tensor (the length, the rows' first real
@@ -13,7 +14,11 @@ that changes from step to step. So, compared with `LocksLayer`:
 * decode always takes the page path; ``selector="full"`` on the kernels attends every page (dense
   flash-decoding over the written length);
 * prefill (several query tokens) runs eagerly, as transformers runs it: it reads padding off the
-  mask and summarizes every page in one batched pass.
+  mask and summarizes every page in one batched pass;
+* the budget is a device tensor (``slots_t``) and the page lists are sized for the widest budget
+  (``max_slots``), so budgets switch without a recompile;
+* re-allocation (growth, fork, batch selection) happens eagerly between forwards, into fresh
+  buffers marked static: a compiled step recompiles once for the new shapes.
 
 Everything else (page access, scoring, selection, sparse attention, the kernels) is shared with
 `LocksCache`: both layer classes are `locks_hf.paged.PagedLayer`s, which hold the page logic once.
@@ -21,23 +26,24 @@ Everything else (page access, scoring, selection, sparse attention, the kernels)
 
 from __future__ import annotations
 
+import copy
+import logging
+
 import torch
 from transformers import PretrainedConfig
-from transformers.cache_utils import (
-    STATIC_LAYER_TYPE_MAPPING,
-    Cache,
-    StaticLayer,
-    StaticSlidingWindowLayer,
-    get_layer_types_and_kwargs,
-)
+from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 from transformers.utils import is_torchdynamo_compiling
 
 from . import backend
-from .cache import LocksCacheMixin
+from .cache import LocksCache
 from .config import LocksConfig, LocksConfigError
-from .models_support import check_model_supported
+from .layout import mark_static, resized
 from .paged import PagedLayer, pages_to_mask, slot_validity
 from .selectors import make_selector, static_selector_names
+
+__all__ = ["LocksStaticCache", "LocksStaticLayer"]
+
+logger = logging.getLogger(__name__)
 
 
 def __getattr__(name: str):
@@ -49,13 +55,17 @@ def __getattr__(name: str):
 class LocksStaticLayer(StaticLayer, PagedLayer):
     """One full-attention layer of `LocksStaticCache`: K/V of ``max_cache_len`` slots plus page summaries."""
 
-    def __init__(self, max_cache_len: int, config: LocksConfig, **kwargs) -> None:
+    def __init__(self, max_cache_len: int, config: LocksConfig, max_slots: int | None = None, **kwargs) -> None:
         B = config.page_size
         super().__init__(max_cache_len=-(-max_cache_len // B) * B)
         self.config = config
         self.selector = make_selector(config)
         self.shared = {}  # no sequence-level selector state: every page is summarized on its own
-        self.counts = self.last_selection = self.row_counts = None  # tensors from lazy_initialization on
+        # The page lists are `max_slots` wide; the budget in use (`slots_t`, a device tensor) may be any
+        # k <= max_slots, so that configs differing only in budget share one compiled graph.
+        self.max_slots = max(config.page_slots, max_slots or 0)
+        # tensors from lazy_initialization on
+        self.counts = self.last_selection = self.row_counts = self.slots_t = None
         # Summaries of the layouts not in use (`set_config`), each with the length up to which its
         # complete pages are summarized.
         self._stored_layouts: dict[tuple, tuple[dict[str, torch.Tensor], int]] = {}
@@ -73,11 +83,21 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         self.counts = torch.zeros(2, dtype=torch.int64, device=dev)  # tokens attended, cached (see record_step)
         self.row_counts = torch.zeros((b, 2), dtype=torch.int64, device=dev)  # the same per row
         self.last_selection = torch.zeros((b, h, P), dtype=torch.bool, device=dev)
+        self.slots_t = torch.full((1,), self.config.page_slots, dtype=torch.int32, device=dev)
         self.summary = self._new_summary()
         if not is_torchdynamo_compiling():
-            for t in (self.slot_valid, self.row_start, self.pad, self.length_t, self.counts, self.row_counts,
-                      self.last_selection):
-                torch._dynamo.mark_static_address(t)
+            self._mark_static()
+
+    def _mark_static(self) -> None:
+        mark_static(self.keys, self.values, self.cumulative_length, *self._row_state().values(),
+                    self.length_t, self.counts, self.slots_t)
+
+    def _row_state(self) -> dict[str, torch.Tensor]:
+        """The per-row state (batch axis first) other than K/V, by attribute name (summaries as
+        ``summary.<name>``)."""
+        state = {"slot_valid": self.slot_valid, "row_start": self.row_start, "pad": self.pad,
+                 "row_counts": self.row_counts, "last_selection": self.last_selection}
+        return {**state, **{f"summary.{n}": t for n, t in self.summary.items()}}
 
     def _new_summary(self) -> dict[str, torch.Tensor]:
         """Zeroed summary buffers of the current selector for every page (``{}`` without summaries)."""
@@ -90,8 +110,7 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
                                      torch.ones((b, h, 1, B), dtype=torch.bool, device=self.device))
         summary = {n: t.new_zeros((b, h, self.num_pages, *t.shape[3:])) for n, t in probe.items()}
         if not is_torchdynamo_compiling():
-            for t in summary.values():
-                torch._dynamo.mark_static_address(t)
+            mark_static(*summary.values())
         return summary
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -114,12 +133,34 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
 
     @property
     def capacity(self) -> int:
-        return self.max_cache_len
+        # From the buffer's shape once allocated: a compiled step then specializes on the shape (marked
+        # static), not on a Python attribute that changes when the cache grows.
+        return self.keys.shape[2] if self.is_initialized else self.max_cache_len
 
     @property
     def num_pages(self) -> int:
         """The page axis: the whole capacity (a row whose first real slot is ``s`` uses fewer)."""
-        return self.max_cache_len // self.config.page_size
+        return self.capacity // self.config.page_size
+
+    def page_slots(self) -> tuple[int, torch.Tensor | None]:
+        """Width of the page lists and the budget in use (``int32 [1]`` page slots on the device)."""
+        return self.max_slots, self.slots_t
+
+    def set_budget(self, budget: int) -> None:
+        """Decode with another budget, in place: no re-allocation, and no recompile up to the widest
+        budget the page lists were sized for (wider ones widen them: one recompile, logged)."""
+        config = self.config.replace(budget=budget)
+        self._use_budget(config)
+        self.config = config
+
+    def _use_budget(self, config: LocksConfig) -> None:
+        if config.page_slots > self.max_slots:
+            logger.info("LocksStaticLayer: page lists widened from %d to %d slots (a compiled step recompiles "
+                        "once; create the cache with max_budget >= %d to avoid it)", self.max_slots,
+                        config.page_slots, config.budget)
+            self.max_slots = config.page_slots
+        if self.slots_t is not None:
+            self.slots_t.fill_(config.page_slots)
 
     def length_tensor(self) -> torch.Tensor:
         """Slots written, ``int32 [1]`` on the cache's device."""
@@ -215,6 +256,64 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
             self.counts.zero_()
             self.row_counts.zero_()
 
+    # -- re-allocation (eager, between forwards; a compiled step recompiles once for new shapes) -------------
+    def reallocate(self, capacity: int | None = None, rows: torch.Tensor | None = None) -> None:
+        """New buffers (never shared with the old ones): ``capacity`` slots (rounded up to whole pages,
+        at least the written length) and/or the batch rows ``rows`` (a row index per new row)."""
+        B = self.config.page_size
+        if capacity is not None:
+            self.max_cache_len = -(-capacity // B) * B
+        if not self.is_initialized:
+            return
+        cap, P = self.max_cache_len, self.max_cache_len // B
+        pick = (lambda t: t.index_select(0, rows.to(t.device))) if rows is not None else (lambda t: t)
+        self.keys = resized(pick(self.keys), 2, cap)
+        self.values = resized(pick(self.values), 2, cap)
+        self.batch_size = self.keys.shape[0]
+        self.slot_valid = resized(pick(self.slot_valid), 1, cap, fill=True)
+        self.row_start, self.pad, self.row_counts = (pick(t).clone() for t in (self.row_start, self.pad,
+                                                                               self.row_counts))
+        self.last_selection = resized(pick(self.last_selection), 2, P, fill=False)
+        self.summary = {n: resized(pick(t), 2, P) for n, t in self.summary.items()}
+        self._stored_layouts = {k: ({n: resized(pick(t), 2, P) for n, t in summary.items()}, built)
+                                for k, (summary, built) in self._stored_layouts.items()}
+        self.cumulative_length, self.length_t = self.cumulative_length.clone(), self.length_t.clone()
+        self.counts, self.slots_t = self.counts.clone(), self.slots_t.clone()
+        self._mark_static()
+        for summary, _ in self._stored_layouts.values():
+            mark_static(*summary.values())
+
+    def fork(self, config: LocksConfig | None = None, max_slots: int | None = None) -> LocksStaticLayer:
+        """An independent copy (fresh buffers) that decodes with ``config`` (see `set_config`: the
+        budget switched in place, another summary layout built from the keys in one pass)."""
+        new = copy.copy(self)
+        new.reallocate()
+        if max_slots is not None:
+            new.max_slots = max(new.max_slots, max_slots)
+        if config is not None:
+            new.set_config(config)
+        return new
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` tokens (as `DynamicCache.crop`). Pages they completed
+        are summarized again when decode completes them."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove")
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        end = max(int(self.cumulative_length) + tokens_to_remove, 0)
+        self.cumulative_length.fill_(end)
+        self.length_t.fill_(end)
+        self.pad.copy_((~self.slot_valid[:, :end]).sum(-1))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self.reallocate(rows=torch.arange(self.keys.shape[0]).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self.reallocate(rows=torch.as_tensor(indices).long())
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: reorder every row-indexed buffer in place (their addresses stay static)."""
         if not self.is_initialized:
@@ -273,6 +372,7 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
             raise LocksConfigError(f"set_config: LocksStaticCache supports selector in {static_selector_names()} with "
                                    f"min_context=0, got selector={config.selector!r} min_context={config.min_context}")
         old, new = self.config.summary_layout, config.summary_layout
+        self._use_budget(config)
         self.config, self.selector = config, make_selector(config)
         if old == new or not self.is_initialized:
             return
@@ -288,44 +388,22 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         self._summarize_pages(first)
 
 
-class LocksStaticCache(LocksCacheMixin, Cache):
-    """A static (fixed-capacity, compile-friendly) cache whose full-attention layers decode sparsely.
+class LocksStaticCache(LocksCache):
+    """`LocksCache` in the static layout with a fixed capacity.
 
-    Args:
-        config: the model's config; full-attention layers become `LocksStaticLayer`s, the others
-            transformers' static layers.
-        max_cache_len: tokens the cache holds (prompt + generated), rounded up to whole pages.
-        locks: the method's settings (or keyword overrides, as for `LocksCache`).
-
-    ``model.generate(..., past_key_values=LocksStaticCache(model.config, max_cache_len=...))``
-    compiles the decode step on a GPU (transformers' auto-compile: torch.compile + CUDA graphs).
-    Supports the selectors that keep per-page state only (``locks``, ``oracle``, ``quest``, ``full``:
-    ``locks_hf.selectors.static_selector_names()``), ``min_context=0``, beam
-    search; no cropping (assisted decoding) and no batch resizing.
+    `LocksCache` chooses the static layout by itself on a GPU (and grows it); this class insists on
+    it, on any device, and refuses to write past ``max_cache_len`` (rounded up to whole pages)
+    instead of growing. Supports the selectors that keep per-page state only (``locks``, ``oracle``, ``quest``, ``full``:
+    ``locks_hf.selectors.static_selector_names()``) with ``min_context=0``; for sweeps, one prefix decoded under several settings (`mark_prefix`,
+    `rewind`, `set_config`).
     """
 
-    def __init__(self, config: PretrainedConfig, max_cache_len: int, locks: LocksConfig | None = None,
-                 **overrides) -> None:
-        locks = (locks or LocksConfig()).replace(**overrides)
-        if locks.selector not in static_selector_names():
-            raise LocksConfigError(
-                f"LocksStaticCache supports selector in {static_selector_names()}, got {locks.selector!r}: it "
-                "fits state on the whole prompt; use LocksCache for it")
-        if locks.min_context:
-            raise LocksConfigError(
-                f"LocksStaticCache needs min_context=0 (got {locks.min_context}): a static graph cannot switch "
-                "between dense and sparse decode on the length; use LocksCache for a dense short-context mode")
-        text_config = config.get_text_config(decoder=True)
-        check_model_supported(text_config, locks)
-        self.locks_config = locks
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
-        layers = [LocksStaticLayer(max_cache_len, locks) if kind == "full_attention"
-                  else STATIC_LAYER_TYPE_MAPPING[kind](max_cache_len=max_cache_len, **kw)
-                  for kind, kw in zip(layer_types, layer_kwargs)]
-        super().__init__(layers=layers)
+    _growable = False
 
-    def crop(self, max_length: int) -> None:
-        raise ValueError("LocksStaticCache cannot be cropped (assisted decoding): use LocksCache")
+    def __init__(self, config: PretrainedConfig, max_cache_len: int, locks: LocksConfig | None = None, *,
+                 max_budget: int | None = None, **overrides) -> None:
+        super().__init__(config, locks, max_cache_len=max_cache_len, max_budget=max_budget, layout="static",
+                         **overrides)
 
     # -- one prefix, several decode settings (sweeps) -------------------------------------------------
     def mark_prefix(self) -> None:
@@ -346,6 +424,7 @@ class LocksStaticCache(LocksCacheMixin, Cache):
                 layer.rewind(self._prefix_length)
             else:
                 _restore_window_state(layer, state)
+        self._rewound_to(self._prefix_length)
 
     def set_config(self, locks: LocksConfig) -> None:
         """Decode with ``locks`` from here on (see `LocksStaticLayer.set_config`: summaries per layout)."""

@@ -8,7 +8,7 @@ one-token forwards for each arm: dense (``full``) and Locks / Quest at budget b.
 
 ``--graphs`` picks how the step runs:
 
-* ``none``    eager, `LocksCache` for every arm (dense = ``selector="full"``: SDPA over the cache);
+* ``none``    eager, `LocksCache` in its dynamic layout for every arm (dense = ``selector="full"``: SDPA over the cache);
 * ``cuda``    static caches (`LocksStaticCache`; dense = ``selector="full"``: flash-decoding over the
               written length on our attention kernel; ``hf-static`` = transformers' `StaticCache`, whose
               SDPA reads the whole capacity through a mask), the whole step captured once in a CUDA graph
@@ -87,7 +87,7 @@ def make_arm(name: str, budget: int) -> LocksConfig:
 
 def make_cache(graphs: str, config, name: str, locks: LocksConfig, capacity: int):
     if graphs == "none":
-        return LocksCache(config, locks)
+        return LocksCache(config, locks, layout="dynamic")
     if name == HF_STATIC:
         return StaticCache(config, max_cache_len=capacity)
     return LocksStaticCache(config, max_cache_len=capacity, locks=locks)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# On the lent GPU machine: compiled-kernel tests (incl. the static cache's compiled generate and the
-# sweep engine's graph / compiled steps), the eigensolver check, then the complete decode step under
+# On the lent GPU machine: compiled-kernel tests (incl. the static cache's compiled generate, the
+# one-liner's compiled generate across budgets and through a growth, and the sweep engine's graph /
+# compiled steps), the eigensolver check, then the complete decode step under
 # CUDA graphs (scripts/gpu_step.sh).
 source scripts/gpu_env.sh
 OUT=${OUT:-out}
@@ -12,6 +13,8 @@ rm -rf /tmp/pk/tests && cp -r tests /tmp/pk/tests
 (cd /tmp/pk && timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -n "${WORKERS:-14}" -v --durations=25 -rfE \
     tests/test_kernels.py tests/test_eigh.py tests/test_page_update.py tests/test_static_cache.py \
     tests/test_sweep_engine.py::test_cuda_graph_and_compiled_steps_equal_the_eager_step_on_cuda \
+    tests/test_layout.py::test_one_liner_compiles_once_across_budgets_on_cuda \
+    tests/test_layout.py::test_one_liner_grows_during_compiled_decode_on_cuda \
     -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} > "$OUT/pytest.txt" 2>&1; tail -40 "$OUT/pytest.txt" | cut -c1-200)
 [ -n "$SKIP_EIGH" ] || timeout 120 python3 scripts/check_eigh_gpu.py 2>&1 | tail -30
 bash scripts/gpu_step.sh

@@ -40,7 +40,7 @@ class StepClock(StoppingCriteria):
 
 
 def run_arm(model, config, ids: torch.Tensor, locks: LocksConfig, new_tokens: int) -> dict:
-    cache = LocksCache(config, locks)
+    cache = LocksCache(config, locks, layout="dynamic")  # the eager path (what this script has always measured)
     clock = StepClock()
     t0 = time.perf_counter()
     out = model.generate(ids, past_key_values=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens,

@@ -9,6 +9,7 @@ PIP="python -m pip install -q --disable-pip-version-check"
 START=$SECONDS
 step() { echo "[setup $((SECONDS - START))s] $*"; }
 
+step "checking for torch (importing it takes a while on a busy machine)"
 if python -c "import torch" 2>/dev/null; then
     step "torch $(python -c 'import torch; print(torch.__version__)') already installed"
 else

@@ -10,10 +10,16 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode_step.py"
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_decode_step", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def _load(name: str = "bench_decode_step"):
+    import sys
+
+    sys.path.insert(0, str(SCRIPT.parent))  # the scripts import each other, as when run from scripts/
+    try:
+        spec = importlib.util.spec_from_file_location(name, SCRIPT.parent / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
     return module
 
 
@@ -26,6 +32,23 @@ def test_bench_decode_step_runs_on_cpu(tmp_path):
     assert rows["full"]["attended"] == 1.0
     assert 0.0 < rows["r4i4"]["attended"] < 0.5  # b = 64 of 512 tokens: the step was sparse
     assert all(r["median_ms"] > 0 and len(r["all_ms"]) == 2 for r in rows.values())
+
+
+def test_bench_generate_runs_on_cpu(tmp_path):
+    """scripts/bench_generate.py: every kind of arm through a real generate() (tiny model, CPU)."""
+    out = tmp_path / "generate.json"
+    _load("bench_generate").main(["--shape", "tiny", "--device", "cpu", "--runs", "400:1,300:2", "--budget", "64",
+                                  "--new-tokens", "6", "--arms", "hf-dynamic,hf-static,r4i4,static-r4i4",
+                                  "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["context"], r["batch"], r["arm"]) for r in rows] == [
+        (n, b, a) for n, b in ((400, 1), (300, 2)) for a in ("hf-dynamic", "hf-static", "r4i4", "static-r4i4")]
+    for r in rows:
+        assert r["ms_per_step"] > 0 and len(r["step_ms"]) == 5 and len(r["tokens"]) == 6
+        assert (r["attended"] == 1.0) == r["arm"].startswith("hf-")
+    by_arm = {(r["context"], r["arm"]): r for r in rows}
+    assert by_arm[(400, "r4i4")]["tokens"] == by_arm[(400, "static-r4i4")]["tokens"]
+    assert by_arm[(400, "hf-dynamic")]["tokens"] == by_arm[(400, "hf-static")]["tokens"]
 
 
 @pytest.mark.slow  # an ahead-of-time Triton compile: tens of seconds of CPU

@@ -193,6 +193,29 @@ def test_selection_matches_reference(per_head, ties, k):
     assert torch.equal(_as_mask(pages, c.b, c.h, c.P), want)
 
 
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("k", [2, 5, 9])
+def test_selection_with_a_device_budget_matches_reference(per_head, k):
+    """The budget read from a device tensor (``active_slots``) selects what the reference selects at
+    that budget, in lists sized for a wider one (the rest ``SENTINEL``): one captured graph serves
+    every budget up to the widest."""
+    widest = 12
+    c = Cache(k + 100 * per_head, pages=30)
+    g = torch.Generator().manual_seed(k + 7)
+    scores = torch.randn(c.b * c.h, c.G, c.P, generator=g) * 3
+    ok = (c.page_real & c.complete).repeat_interleave(c.h, 0)[:, None]
+    scores = scores.masked_fill(~ok, float("-inf"))
+    active = torch.tensor([k], dtype=torch.int32, device=DEV)
+    pages = kernels.select_pages(scores.to(DEV), _partials(scores, c).to(DEV), slots=widest, per_head=per_head,
+                                 row_start=c.dev("row_start"), length=c.length, heads=c.h, page_size=B,
+                                 active_slots=active)
+    assert pages.shape[1] == (c.G * (widest - 2) + 2 if per_head else widest)
+    want = ref_select(scores.view(c.b, c.h, c.G, c.P).double(), c.page_real, c.complete, k, "share_average", per_head)
+    assert torch.equal(_as_mask(pages, c.b, c.h, c.P), want)
+    if not per_head:  # [sink, recent, k - 2 winners] then padding
+        assert (pages[:, k:] == kernels.SENTINEL).all()
+
+
 @pytest.mark.parametrize("method", ["locks", "quest", "oracle"])
 def test_score_then_select_over_many_blocks(method):
     """Partials folded over several scoring programs and selection chunks (sink kept out of the LSE)."""
@@ -309,11 +332,12 @@ def test_decode_step_matches_reference_pipeline():
 
 
 @pytest.mark.parametrize("static,selector", [(False, "locks"), (True, "locks"), (False, "quest"), (True, "quest"),
-                                             (True, "full")])
+                                             (True, "full"), ("wide", "locks"), ("wide", "quest")])
 def test_layer_glue_matches_reference_path(monkeypatch, static, selector):
     """`backend.kernel_decode` on a `LocksLayer` / `LocksStaticLayer` (run directly, on this device) =
     the reference path on the same layer: output, page set, token statistics. (``"full"`` decodes on
-    the page path only in the static cache: a dynamic cache hands it to SDPA.)"""
+    the page path only in the static cache: a dynamic cache hands it to SDPA.) ``"wide"``: a static
+    layer whose page lists are sized for a larger budget, decoding at its own (read on the device)."""
     monkeypatch.setenv("LOCKS_HF_KERNELS", "0")  # the reference calls below must not dispatch
     from locks_hf.attention import reference_decode
     from locks_hf.backend import kernel_decode
@@ -322,7 +346,8 @@ def test_layer_glue_matches_reference_path(monkeypatch, static, selector):
 
     c = Cache(5, b=2, pages=20, pad=(0, 0), hole=False)
     cfg = LocksConfig(rank=4, basis_bits=4, budget=5 * B, selector=selector)
-    layer = LocksStaticLayer(c.length + 3 * B, cfg) if static else LocksLayer(cfg)
+    layer = LocksStaticLayer(c.length + 3 * B, cfg, max_slots=9 if static == "wide" else None) if static \
+        else LocksLayer(cfg)
     layer.update(c.dev("keys")[:, :, : c.length], c.dev("values")[:, :, : c.length])
     # Slots past the length are unwritten memory: poison them, neither path may read them.
     layer.key_buffer()[:, :, c.length:] = float("nan")

@@ -135,12 +135,22 @@ def test_static_refuses_what_it_cannot_do(bad, match):
         LocksStaticCache(model.config, max_cache_len=256, locks=LocksConfig(**bad))
 
 
-def test_static_cache_cannot_be_cropped():
+def test_static_cache_crop_equals_dynamic():
+    """Cropping a static cache (assisted decoding, rollbacks) forgets the last tokens exactly as the
+    dynamic cache does: decoding on from the cropped cache gives the same tokens."""
     model = tiny("llama")
-    cache = LocksStaticCache(model.config, max_cache_len=256)
-    assert cache.attended_fraction() != cache.attended_fraction()  # nan before any decode step
-    with pytest.raises(ValueError, match="cropped"):
-        cache.crop(10)
+    cfg = LocksConfig(budget=64)
+    ids = _ids(250)
+    static = LocksStaticCache(model.config, max_cache_len=320, locks=cfg)
+    assert static.attended_fraction() != static.attended_fraction()  # nan before any decode step
+    outs = []
+    for cache in (LocksCache(model.config, cfg), static):
+        out = model.generate(ids, max_new_tokens=20, do_sample=False, past_key_values=cache)
+        cache.crop(-12)  # 269 -> 257 cached: the page completed at 256 stays, the next one is partial again
+        outs.append(model.generate(out[:, :-12], max_new_tokens=10, do_sample=False, past_key_values=cache))
+    assert torch.equal(outs[0], outs[1])
+    with pytest.raises(ValueError, match="negative"):
+        static.crop(10)
 
 
 @pytest.mark.gpu  # CUDA graphs and the compiled kernels

@@ -1,0 +1,146 @@
+#!/usr/bin/env python
+"""Real ``generate()`` speed: the README one-liner against transformers' own caches, in one run.
+
+A random-weight model of a real shape (default Llama-3.1-8B, bf16, seeded) runs greedy ``generate()``
+on random prompts (a real prefill, then ``--new-tokens`` decode steps) for each arm:
+
+* ``hf-dynamic``  transformers' default (``DynamicCache``; the model's attention is SDPA for it);
+* ``hf-static``   transformers' ``StaticCache`` (generate() auto-compiles: torch.compile + CUDA graphs);
+* ``r4i4``, ``r8i4``, ``quest``, ``full`` ... the README one-liner,
+  ``LocksCache(model.config, locks)`` with nothing else (on a GPU it picks the static layout and
+  generate() compiles its decode step);
+* ``static-r4i4`` ... ``LocksStaticCache`` with ``max_cache_len`` = prompt + new tokens.
+
+Per arm: the prefill time, the median decode step (wall clock between steps, device synchronised,
+after the first ``--warm-steps`` steps), the warm-up (the first steps' time beyond the median: the
+compile and the CUDA-graph capture), peak memory, and the new tokens. Prints a markdown table and
+writes JSON (after every arm, so a run cut short keeps what it measured)::
+
+    python scripts/bench_generate.py --runs 128K:1,32K:8 --out generate.json
+
+Compiled code is cached on disk by Triton and inductor (``TRITON_CACHE_DIR``,
+``TORCHINDUCTOR_CACHE_DIR``): a second run on the same machine shows the warm compile time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+
+import torch
+from bench_decode_step import SHAPES, parse_tokens  # scripts/ is on sys.path when run as a script
+from multi_gpu_generate import StepClock
+from transformers import LlamaConfig, LlamaForCausalLM, StaticCache, StoppingCriteriaList
+
+from locks_hf import LocksCache, LocksConfig, LocksStaticCache
+
+HF_ARMS = ("hf-dynamic", "hf-static")
+STATIC_PREFIX = "static-"
+
+
+def tokens_label(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def locks_config(name: str, budget: int) -> LocksConfig:
+    name = name.removeprefix(STATIC_PREFIX)
+    if name in ("full", "quest", "oracle"):
+        return LocksConfig(selector=name, budget=budget)
+    return LocksConfig.from_label(name, budget=budget)
+
+
+def make_cache(name: str, config, budget: int, capacity: int):
+    if name == "hf-dynamic":
+        return None  # generate() creates its default DynamicCache
+    if name == "hf-static":
+        return StaticCache(config=config, max_cache_len=capacity)
+    if name.startswith(STATIC_PREFIX):
+        return LocksStaticCache(config, max_cache_len=capacity, locks=locks_config(name, budget))
+    return LocksCache(config, locks_config(name, budget))  # the README one-liner
+
+
+def run_arm(model, ids: torch.Tensor, name: str, budget: int, new_tokens: int, warm_steps: int) -> dict:
+    cache = make_cache(name, model.config, budget, ids.shape[1] + new_tokens)
+    clock = StepClock()
+    if model.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         do_sample=False, stopping_criteria=StoppingCriteriaList([clock]), pad_token_id=0)
+    steps = [1e3 * (b - a) for a, b in zip(clock.stamps, clock.stamps[1:])]
+    timed = steps[warm_steps:] or steps
+    median = statistics.median(timed)
+    row = {"arm": name, "batch": ids.shape[0], "context": ids.shape[1], "prefill_s": clock.stamps[0] - t0,
+           "ms_per_step": median, "tokens_per_s": 1e3 * ids.shape[0] / median,
+           "warmup_s": max(0.0, sum(steps[:warm_steps]) - warm_steps * median) / 1e3, "step_ms": steps,
+           "tokens": out[0, ids.shape[1]:].tolist(),
+           "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if model.device.type == "cuda" else None,
+           "compiled_layout": bool(getattr(cache, "is_static", False)) or name == "hf-static",
+           "attended": cache.attended_fraction() if hasattr(cache, "attended_fraction") else 1.0}
+    del cache, out
+    return row
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="llama3.1-8b", choices=list(SHAPES))
+    ap.add_argument("--runs", default="128K:1,32K:8", help="comma list of context:batch")
+    ap.add_argument("--arms", default="hf-dynamic,hf-static,r4i4,r8i4,static-r4i4",
+                    help=f"{', '.join(HF_ARMS)}, a Locks label (r4i4...), quest, full, oracle; "
+                         f"'{STATIC_PREFIX}<arm>' for LocksStaticCache")
+    ap.add_argument("--budget", type=int, default=2048)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--warm-steps", type=int, default=3, help="first decode steps counted as warm-up")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (use --shape tiny)")
+    ap.add_argument("--out", default="bench_generate.json")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    config = LlamaConfig(**SHAPES[args.shape], max_position_embeddings=2**21, bos_token_id=1, eos_token_id=None)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(config, attn_implementation="locks", dtype=dtype).eval()
+    model.generation_config.eos_token_id = None  # random weights: always decode --new-tokens
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    result = {"shape": args.shape, "budget": args.budget, "new_tokens": args.new_tokens, "device": where,
+              "torch": torch.__version__, "rows": []}
+    with torch.no_grad():
+        for run in args.runs.split(","):
+            context, batch = run.split(":")
+            n, b = parse_tokens(context), int(batch)
+            ids = torch.randint(3, config.vocab_size, (b, n), generator=torch.Generator().manual_seed(0)).to(device)
+            for name in args.arms.split(","):
+                torch._dynamo.reset()  # each arm compiles its own graph (never hits dynamo's recompile limit)
+                row = run_arm(model, ids, name, args.budget, args.new_tokens, args.warm_steps)
+                result["rows"].append(row)
+                print(f"{tokens_label(n)} x{b} {name}: {row['ms_per_step']:.2f} ms/step, warm-up {row['warmup_s']:.1f} s, "
+                      f"prefill {row['prefill_s']:.1f} s, peak {row['peak_gib'] or 0:.1f} GiB", flush=True)
+                with open(args.out, "w") as f:
+                    json.dump(result, f, indent=1)
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            del ids
+
+    print(f"\ngenerate(), {args.shape} random weights, {dtype}, {args.new_tokens} greedy tokens, b={args.budget}, "
+          f"median ms per step after {args.warm_steps} warm-up steps ({where})\n")
+    print("| context | batch | arm | ms/step | vs hf-dynamic | vs hf-static | warm-up s | prefill s | peak GiB | "
+          "attended | tokens = first Locks arm |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in result["rows"]:
+        same_run = [x for x in result["rows"] if (x["context"], x["batch"]) == (r["context"], r["batch"])]
+        base = {x["arm"]: x["ms_per_step"] for x in same_run}
+        ratios = [f"{base[a] / r['ms_per_step']:.2f}x" if a in base else "-" for a in HF_ARMS]
+        first_locks = next((x for x in same_run if x["arm"] not in HF_ARMS), None)
+        same = "-" if first_locks is None or r["arm"] in HF_ARMS else str(r["tokens"] == first_locks["tokens"])
+        peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
+        print(f"| {tokens_label(r['context'])} | {r['batch']} | {r['arm']} | {r['ms_per_step']:.2f} | {ratios[0]} | "
+              f"{ratios[1]} | {r['warmup_s']:.1f} | {r['prefill_s']:.1f} | {peak} | {r['attended']:.4f} | {same} |")
+
+
+if __name__ == "__main__":
+    main()
