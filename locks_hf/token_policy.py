@@ -87,10 +87,9 @@ class PolicyState:
 class TokenPolicy(PageSelector):
     """Base class of the token-level policies: a `start`, and a `select` and/or an `observe`.
 
-    Declared capabilities (see `PageSelector`): a token policy never reads page summaries, has no
-    kernel path (the reference PyTorch path runs on CPU and GPU alike) and is not usable by
-    `LocksStaticCache` (its state is per slot and changes shape). A policy registers itself with
-    `locks_hf.selectors.register_selector`, as a page selector does.
+    Declared capabilities, as for page selectors: a token policy chooses tokens, never pages (no
+    summaries, no page scores), has no kernel path (the reference PyTorch path runs on CPU and GPU
+    alike) and is not usable by `LocksStaticCache` (its state is per slot and changes shape).
     """
 
     token_level = True
@@ -101,15 +100,10 @@ class TokenPolicy(PageSelector):
 
     @classmethod
     def validate(cls, config: LocksConfig, head_dim: int | None = None) -> None:
-        super().validate(config, head_dim)
-        cls.validate_config(config)
-
-    @classmethod
-    def validate_config(cls, config: LocksConfig) -> None:
         """Raise `LocksConfigError` for settings the method cannot run with."""
 
     def page_scores(self, summary, keys, valid, query, scale):
-        raise TypeError(f"{self.name} is a token-level policy: it selects slots (`select`), not pages")
+        raise TypeError(f"{self.name} chooses tokens through a keep mask: it has no page scores")
 
     def start(self, layer, query: torch.Tensor, scale: float) -> PolicyState:
         """State at the first decode step (``query [b, h, G, d]`` is that step's): every real slot

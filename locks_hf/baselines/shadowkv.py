@@ -55,7 +55,7 @@ class ShadowKVPolicy(TokenPolicy):
     name = "shadowkv"
 
     @classmethod
-    def validate_config(cls, config) -> None:
+    def validate(cls, config, head_dim: int | None = None) -> None:
         if selectable_chunks(config.budget) < 1:
             raise BudgetDoesNotFit(
                 f"shadowkv does not fit budget {config.budget}: its 384-token outlier block and 32-token local "
