@@ -31,8 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from locks_hf import LocksConfig, LocksStaticCache
-from locks_hf.backend import uses_kernels
+from locks_hf import LocksConfig, LocksStaticCache, backend
 from locks_hf.selectors import static_selector_names
 
 logger = logging.getLogger(__name__)
@@ -298,7 +297,7 @@ class PrefilledBatch:
         if mode != "eager":
             # the reference path (settings the kernels do not implement) syncs with the host (an SVD
             # per completed page), which neither a captured graph nor cudagraph trees allow
-            reference = [layer for layer in self.cache.locks_layers if not uses_kernels(layer)]
+            reference = [layer for layer in self.cache.locks_layers if not backend.uses_kernels(layer)]
             if reference and self.engine.requested_step != "auto":
                 raise ValueError(f"step={mode!r} needs the GPU kernels, which do not implement "
                                  f"{self.cache.locks_config.label} here: use step='eager'")

@@ -25,6 +25,15 @@ def kernels_enabled() -> bool:
     return os.environ.get(KERNELS_ENV, "1") != "0"
 
 
+def kernels_available() -> bool:
+    """Whether `locks_hf.kernels` imports with Triton (the environment not consulted)."""
+    try:
+        from . import kernels
+    except ImportError:
+        return False
+    return kernels.HAVE_TRITON
+
+
 def kernel_method(selector: str) -> str | None:
     """The kernels' scoring mode for a selector name (``None``: reference only)."""
     return selector_class(selector).kernel_method
@@ -33,13 +42,11 @@ def kernel_method(selector: str) -> str | None:
 def supports(config, key_buffer: torch.Tensor | None, query: torch.Tensor | None = None) -> bool:
     """Whether the kernels implement ``config`` on this key buffer (and query), Triton available."""
     method = kernel_method(config.selector)
-    if method is None or key_buffer is None or not key_buffer.is_cuda:
+    if method is None or key_buffer is None or not key_buffer.is_cuda or not kernels_available():
         return False
-    try:
-        from . import kernels
-    except ImportError:
-        return False
-    if not kernels.HAVE_TRITON or not kernels.implements(
+    from . import kernels
+
+    if not kernels.implements(
             method, dtype=key_buffer.dtype, head_dim=key_buffer.shape[-1], page_size=config.page_size,
             group_combine=config.group_combine, basis_bits=config.basis_bits, coef_bits=config.coef_bits,
             centroid_bits=config.centroid_bits):
@@ -92,7 +99,7 @@ def kernel_decode(layer, query: torch.Tensor, scale: float) -> torch.Tensor:
     keys = layer.key_buffer()
     b, h = query.shape[0], keys.shape[1]
     row_start, n_complete = layer.row_tensors()
-    width, active = layer.page_slots()  # page-list width, and the budget's k on the device (or None)
+    width, active = layer.page_slots()  # page-list width, and the budget as a device tensor (or None)
     # Triton launches on the *current* device; with a model split over GPUs (device_map) this layer's
     # tensors may live on another one. The kernels count the tokens they attend into the statistics.
     with kernels.on_device(query.device):

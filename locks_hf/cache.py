@@ -113,9 +113,8 @@ class LocksLayer(DynamicLayer, PagedLayer):
         if self.selector is None:
             return 0
         if self.selector.reads_keys:  # every written slot's key (no host sync for the padding count)
-            keys = self.key_buffer()
-            b, h, _, d = keys.shape
-            return self.length * b * h * d * keys.element_size()
+            b, h, _, d = self._kbuf.shape
+            return self.length * b * h * d * self._kbuf.element_size()
         return sum(t.numel() * t.element_size() for t in self.summary_view().values())
 
     def record_selection_traffic(self) -> None:
@@ -307,10 +306,11 @@ class LocksLayer(DynamicLayer, PagedLayer):
     def from_paged(cls, layer: PagedLayer, config: LocksConfig, length: int) -> LocksLayer:
         """A dynamic layer holding a copy of the first ``length`` slots of another Locks layer (e.g. a
         static one); its summaries are rebuilt, in one batched pass, at the next forward."""
+        keys, values = layer.kv_buffers()
         new = cls(config)
-        new.lazy_initialization(layer._kbuf, layer._vbuf)
-        new._kbuf = layer._kbuf[:, :, :length].clone()
-        new._vbuf = layer._vbuf[:, :, :length].clone()
+        new.lazy_initialization(keys, values)
+        new._kbuf = keys[:, :, :length].clone()
+        new._vbuf = values[:, :, :length].clone()
         new.slot_valid = layer.slot_valid[:, :length].clone()
         new.length = length
         new.row_start = layer.row_tensors()[0].tolist()

@@ -10,6 +10,7 @@ BASIS_BITS = (2, 4, 8, 16)  # 16 = unquantized (stored in the K/V dtype)
 VALUE_BITS = (8, 16)  # for coefficients and centroids
 
 
+
 class LocksConfigError(ValueError):
     """A `LocksConfig` field has a value the method cannot run with."""
 
@@ -71,7 +72,7 @@ class LocksConfig:
             )
         if not isinstance(self.min_context, int) or self.min_context < 0:
             raise LocksConfigError(f"min_context must be a non-negative int, got {self.min_context!r}")
-        selector.validate(self)  # the selector's own checks (e.g. rank <= page_size, a policy's budget)
+        selector.validate(self)  # last: selector-specific checks see validated generic fields
 
     @property
     def page_slots(self) -> int:
@@ -116,11 +117,8 @@ def _selector_class(name: str):
 
 
 def __getattr__(name: str):
-    # Derived from the selector registry (these were tuples here before it).
-    from .selectors import selector_class, selector_names
+    if name == "SELECTORS":  # the registered selector names (a tuple here before the registry)
+        from .selectors import selector_names
 
-    if name == "SELECTORS":  # every registered selector name
         return selector_names()
-    if name == "BASELINE_POLICIES":  # the paper's baselines, token-level cache policies (`locks_hf.baselines`)
-        return tuple(n for n in selector_names() if selector_class(n).token_level)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -28,7 +28,7 @@ from transformers.cache_utils import (
     StaticSlidingWindowLayer,
 )
 
-from .backend import kernels_enabled
+from . import backend
 from .config import LocksConfig
 from .selectors import static_selector_names
 
@@ -47,7 +47,7 @@ def config_refusal(locks: LocksConfig, layer_types: list[str] | None) -> str | N
     if layer_types is None:
         return "no model config was given (its layer types decide the static layers)"
     if locks.selector not in static_selector_names():
-        return (f"selector {locks.selector!r} fits state on the whole prompt (static layout supports "
+        return (f"selector {locks.selector!r} keeps state beyond its pages (static layout supports "
                 f"{', '.join(static_selector_names())})")
     if locks.min_context:
         return (f"min_context={locks.min_context}: a static graph cannot switch between dense and sparse "
@@ -64,13 +64,9 @@ def device_refusal() -> str | None:
     Triton, or the kernels switched off with ``LOCKS_HF_KERNELS=0``."""
     if not torch.cuda.is_available():
         return "no CUDA device"
-    if not kernels_enabled():
-        return "LOCKS_HF_KERNELS=0"
-    try:
-        from . import kernels
-    except ImportError:
-        return "locks_hf.kernels cannot be imported"
-    return None if kernels.HAVE_TRITON else "Triton is not installed"
+    if not backend.kernels_enabled():
+        return f"{backend.KERNELS_ENV}=0"
+    return None if backend.kernels_available() else "Triton (locks_hf.kernels) cannot be imported"
 
 
 def choose_layout(layout: str, locks: LocksConfig, layer_types: list[str] | None) -> bool:

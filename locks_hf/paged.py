@@ -110,6 +110,11 @@ class PagedLayer(ABC):
     def reset_stats(self) -> None:
         """Zero the statistics (`attended`, `context`)."""
 
+    def _rows_start_at_zero(self) -> bool:
+        """True when no row is padded, known on the host (then every page is a view of the buffer)."""
+        return False
+
+    # -- statistics -----------------------------------------------------------------------------------
     #: Decode steps and estimation bytes counted on the host (`decode_traffic`); a static layer,
     #: whose steps run in a compiled graph, keeps no host count.
     decode_steps = 0
@@ -120,11 +125,6 @@ class PagedLayer(ABC):
         width is the budget)."""
         return self.config.page_slots, None
 
-    def _rows_start_at_zero(self) -> bool:
-        """True when no row is padded, known on the host (then every page is a view of the buffer)."""
-        return False
-
-    # -- statistics -----------------------------------------------------------------------------------
     def record_step(self, attended: torch.Tensor | None, context: torch.Tensor) -> None:
         """Add one decode step: tokens attended and real tokens cached, summed over rows and heads
         (``attended=None``: the kernels already added it)."""

@@ -20,8 +20,8 @@ that changes from step to step. So, compared with `LocksLayer`:
 * re-allocation (growth, fork, batch selection) happens eagerly between forwards, into fresh
   buffers marked static: a compiled step recompiles once for the new shapes.
 
-Everything else (page access, scoring, selection, sparse attention, the kernels) is shared with
-`LocksCache`: both layer classes are `locks_hf.paged.PagedLayer`s, which hold the page logic once.
+Everything else (scoring, selection, sparse attention, the kernels) is shared with `LocksCache`:
+both layer classes answer the same page-access methods.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         B = self.config.page_size
         # The summary layout (names, shapes, dtypes) of one all-zero page, allocated for every page.
         probe = self.summarize_pages(self.keys.new_zeros((b, h, 1, B, d)),
-                                     torch.ones((b, h, 1, B), dtype=torch.bool, device=self.device))
+                                torch.ones((b, h, 1, B), dtype=torch.bool, device=self.device))
         summary = {n: t.new_zeros((b, h, self.num_pages, *t.shape[3:])) for n, t in probe.items()}
         if not is_torchdynamo_compiling():
             mark_static(*summary.values())
@@ -393,8 +393,8 @@ class LocksStaticCache(LocksCache):
 
     `LocksCache` chooses the static layout by itself on a GPU (and grows it); this class insists on
     it, on any device, and refuses to write past ``max_cache_len`` (rounded up to whole pages)
-    instead of growing. Supports the selectors that keep per-page state only (``locks``, ``oracle``, ``quest``, ``full``:
-    ``locks_hf.selectors.static_selector_names()``) with ``min_context=0``; for sweeps, one prefix decoded under several settings (`mark_prefix`,
+    instead of growing. Supports the selectors that keep per-page state only (``locks_hf.selectors.static_selector_names()``:
+    ``locks``, ``oracle``, ``quest``, ``full``) with ``min_context=0``; for sweeps, one prefix decoded under several settings (`mark_prefix`,
     `rewind`, `set_config`).
     """
 

@@ -28,8 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from .config import LocksConfig
-from .selectors.base import PageSelector
+from .selectors.base import SelectionMethod
 
 
 class PolicyState:
@@ -84,26 +83,19 @@ class PolicyState:
         return new
 
 
-class TokenPolicy(PageSelector):
+class TokenPolicy(SelectionMethod):
     """Base class of the token-level policies: a `start`, and a `select` and/or an `observe`.
 
-    Declared capabilities, as for page selectors: a token policy chooses tokens, never pages (no
-    summaries, no page scores), has no kernel path (the reference PyTorch path runs on CPU and GPU
-    alike) and is not usable by `LocksStaticCache` (its state is per slot and changes shape).
+    Declared like page selectors (and registered in the same registry): a token policy never reads
+    page summaries, has no kernel path (the reference PyTorch path runs on CPU and GPU alike) and is
+    not usable by the static layout (its state is per slot and changes shape).
     """
 
     token_level = True
     static_cache = False
-    kernel_method = None
+    report_order = 50
     #: Keep one mask per query head (``Gm = G``) instead of one per KV head.
     per_query_head = False
-
-    @classmethod
-    def validate(cls, config: LocksConfig, head_dim: int | None = None) -> None:
-        """Raise `LocksConfigError` for settings the method cannot run with."""
-
-    def page_scores(self, summary, keys, valid, query, scale):
-        raise TypeError(f"{self.name} chooses tokens through a keep mask: it has no page scores")
 
     def start(self, layer, query: torch.Tensor, scale: float) -> PolicyState:
         """State at the first decode step (``query [b, h, G, d]`` is that step's): every real slot

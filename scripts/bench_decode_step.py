@@ -34,7 +34,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
 from locks_hf import LocksCache, LocksConfig, LocksStaticCache
-from locks_hf.config import BASELINE_POLICIES
+from locks_hf.selectors import config_for_family
 
 SHAPES = {
     "llama3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -80,9 +80,8 @@ HF_STATIC = "hf-static"  # transformers' own StaticCache (dense, masked SDPA ove
 
 
 def make_arm(name: str, budget: int) -> LocksConfig:
-    if name in ("full", "quest", "oracle", HF_STATIC, *BASELINE_POLICIES):  # baselines: eager (--graphs none)
-        return LocksConfig(selector="full" if name == HF_STATIC else name, budget=budget)
-    return LocksConfig.from_label(name, budget=budget)
+    # any registered arm family: r4i4 / locks-r8i4, full, quest, oracle, the baselines (eager: --graphs none)
+    return config_for_family("full" if name == HF_STATIC else name, budget=budget)
 
 
 def make_cache(graphs: str, config, name: str, locks: LocksConfig, capacity: int):

@@ -30,13 +30,13 @@ from locks_hf.static_cache import LocksStaticLayer
 
 # -- the selector registry -------------------------------------------------------------------------------
 def test_registry_declares_the_builtin_selectors():
-    builtin = ("locks", "oracle", "quest", "full", "shared_basis", "shared_all")
-    assert selector_names()[:6] == builtin and "rocketkv" in selector_names()
+    baselines = ("kvzip", "lazy_eviction", "rkv", "rocketkv", "shadowkv", "triattention")
+    assert selector_names() == ("locks", "oracle", "quest", "full", "shared_basis", "shared_all", *baselines)
     assert static_selector_names() == ("locks", "oracle", "quest", "full")
-    assert {n: selector_class(n).kernel_method for n in builtin} == {
+    assert {n: selector_class(n).kernel_method for n in selector_names()} == {
         "locks": "locks", "oracle": "oracle", "quest": "quest", "full": "full",
-        "shared_basis": None, "shared_all": None}
-    assert selector_class("rocketkv").token_level and selector_class("rocketkv").kernel_method is None
+        "shared_basis": None, "shared_all": None, **dict.fromkeys(baselines)}
+    assert [n for n in selector_names() if selector_class(n).token_level] == list(baselines)
     assert make_selector(LocksConfig(selector="full")) is None
     assert make_selector(LocksConfig(selector="quest")).per_head
     with pytest.raises(LocksConfigError, match="selector must be one of"):
@@ -47,7 +47,6 @@ def test_registry_declares_the_builtin_selectors():
     LocksConfig(rank=8, basis_bits=4), LocksConfig(rank=4, basis_bits=2), LocksConfig(rank=16, basis_bits=16),
     LocksConfig(selector="oracle"), LocksConfig(selector="quest"), LocksConfig(selector="full"),
     LocksConfig(selector="shared_basis", rank=20), LocksConfig(selector="shared_all", rank=28, basis_bits=8),
-    LocksConfig(selector="rocketkv", budget=256),
 ])
 def test_arm_labels_round_trip(config):
     """family_of and parse_family are inverse: the label rebuilds the same config."""

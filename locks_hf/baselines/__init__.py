@@ -1,7 +1,6 @@
 """The paper's baseline methods as token-level cache policies (`locks_hf.token_policy`).
 
-Each module holds one method and registers it (`locks_hf.selectors.register_selector`) under its
-`LocksConfig.selector` name; `POLICIES` maps those names to the classes.
+Each module holds one method; `POLICIES` maps the `LocksConfig.selector` name to its class.
 """
 
 from .kvzip import KVzipPolicy

@@ -55,7 +55,8 @@ class ShadowKVPolicy(TokenPolicy):
     name = "shadowkv"
 
     @classmethod
-    def validate(cls, config, head_dim: int | None = None) -> None:
+    def validate(cls, config, head_dim=None) -> None:
+        super().validate(config, head_dim)
         if selectable_chunks(config.budget) < 1:
             raise BudgetDoesNotFit(
                 f"shadowkv does not fit budget {config.budget}: its 384-token outlier block and 32-token local "

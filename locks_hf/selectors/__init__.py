@@ -2,8 +2,7 @@
 
 `base` the interface and its declared capabilities; `registry` name -> class, arm labels;
 `selection` the page-set rule shared by all (sink + most recent + best ``k - 2``); one module per
-selector: `locks`, `oracle`, `quest`, `full` (dense, no selection), `shared_basis` (+ ``shared_all``);
-the paper's baselines (token-level policies, `locks_hf.token_policy`) live in `locks_hf.baselines`.
+selector: `locks`, `oracle`, `quest`, `full` (dense, no selection), `shared_basis` (+ ``shared_all``).
 A new selector is a new module here (a `PageSelector` subclass decorated with `register_selector`)
 imported below, plus its tests.
 """
@@ -26,17 +25,18 @@ from .registry import (
 from .selection import NEG_INF, combine_group, forced_pages, select_pages
 
 # isort: off
-# Registered on import, in this order (the order of `selector_names()` and of arm-label parsing).
+# Registered on import, in this order (the order of `selector_names()` and of arm-label parsing);
+# the paper's baselines (token-level policies, `locks_hf.baselines`) after the page selectors.
 from .locks import LocksSelector
 from .oracle import OracleSelector
 from .quest import QuestSelector
 from .full import FullAttention
 from .shared_basis import SharedAllSelector, SharedBasisSelector
-from .. import baselines  # noqa: F401  (the paper's baselines register themselves)
+from .. import baselines  # noqa: F401
 # isort: on
 
 __all__ = ["NEG_INF", "FullAttention", "LocksSelector", "OracleSelector", "PageSelector", "QuestSelector",
-           "SharedAllSelector", "SharedBasisSelector", "combine_group", "config_for_family", "family_help",
-           "family_of", "family_sort_key", "forced_pages", "make_selector", "parse_family", "register_selector",
+           "SharedAllSelector", "SharedBasisSelector", "combine_group", "config_for_family", "family_help", "family_of",
+           "family_sort_key", "forced_pages", "make_selector", "parse_family", "register_selector",
            "select_pages", "selector_class", "selector_names", "static_selector_names", "summary_layout",
            "unregister_selector"]

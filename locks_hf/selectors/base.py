@@ -28,8 +28,9 @@ if TYPE_CHECKING:
     from ..config import LocksConfig
 
 
-class PageSelector(ABC):
-    """Base class: a new selector is a `summarize` (optional) and a `page_scores`, plus its declarations."""
+class SelectionMethod:
+    """What every registered method declares (page selectors and token-level policies alike): read by
+    `LocksConfig` validation, the caches, the kernel dispatch, the sweep's arm labels and the reports."""
 
     #: The `LocksConfig.selector` value (set by each registered class).
     name: ClassVar[str]
@@ -46,14 +47,14 @@ class PageSelector(ABC):
     summary_fields: ClassVar[tuple[str, ...]] = ()
     #: The selector has a rank ``r`` (``LocksConfig.rank``), which must fit the model's head_dim.
     uses_rank: ClassVar[bool] = False
-    #: Chooses single tokens through a keep mask (`locks_hf.token_policy`) instead of pages.
-    token_level: ClassVar[bool] = False
     #: Dense attention, no selection (``"full"``): `make_selector` gives ``None`` and arms take no budget.
     dense: ClassVar[bool] = False
     #: Position of the family in reports (smaller first).
     report_order: ClassVar[int] = 100
     #: The arm label grammar in words, for error messages and ``--help``.
     family_grammar: ClassVar[str] = ""
+    #: Chooses single tokens through a keep mask (`locks_hf.token_policy.TokenPolicy`) instead of pages.
+    token_level: ClassVar[bool] = False
 
     def __init__(self, config: LocksConfig) -> None:
         self.config = config
@@ -85,7 +86,11 @@ class PageSelector(ABC):
         """Order of this selector's families in reports (larger summaries first)."""
         return (-fields.get("rank", 0), -fields.get("basis_bits", 0))
 
-    # -- the method -------------------------------------------------------------------------------
+
+
+class PageSelector(SelectionMethod, ABC):
+    """Base class: a new selector is a `summarize` (optional) and a `page_scores`, plus its declarations."""
+
     def fit_sequence(self, keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
         """Sequence-level state ``[b, h, ...]`` fitted once on the prompt's pages, then frozen.
 

@@ -60,8 +60,7 @@ def make_selector(config: LocksConfig) -> PageSelector | None:
 
 
 def summary_layout(config: LocksConfig) -> tuple:
-    """What a cache's summaries depend on (``LocksConfig.summary_layout``): equal layouts share
-    summaries (`LocksCache.fork`, `LocksStaticLayer.set_config`)."""
+    """What a cache's summaries depend on: equal layouts share summaries (`LocksCache.fork`)."""
     cls = selector_class(config.selector)
     return (config.selector, config.page_size, *(getattr(config, f) for f in cls.summary_fields))
 
