@@ -31,8 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from locks_hf import LocksConfig, LocksStaticCache
-from locks_hf import backend
+from locks_hf import LocksConfig, LocksStaticCache, backend
 from locks_hf.selectors import static_selector_names
 
 logger = logging.getLogger(__name__)

@@ -41,7 +41,7 @@ from .layout import mark_static, resized
 from .paged import PagedLayer, pages_to_mask, slot_validity
 from .selectors import make_selector, static_selector_names
 
-__all__ = ["STATIC_SELECTORS", "LocksStaticCache", "LocksStaticLayer"]
+__all__ = ["LocksStaticCache", "LocksStaticLayer"]
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,8 @@ layer: scoring, selection, sparse attention, and the three together, for Locks (
 label), Quest on the same kernels, and the fastest dense PyTorch path measured in the same run.
 Times are CUDA-event medians of CUDA-graph replays after warm-up; every replay walks several
 independent cache copies so that no stage reads from a warm L2. Byte floors use the measured
-device bandwidth. ``--check`` first compares every kernel with a float64 reference at real shapes.
+device bandwidth. ``--check`` first runs the GPU tests that compare every kernel with a float64
+reference at real shapes (tests/test_kernels_real_shapes.py, also ``pytest -m gpu``).
 
 Prints a markdown table and writes JSON::
 
@@ -32,6 +33,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+#: The float64 correctness checks at real shapes (``--check`` runs them first).
+CHECKS = ROOT / "tests" / "test_kernels_real_shapes.py"
 
 
 def _load_locks_hf():
@@ -66,7 +69,7 @@ MODELS = {  # name: (query heads, KV heads, head_dim, hidden, ffn) -- attention 
     "glm4-9b": (32, 2, 128, 4096, 13696),
 }
 B = 16
-DEV = "cuda"  # tests of this script run the float64 checks on CPU under TRITON_INTERPRET=1
+DEV = "cuda"
 L2_TARGET = 200 << 20  # bytes touched per graph replay, several times the 50-60 MB L2
 
 
@@ -266,102 +269,6 @@ def dense_fns(sets: list[CacheSet], scale: float) -> dict:
         return lambda: flex(c.query, c.keys, c.values, scale=scale, enable_gqa=True)
     out["flex-attention"] = [flexed(c) for c in sets]
     return out
-
-
-# ----------------------------------------------------------------------------------------------
-# correctness at real shapes (float64 references on the GPU)
-# ----------------------------------------------------------------------------------------------
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
-
-
-def check_real_shapes(model: str, length: int, slots: int, log) -> dict:
-    from locks_hf.config import LocksConfig
-    from locks_hf.selectors import QuestSelector, select_pages as ref_select
-    from locks_hf.summaries import build_summary as ref_build, dequantize_summary, estimated_page_lse, exact_page_lse
-
-    hq, h, d, _, _ = MODELS[model]
-    G = hq // h
-    gen = torch.Generator(device=DEV).manual_seed(1)
-    c = CacheSet(1, hq, h, d, length, gen)
-    labels = [(8, 4), (4, 4), (2, 4), (4, 2), (4, 8)]
-    c.build(labels)
-    scale = d ** -0.5
-    q64 = c.query.view(1, h, G, d).double()
-    pages = c.keys.view(1, h, c.P, B, d)
-    valid = torch.ones((1, 1, c.P, B), device=DEV, dtype=torch.bool)
-    page_real = torch.ones((1, c.P), device=DEV, dtype=torch.bool)
-    complete = page_real
-    res = {"model": model, "context": length}
-    for r, bits in labels:
-        lab = f"r{r}i{bits}"
-        summ = c.summaries[lab]
-        got, part = score_pages("locks", c.query, summary=summ, scale=scale, basis_bits=bits, **c.kw())
-        mu, basis, coef = dequantize_summary(summ, bits, torch.float64)
-        ref = estimated_page_lse(mu, basis, coef, valid, q64, scale)
-        res[f"score_{lab}_rel_err"] = rel(got.view(1, h, G, c.P), ref)
-        alt, _ = score_pages("locks", c.query, summary=summ, scale=scale, basis_bits=bits, variant="dot",
-                             by_token=True, **c.kw())
-        res[f"score_{lab}_by_token_rel_err"] = rel(alt.view(1, h, G, c.P), ref)
-        sel = select_pages(got, part, slots=slots, per_head=False, row_start=c.row_start, length=c.length,
-                           heads=h, page_size=B)
-        want = ref_select(got.view(1, h, G, c.P).double(), page_real, complete, slots, "share_average", False)
-        mine = torch.zeros_like(want).view(h, c.P)
-        mine.scatter_(1, sel.long().clamp_min(0), True)
-        mism = (mine.view_as(want) != want).sum().item()
-        res[f"select_{lab}_mismatched_pages"] = mism
-        if lab == "r4i4":
-            out = sparse_attention(c.query, c.keys, c.values, sel, slot_valid=c.slot_valid, row_start=c.row_start,
-                                   length=c.length, scale=scale, page_size=B)
-            idx = sel.long().view(1, h, -1)
-            ok = idx >= 0
-            kk = pages.gather(2, idx.clamp_min(0)[..., None, None].expand(-1, -1, -1, B, d)).double().flatten(2, 3)
-            vv = c.values.view(1, h, c.P, B, d).gather(2, idx.clamp_min(0)[..., None, None].expand(-1, -1, -1, B, d)
-                                                       ).double().flatten(2, 3)
-            tok = ok[..., None].expand(-1, -1, -1, B).flatten(2)
-            logit = scale * torch.einsum("bhgd,bhnd->bhgn", q64, kk)
-            pr = torch.softmax(logit.masked_fill(~tok[:, :, None], float("-inf")), -1)
-            ref_o = torch.einsum("bhgn,bhnd->bhgd", pr, vv).reshape(1, 1, hq, d)
-            res["attention_rel_err"] = rel(out, ref_o)
-    # Quest
-    qs = QuestSelector(LocksConfig())
-    got, part = score_pages("quest", c.query, summary=c.summaries["quest"], scale=scale, **c.kw())
-    ref = qs.page_scores({k: v.double() for k, v in c.summaries["quest"].items()}, None, None, q64, scale)
-    res["score_quest_rel_err"] = rel(got.view(1, h, G, c.P), ref)
-    sel = select_pages(got, part, slots=slots, per_head=True, row_start=c.row_start, length=c.length, heads=h,
-                       page_size=B)
-    want = ref_select(got.view(1, h, G, c.P).double(), page_real, complete, slots, "share_average", True)
-    mine = torch.zeros((h, c.P + 1), device=DEV, dtype=torch.bool)
-    mine.scatter_(1, torch.where(sel >= 0, sel, c.P).long(), True)
-    res["select_quest_mismatched_pages"] = (mine[:, : c.P].view_as(want) != want).sum().item()
-    res["quest_union_pages_mean"] = (sel >= 0).sum().item() / h
-    # Oracle (exact LSE from the keys) on the first 2K pages
-    n = min(c.P, 2048)
-    sub = CacheSet.__new__(CacheSet)
-    sub.__dict__.update(c.__dict__)
-    sub.length, sub.P = n * B, n
-    sub.n_complete = torch.full((1,), n, device=DEV, dtype=torch.int32)
-    got, _ = score_pages("oracle", c.query, keys=c.keys, scale=scale, **sub.kw())
-    ref = exact_page_lse(pages[:, :, :n].double(), valid[:, :, :n], q64, scale)
-    res["score_oracle_rel_err"] = rel(got.view(1, h, G, n), ref)
-    # build: kernel summaries vs the reference SVD build, by their page-score error against the exact LSE
-    m = min(c.P, 2048)
-    kp = pages[:, :, :m].float()
-    vm = valid[:, :, :m].expand(1, h, m, B)
-    ex = exact_page_lse(pages[:, :, :m].double(), valid[:, :, :m], q64, scale)
-    for r in (8, 4, 2):
-        a = K.build_summary(kp, vm, r, 4)
-        bref = ref_build(kp, vm, r, 4)
-        ea = rel(estimated_page_lse(*dequantize_summary(a, 4, torch.float64), valid[:, :, :m], q64, scale), ex)
-        eb = rel(estimated_page_lse(*dequantize_summary(bref, 4, torch.float64), valid[:, :, :m], q64, scale), ex)
-        res[f"build_r{r}i4_score_err_kernel"] = ea
-        res[f"build_r{r}i4_score_err_reference"] = eb
-    log(json.dumps(res))
-    del c
-    if DEV == "cuda":
-        torch.cuda.empty_cache()
-    return res
 
 
 # ----------------------------------------------------------------------------------------------
@@ -579,8 +486,7 @@ def main(argv=None):
     ap.add_argument("--batch", default="1")
     ap.add_argument("--max-context-batched", default="512K", help="largest context timed at batch > 1")
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--check", action="store_true", help="float64 checks at real shapes first")
-    ap.add_argument("--check-context", default="128K")
+    ap.add_argument("--check", action="store_true", help="float64 checks at real shapes first (pytest -m gpu)")
     ap.add_argument("--sweep", action="store_true", help="try scoring tile shapes at 512K first")
     ap.add_argument("--sweep-labels", default="r4i4", help="summary labels the sweep tunes (each its own best)")
     ap.add_argument("--sweep-variants", default="dot,fma", help="scoring variants the sweep tries")
@@ -617,17 +523,15 @@ def main(argv=None):
     log(f"bandwidth: copy {bwi['copy_tbps']:.2f} TB/s, read {bwi['read_tbps']:.2f} TB/s -> floors at {bw:.2f} TB/s")
     models = args.models.split(",")
     labels = [(int(x[1:x.index("i")]), int(x[x.index("i") + 1:])) for x in args.labels.split(",")]
-    slots = math.ceil(args.budget / B)
 
-    if args.check:
-        for m in models:
-            try:
-                result["checks"].append(check_real_shapes(m, parse_ctx(args.check_context), slots, log))
-            except Exception as e:  # keep benchmarking; the failure is in the log and json
-                log(f"CHECK FAILED {m}: {type(e).__name__}: {str(e)[-400:]}")
-                result["checks"].append({"model": m, "error": f"{type(e).__name__}: {str(e)[-400:]}"})
-            torch.cuda.empty_cache()
-            save()
+    if args.check:  # the float64 checks at real shapes are GPU tests; their verdict goes in the json
+        import pytest
+
+        code = pytest.main(["-q", "-m", "gpu", "-p", "no:cacheprovider", str(CHECKS)])
+        log(f"real-shape checks ({CHECKS.name}): pytest exit code {int(code)}")
+        result["checks"].append({"tests": str(CHECKS.relative_to(ROOT)), "pytest_exit_code": int(code)})
+        torch.cuda.empty_cache()
+        save()
     score_cfgs = {}
     if args.sweep:
         for m in models:

@@ -114,13 +114,14 @@ def test_locks_scores_match_reference(rank, bits, G, by_token):
 def test_dot_scoring_defaults_follow_the_group_size():
     """Per-token epilogue with 32-page blocks for groups of 16+ heads (GLM) over many pages, per page
     otherwise; whatever the caller sets is kept."""
-    from locks_hf.kernels.score import BY_TOKEN_MIN_PAGE_ROWS as many, LOCKS, QUEST, _dot_tiles
-    assert _dot_tiles(LOCKS, 16, 16, 4, many, None, None, None, None, None) == (True, 32, 8, 4, 2)
-    assert _dot_tiles(LOCKS, 16, 16, 4, many - 1, None, None, None, None, None) == (False, 16, 8, 8, 2)
-    assert _dot_tiles(LOCKS, 4, 16, 4, many, None, None, None, None, None) == (False, 32, 8, 4, 2)
-    assert _dot_tiles(LOCKS, 8, 16, 8, many, None, None, None, None, None) == (False, 16, 8, 8, 2)
-    assert _dot_tiles(QUEST, 16, 16, 1, many, None, None, None, None, None)[0] is False
-    assert _dot_tiles(LOCKS, 16, 16, 4, many, False, 64, 4, 8, 3) == (False, 64, 4, 8, 3)
+    from locks_hf.kernels.score_dot import LOCKS, QUEST
+    from locks_hf.kernels.score_tiles import BY_TOKEN_MIN_PAGE_ROWS as many, dot_tiles
+    assert dot_tiles(LOCKS, 16, 16, 4, many, None, None, None, None, None) == (True, 32, 8, 4, 2)
+    assert dot_tiles(LOCKS, 16, 16, 4, many - 1, None, None, None, None, None) == (False, 16, 8, 8, 2)
+    assert dot_tiles(LOCKS, 4, 16, 4, many, None, None, None, None, None) == (False, 32, 8, 4, 2)
+    assert dot_tiles(LOCKS, 8, 16, 8, many, None, None, None, None, None) == (False, 16, 8, 8, 2)
+    assert dot_tiles(QUEST, 16, 16, 1, many, None, None, None, None, None)[0] is False
+    assert dot_tiles(LOCKS, 16, 16, 4, many, False, 64, 4, 8, 3) == (False, 64, 4, 8, 3)
 
 
 def test_quest_and_oracle_scores_match_reference():

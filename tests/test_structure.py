@@ -4,18 +4,28 @@ import warnings
 
 import pytest
 import torch
+from conftest import tiny
 
 from locks_hf import LocksCache, LocksConfig, LocksConfigError, LocksStaticCache
 from locks_hf.attention import observe_decode_queries
 from locks_hf.cache import LocksLayer
 from locks_hf.eval.arms import parse_arms
 from locks_hf.paged import PagedLayer
-from locks_hf.selectors import (PageSelector, config_for_family, family_of, family_sort_key, make_selector,
-                                parse_family, register_selector, selector_class, selector_names,
-                                static_selector_names, summary_layout, unregister_selector)
+from locks_hf.selectors import (
+    PageSelector,
+    config_for_family,
+    family_of,
+    family_sort_key,
+    make_selector,
+    parse_family,
+    register_selector,
+    selector_class,
+    selector_names,
+    static_selector_names,
+    summary_layout,
+    unregister_selector,
+)
 from locks_hf.static_cache import LocksStaticLayer
-
-from conftest import tiny
 
 
 # -- the selector registry -------------------------------------------------------------------------------
@@ -195,6 +205,6 @@ def test_observe_decode_queries_sees_every_locks_decode_step():
     model(out.logits[:, -1:].argmax(-1), past_key_values=cache)  # outside the block: not seen
     n_layers = len(cache.locks_layers)
     assert [s[0] for s in seen] == list(range(n_layers))
-    for layer_idx, length, query, scale in seen:
+    for _layer_idx, length, query, scale in seen:
         assert length == 71 and query.shape == (1, model.config.num_attention_heads, 1, 16)
         assert scale == pytest.approx(16 ** -0.5)

@@ -8,20 +8,32 @@ imported below, plus its tests.
 """
 
 from .base import PageSelector
-from .registry import (config_for_family, family_help, family_of, family_sort_key, make_selector, parse_family,
-                       register_selector, selector_class, selector_names, static_selector_names, summary_layout,
-                       unregister_selector)
+from .registry import (
+    config_for_family,
+    family_help,
+    family_of,
+    family_sort_key,
+    make_selector,
+    parse_family,
+    register_selector,
+    selector_class,
+    selector_names,
+    static_selector_names,
+    summary_layout,
+    unregister_selector,
+)
 from .selection import NEG_INF, combine_group, forced_pages, select_pages
 
-# Built-in selectors, registered on import (this order is the order of `selector_names()`).
+# isort: off
+# Registered on import, in this order (the order of `selector_names()` and of arm-label parsing);
+# the paper's baselines (token-level policies, `locks_hf.baselines`) after the page selectors.
 from .locks import LocksSelector
 from .oracle import OracleSelector
 from .quest import QuestSelector
 from .full import FullAttention
 from .shared_basis import SharedAllSelector, SharedBasisSelector
-
-# The paper's baselines (token-level policies, `locks_hf.baselines`) register after the page selectors.
-from .. import baselines  # noqa: E402,F401  isort: skip
+from .. import baselines  # noqa: F401
+# isort: on
 
 __all__ = ["NEG_INF", "FullAttention", "LocksSelector", "OracleSelector", "PageSelector", "QuestSelector",
            "SharedAllSelector", "SharedBasisSelector", "combine_group", "config_for_family", "family_help", "family_of",

@@ -1,0 +1,70 @@
+"""Pieces both page-scoring kernels share (`score_dot`, `score_fma`): a program's row and page block,
+the page LSE of token logits, and the per-program partials the selection kernel folds.
+
+Partials per program: the running max and sum of ``exp`` over its candidate pages except its first
+real page, that page's scores, and its index (`score` describes the layout).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._common import BIG_PAGE, LOG2E
+
+
+@triton.jit
+def program_row(row_start_ptr, n_complete_ptr, len_ptr, H, B: tl.constexpr):
+    """This program's page block and (row, KV head), the row's first slot, complete pages, the cache
+    length and the row's most recent page (never a candidate)."""
+    row = tl.program_id(1)
+    bb = (row // H).to(tl.int64)  # 64-bit offsets: a batch of long caches passes 2**31 elements
+    rs = tl.load(row_start_ptr + bb)
+    length = tl.load(len_ptr)
+    return (tl.program_id(0), row, bb, row % H, rs, tl.load(n_complete_ptr + bb), length,
+            (length - 1 - rs) // B)
+
+
+@triton.jit
+def empty_partials(GG: tl.constexpr):
+    """Running max / sum of the candidate pages' scores, the first real page's scores and its index."""
+    return (tl.full([GG], float("-inf"), tl.float32), tl.zeros([GG], dtype=tl.float32),
+            tl.full([GG], float("-inf"), tl.float32), tl.full([], BIG_PAGE, tl.int32))
+
+
+@triton.jit
+def page_lse(x, ok, scale):
+    """LSE over the real tokens (``ok [BP, B]``) of unscaled logits ``x [GG, BP, B]``: ``[GG, BP]``."""
+    x = tl.where(ok[None, :, :], x * (scale * LOG2E), float("-inf"))
+    mx = tl.max(x, axis=2)
+    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+    sm = tl.sum(tl.exp2(x - mx_safe[:, :, None]), axis=2)
+    return (mx_safe + tl.log2(sm)) / LOG2E
+
+
+@triton.jit
+def fold_scores(s, p, real, gi, out_row, P_out, last_page, run_m, run_l, first_s, first, G: tl.constexpr):
+    """Store the scores ``s [GG, BP]`` of pages ``p`` (``-inf`` unless ``real``) and fold them into the
+    program's partials: its first real page goes aside, the rest (the row's last page excluded) into a
+    running LSE. Returns the new ``(run_m, run_l, first_s, first)``."""
+    s = tl.where(real[None, :] & (gi < G)[:, None], s, float("-inf"))
+    tl.store(out_row + gi[:, None] * P_out + p[None, :], s, mask=(gi < G)[:, None] & (p < P_out)[None, :])
+    f_here = tl.min(tl.where(real, p, BIG_PAGE), axis=0)
+    is_new = first == BIG_PAGE
+    here_s = tl.max(tl.where((p == f_here)[None, :], s, float("-inf")), axis=1)
+    first_s = tl.where(is_new, here_s, first_s)
+    first = tl.where(is_new, f_here, first)
+    keep = real & (p != first) & (p != last_page)
+    sc = tl.where(keep[None, :], s, float("-inf"))
+    new_m = tl.maximum(run_m, tl.max(sc, axis=1))
+    safe = tl.where(new_m == float("-inf"), 0.0, new_m)
+    run_l = run_l * tl.exp(run_m - safe) + tl.sum(tl.exp(sc - safe[:, None]), axis=1)
+    return new_m, run_l, first_s, first
+
+
+@triton.jit
+def store_partials(part, gi, run_m, run_l, first_s, first, GG: tl.constexpr):
+    tl.store(part + gi, run_m)
+    tl.store(part + GG + gi, run_l)
+    tl.store(part + 2 * GG + gi, first_s)
+    tl.store(part + 3 * GG + gi, tl.zeros([GG], dtype=tl.float32) + first.to(tl.float32))
