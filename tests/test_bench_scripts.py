@@ -95,3 +95,13 @@ def test_bench_sweep_runs_on_cpu(tmp_path):
         check = job["identity"]
         assert check["identical"] == check["compared"] > 0 and check["attended_equal"]
     assert [p["tokens"] for p in memory["per_arm"]] == [2, 2, 2]
+
+
+def test_soak_script_runs_on_cpu(tmp_path):
+    spec = importlib.util.spec_from_file_location("soak_decode", SCRIPT.with_name("soak_decode.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "soak.json"
+    summary = module.main(["--shape", "tiny", "--device", "cpu", "--prompt", "128", "--new-tokens", "200",
+                           "--sample-every", "100", "--budget", "64", "--out", str(out)])
+    assert summary["attended_fraction"] < 0.5 and len(json.loads(out.read_text())["samples"]) == 2

@@ -49,3 +49,20 @@ def test_summary_of_a_nonfinite_page_scores_nan_and_is_always_selected():
     for per_head in (False, True):
         chosen = select_pages(scores, real, real, cfg.page_slots, "share_average", per_head)
         assert chosen[0, 0].tolist() == [True, False, False, True, False, True]  # sink, NaN page, recent
+
+
+def test_kernel_summary_build_survives_a_nonfinite_page_and_spares_the_others():
+    """The GPU build (run here under Triton's interpreter) takes a NaN page without an error, and the
+    other pages' summaries are those built without it."""
+    pytest.importorskip("triton")
+    from locks_hf.kernels.build import build_summary as kernel_build
+
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(1, 1, 4, 16, 64, generator=g)
+    keys[0, 0, 2, 5, 3] = float("nan")
+    valid = torch.ones(1, 1, 4, 16, dtype=torch.bool)
+    summary = kernel_build(keys, valid, 4, 4)
+    finite_pages = [0, 1, 3]
+    clean = kernel_build(keys[:, :, finite_pages], valid[:, :, finite_pages], 4, 4)
+    for name, tensor in clean.items():
+        assert torch.equal(summary[name][:, :, finite_pages], tensor), name
