@@ -58,7 +58,7 @@ def test_static_engine_gives_the_eager_runners_results_and_resumes_and_shards(tm
     every merged line equal to the eager runner's, for full / oracle / Locks / Quest; then resume
     runs nothing and two shards merge to the same bytes."""
     model = tiny("gemma3")
-    bench = RulerBenchmark(TOK, ["niah_single_1", "niah_multikey_2"], [768], num_samples=1)
+    bench = RulerBenchmark(TOK, ["niah_single_1", "niah_multikey_2"], [1024], num_samples=1)
     arms = parse_arms(ARMS, [64])
     eager = _results(model, bench, arms, tmp_path / "eager", max_new_tokens=8)
     static = _results(model, bench, arms, tmp_path / "static", max_new_tokens=8, engine="static")
