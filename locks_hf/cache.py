@@ -555,11 +555,11 @@ class LocksCache(LocksCacheMixin, DynamicCache):
         """Decode with budget ``budget`` from the next step on; the static layout switches in place
         (no recompile) up to ``max_budget``."""
         config = self.locks_config.replace(budget=budget)
-        for layer in self.locks_layers:  # a static layer refuses a budget wider than its page lists
+        for layer in self.locks_layers:  # one config object for every layer (see LocksStaticLayer.set_budget)
             if isinstance(layer, LocksLayer):
                 layer.set_config(config)
             else:
-                layer.set_budget(budget)
+                layer.set_budget(config)
         self.locks_config = config
 
     def reset(self) -> None:

@@ -146,10 +146,13 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         """Width of the page lists and the budget in use (``int32 [1]`` page slots on the device)."""
         return self.max_slots, self.slots_t
 
-    def set_budget(self, budget: int) -> None:
-        """Decode with another budget, in place: no re-allocation, and no recompile up to the widest
-        budget the page lists were sized for (wider ones widen them: one recompile, logged)."""
-        config = self.config.replace(budget=budget)
+    def set_budget(self, config: LocksConfig) -> None:
+        """Decode with ``config``, which differs from the layer's settings only in its budget, in
+        place: no re-allocation, and no recompile up to the widest budget the page lists were sized
+        for (wider ones widen them: one recompile, logged). The cache passes one config object to all
+        its layers: a compiled step guards on the layers sharing it."""
+        if config.replace(budget=self.config.budget) != self.config:
+            raise LocksConfigError("set_budget: the new settings may differ from the layer's only in budget")
         self._use_budget(config)
         self.config = config
 

@@ -137,6 +137,8 @@ def test_fork_and_budget_switch_in_place():
     assert base.layers[0].keys.data_ptr() != fork.layers[0].keys.data_ptr()
     base.set_budget(256)  # wider than max_budget: the page lists widen (a compiled step would recompile once)
     assert base.layers[0].page_slots()[0] == 16 and int(base.layers[0].slots_t) == 16
+    # one settings object shared by every layer: a compiled step guards on the layers sharing it
+    assert all(layer.config is base.locks_config for layer in base.locks_layers)
 
 
 @pytest.mark.parametrize("selector", ["quest", "shared_basis"])

@@ -37,7 +37,8 @@ def test_static_selection_and_summaries_match_dynamic():
     model = tiny("llama")
     cfg = LocksConfig(budget=64)
     ids = _ids(250)
-    dyn, sta = LocksCache(model.config, cfg), LocksStaticCache(model.config, max_cache_len=400, locks=cfg)
+    dyn = LocksCache(model.config, cfg, layout="dynamic")  # on a GPU the default would be static too
+    sta = LocksStaticCache(model.config, max_cache_len=400, locks=cfg)
     for cache in (dyn, sta):
         token = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
         for _ in range(20):  # 250 + 20 crosses the page boundary at 256
