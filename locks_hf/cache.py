@@ -32,8 +32,14 @@ from .layout import (
     reallocate_hf_layer,
     to_dynamic_layer,
 )
-from .models_support import (REFUSED_GENERATION, UnsupportedModelError, cache_model_mismatch, check_head_dim,
-                             check_model_supported, head_dim_of)
+from .models_support import (
+    REFUSED_GENERATION,
+    UnsupportedModelError,
+    cache_model_mismatch,
+    check_head_dim,
+    check_model_supported,
+    head_dim_of,
+)
 from .paged import PagedLayer, pages_to_mask, slot_validity
 from .selectors import PageSelector, make_selector
 

@@ -8,8 +8,8 @@ import torch
 from locks_hf.eval.arms import parse_arms
 from locks_hf.eval.benchmarks import RulerBenchmark
 from locks_hf.eval.manifest import ManifestMismatch, sha256_of
-from locks_hf.eval.runner import SweepRunner
 from locks_hf.eval.ruler import RulerSources
+from locks_hf.eval.runner import SweepRunner
 from locks_hf.eval.testing import ByteTokenizer
 
 TOK = ByteTokenizer()

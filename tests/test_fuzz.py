@@ -10,16 +10,13 @@ Run with ``--hypothesis-show-statistics`` to see how often each outcome occurred
 import traceback
 from pathlib import Path
 
-import pytest
 import torch
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
+from conftest import tiny
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 import locks_hf
 from locks_hf import LocksCache, LocksConfig, LocksConfigError, LocksStaticCache, UnsupportedModelError
 from locks_hf.models import TINY_ARCHS
-
-from conftest import tiny
 
 LIBRARY = Path(locks_hf.__file__).resolve().parent
 _MODELS: dict = {}

@@ -3,12 +3,11 @@ other rows of the batch are untouched, and nothing raises."""
 
 import pytest
 import torch
+from conftest import tiny
 
 from locks_hf import LocksCache, LocksConfig
 from locks_hf.selectors import LocksSelector, select_pages
 from locks_hf.summaries import build_summary
-
-from conftest import tiny
 
 SELECTORS = ["locks", "quest", "oracle", "shared_basis", "shared_all"]
 

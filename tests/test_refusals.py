@@ -3,14 +3,12 @@
 import numpy as np
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, BloomConfig, DeepseekV3Config, FalconConfig, Gemma2Config,
-                          MptConfig)
+from conftest import tiny
+from transformers import AutoModelForCausalLM, BloomConfig, DeepseekV3Config, FalconConfig, Gemma2Config, MptConfig
 
 from locks_hf import LocksCache, LocksConfig, LocksConfigError, LocksStaticCache, UnsupportedModelError
 from locks_hf.demo import prefill
 from locks_hf.models import tiny_config
-
-from conftest import tiny
 
 
 def _ids(n=100, seed=1):
