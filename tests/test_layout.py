@@ -206,6 +206,7 @@ def test_compiled_generate_with_growth_recompiles_once_per_growth():
     eager = model.generate(ids, max_new_tokens=40, do_sample=False, disable_compile=True,
                            past_key_values=LocksCache(model.config, cfg, layout="static", max_cache_len=224))
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # reset() keeps the counters of earlier tests in this process
     compile_config = CompileConfig(fullgraph=True, backend="eager")
     compile_config._compile_all_devices = True  # transformers auto-compiles on accelerators only
     cache = LocksCache(model.config, cfg, layout="static", max_cache_len=224)
@@ -247,6 +248,7 @@ def test_one_liner_compiles_once_across_budgets_on_cuda():
     cache = LocksCache(model.config, budget=64, max_budget=128, max_cache_len=800)
     assert cache.is_static
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     model.generate(ids, max_new_tokens=8, do_sample=False, past_key_values=cache)  # compiles
     allocated = []
     for budget, new in ((64, 40), (96, 40), (128, 150)):

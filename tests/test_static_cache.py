@@ -100,6 +100,7 @@ def test_compiled_decode_is_one_graph_without_recompiles():
     eager = model.generate(ids, max_new_tokens=30, do_sample=False, disable_compile=True,
                            past_key_values=LocksStaticCache(model.config, max_cache_len=256, locks=cfg))
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # reset() keeps the counters of earlier tests in this process
     compile_config = CompileConfig(fullgraph=True, backend="eager")
     compile_config._compile_all_devices = True  # transformers auto-compiles on accelerators only
     with torch._dynamo.config.patch(error_on_recompile=True):
