@@ -79,7 +79,7 @@ class SyntheticBench(Benchmark):
         return [{"id": f"syn-{i}", "task": "synthetic", "length": self.prompt} for i in range(self.n)]
 
     def prompt_text(self, rec):
-        raise NotImplementedError("synthetic prompts are token ids")
+        raise TypeError("synthetic records have no text prompt: their token ids come from prompt_ids")
 
     def prompt_ids(self, rec, tokenizer):
         g = torch.Generator().manual_seed(self.seed * 1000 + int(rec["id"].split("-")[1]))
