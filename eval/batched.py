@@ -65,7 +65,8 @@ def run_batches(runner, batches, work: dict[str, list], bar):
         for arm, run in engine.run(rows, arms):
             runner.arm_runs.append({"batch": index, "arm": arm.name, "rows": len(rows), "steps": run.steps,
                                     "tokens": sum(len(r.tokens) for r in run.results), "seconds": run.seconds,
-                                    "warmup_seconds": run.warmup_seconds, "prefill_seconds": run.prefill_seconds})
+                                    "warmup_seconds": run.warmup_seconds, "prefill_seconds": run.prefill_seconds,
+                                    "new_step": run.new_step})
             for (rec, plan, s), res in zip(owners, run.results):
                 if (rec["id"], arm.name, s) not in wanted:
                     continue

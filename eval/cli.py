@@ -322,7 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-new-tokens", type=_positive_int, default=None, help="cap on generated tokens (math: the generation cap)")
     s.add_argument("--engine", default="eager", choices=["eager", "static"],
                    help="eager: each (record, arm, sample) through generate() on a fork of a LocksCache; static: "
-                        "batched rows, one prefill per batch shared by every arm, CUDA-graph decode on a GPU")
+                        "batched rows, one prefill per batch shared by every arm, CUDA-graph decode on a GPU (arms "
+                        "it cannot decode, e.g. token-level baselines, take the eager path)")
     s.add_argument("--batch-rows", type=_positive_int, default=8, help="static engine: rows (records x samples) per batch")
     s.add_argument("--step", default="auto", choices=["auto", "graph", "compile", "eager"],
                    help="static engine: how a decode step runs (auto: CUDA graph on a GPU, eager on the CPU)")

@@ -69,6 +69,7 @@ class ArmRun:
     warmup_seconds: float  # capture or compile, and the warm-up steps (undone)
     steps: int
     prefill_seconds: float  # the batch's prefill (shared by every arm)
+    new_step: bool = True  # built (captured, compiled) its decode step; False: replayed an earlier arm's
 
 
 class StaticEngine:
@@ -101,20 +102,22 @@ class StaticEngine:
         self._compiled = None
 
     # -- batches -------------------------------------------------------------------------------------
-    def prepare(self, rows: list[Row], locks: LocksConfig, prefill: Callable | None = None) -> PrefilledBatch:
+    def prepare(self, rows: list[Row], locks: LocksConfig, prefill: Callable | None = None,
+                max_budget: int | None = None) -> PrefilledBatch:
         """Prefill ``rows`` (left padded) into a static cache sized for their generation. ``prefill``
         (``cache -> None``, rows with forced tokens only) replaces the model's prefill, e.g. to
-        write synthetic K/V for a memory check."""
+        write synthetic K/V for a memory check. ``max_budget``: the widest budget the batch will
+        decode with (page lists sized once, so budgets switch without a recompile)."""
         if len({len(r.forced) for r in rows}) != 1:
             raise ValueError("rows of one batch must feed the same number of forced tokens")
         if prefill is not None and not rows[0].forced:
             raise ValueError("a custom prefill gives no first token: rows need forced tokens")
-        return PrefilledBatch(self, rows, locks, prefill)
+        return PrefilledBatch(self, rows, locks, prefill, max_budget)
 
     def run(self, rows: list[Row], arms: list) -> Iterator[tuple[object, ArmRun]]:
         """Prefill ``rows`` once, then decode every arm (``arm.config``) from it; yields ``(arm, ArmRun)``."""
         check_arms(arms)
-        batch = self.prepare(rows, arms[0].config)
+        batch = self.prepare(rows, arms[0].config, max_budget=max(a.config.budget for a in arms))
         for arm in arms:
             yield arm, batch.decode(arm.config)
         batch.close()
@@ -134,25 +137,40 @@ class StaticEngine:
         return self._compiled
 
 
-def sweep_cache(config, capacity: int, locks: LocksConfig) -> LocksStaticCache:
+def sweep_cache(config, capacity: int, locks: LocksConfig, max_budget: int | None = None) -> LocksStaticCache:
     """The cache a batch decodes on. What the engine uses of it: ``mark_prefix`` / ``rewind`` /
-    ``set_config`` / ``row_stats`` / ``locks_config``, and per Locks layer ``keys``, ``values``,
-    ``summary`` and ``capacity`` (for the traffic figures and the mask width)."""
-    return LocksStaticCache(config, max_cache_len=capacity, locks=locks)
+    ``set_config`` / ``set_budget`` / ``row_stats`` / ``locks_config``, and per Locks layer ``keys``,
+    ``values``, ``summary`` and ``capacity`` (for the traffic figures and the mask width)."""
+    return LocksStaticCache(config, max_cache_len=capacity, locks=locks, max_budget=max_budget)
+
+
+def runs_static(config: LocksConfig) -> bool:
+    """Whether the static engine decodes an arm with these settings (per-page selectors, no dense
+    switch on the length); the runner sends the others to its eager path."""
+    return config.selector in static_selector_names() and not config.min_context
 
 
 def check_arms(arms) -> None:
-    bad = [a.name for a in arms if a.config.selector not in static_selector_names() or a.config.min_context]
+    bad = [a.name for a in arms if not runs_static(a.config)]
     if bad:
         raise ValueError(f"the static engine decodes selectors {static_selector_names()} with min_context=0; arms {bad} "
-                         "need --engine eager")
+                         "need the eager path")
+
+
+def step_key(config: LocksConfig) -> LocksConfig:
+    """What a decode step is built for: the settings less the budget, which the kernels read from a
+    device tensor (arms that differ only in budget replay one captured or compiled step)."""
+    return config.replace(budget=LocksConfig().budget)
 
 
 class PrefilledBatch:
     """A batch after its prefill: `decode` runs one arm from the shared prefix and rewinds after."""
 
-    def __init__(self, engine: StaticEngine, rows: list[Row], locks: LocksConfig, prefill=None) -> None:
+    def __init__(self, engine: StaticEngine, rows: list[Row], locks: LocksConfig, prefill=None,
+                 max_budget: int | None = None) -> None:
         self.engine, self.rows = engine, rows
+        #: (step_key, page-list widths) -> (its static buffers, the callable running one step)
+        self._steps: dict[tuple, tuple[_StepState, Callable]] = {}
         model, dev = engine.model, engine.device
         b = len(rows)
         self.n_forced = len(rows[0].forced)
@@ -163,7 +181,7 @@ class PrefilledBatch:
         longest = max(r.max_new for r in rows)
         self.steps = max(0, longest - 1 if self.n_forced == 0 else self.n_forced - 1 + longest)
         capacity = L + max(self.steps, 2)  # room for the warm-up steps of a short decode
-        self.cache = sweep_cache(model.config, capacity, locks)
+        self.cache = sweep_cache(model.config, capacity, locks, max_budget)
         capacity = self.cache.locks_layers[0].capacity if self.cache.locks_layers else capacity
         ids = torch.full((b, L), engine.pad_id, dtype=torch.long)
         mask = torch.zeros((b, capacity), dtype=torch.long)
@@ -200,8 +218,9 @@ class PrefilledBatch:
         return out.logits[:, -1].argmax(-1).tolist()
 
     def close(self) -> None:
-        """Free the cache (its K/V) now rather than when the batch object goes."""
+        """Free the cache (its K/V) and the captured steps now rather than when the batch object goes."""
         self.cache = None
+        self._steps.clear()
 
     # -- one arm ---------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -210,7 +229,10 @@ class PrefilledBatch:
         t0 = time.perf_counter()
         cache, engine, rows = self.cache, self.engine, self.rows
         cache.rewind()  # first, so the summaries of a new layout cover the prefix's pages only
-        cache.set_config(locks)
+        if step_key(locks) == step_key(cache.locks_config):
+            cache.set_budget(locks.budget)  # in place: a step built for the previous arm stays valid
+        else:
+            cache.set_config(locks)
         b = len(rows)
         pre = [[] if self.first is None else [self.first[i]] for i in range(b)]
         results: list[RowResult | None] = [None] * b
@@ -220,8 +242,16 @@ class PrefilledBatch:
         if all(results):
             return ArmRun(results, time.perf_counter() - t0, 0.0, 0, self.prefill_seconds)
 
-        state = _StepState(self, max(self.steps, 1))
-        run_step = self._stepper(state)
+        # a widened page list (a budget past the batch's max_budget) moves buffers: build the step anew
+        key = (step_key(locks), tuple(layer.page_slots()[0] for layer in cache.locks_layers))
+        new_step = key not in self._steps
+        if not new_step:
+            state, run_step = self._steps[key]
+            state.restart()
+        else:
+            state = _StepState(self, max(self.steps, 1))
+            run_step = self._stepper(state)
+            self._steps[key] = (state, run_step)
         warmup = time.perf_counter() - t0
         done_steps = self.steps
         checked = [len(p) for p in pre]
@@ -246,7 +276,7 @@ class PrefilledBatch:
         missing = [i for i, r in enumerate(results) if r is None]
         if missing:
             raise RuntimeError(f"rows {missing} did not finish within {self.steps} decode steps")
-        return ArmRun(results, time.perf_counter() - t0, warmup, done_steps, self.prefill_seconds)
+        return ArmRun(results, time.perf_counter() - t0, warmup, done_steps, self.prefill_seconds, new_step)
 
     def _traffic(self, locks: LocksConfig, prompt: int, steps: int, attended: int) -> dict:
         """Per (layer, KV head) and decode step, what `LocksCache.decode_traffic` reports for this row

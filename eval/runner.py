@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
 import os
 import re
@@ -39,6 +40,8 @@ import torch
 from .arms import Arm
 from .benchmarks import STOP_NEWLINE, STOP_SENTENCE, Benchmark
 from .manifest import build_manifest, check_or_write
+
+logger = logging.getLogger(__name__)
 
 VOLATILE = ("seconds", "prefill_seconds", "host", "shard")
 ENGINES = ("eager", "static")  # see SweepRunner
@@ -217,11 +220,18 @@ class SweepRunner:
             raise ValueError("protocol must be 'dense-question' or 'sparse-question'")
         if engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-        if engine == "static":
-            from .engine import check_arms
-
-            check_arms(arms)
         self.engine, self.batch_rows, self.step = engine, batch_rows, step
+        #: arms the static engine decodes; the rest (token-level baselines, shared-basis controls,
+        #: ``min_context``) take the eager path, with a dense prefill of their own per record
+        self.static_arms: list[Arm] = []
+        if engine == "static":
+            from .engine import runs_static
+
+            self.static_arms = [a for a in arms if runs_static(a.config)]
+            eager = [a.name for a in arms if not runs_static(a.config)]
+            if eager:
+                logger.info("--engine static: arms %s decode on the eager path (dynamic cache, reference "
+                            "selection), one extra dense prefill per record for them", eager)
         #: static engine: one dict per (batch, arm) decoded (rows, steps, tokens, seconds, warm-up, prefill)
         self.arm_runs: list[dict] = []
         self.model, self.tokenizer, self.bench, self.arms = model, tokenizer, bench, arms
@@ -296,6 +306,8 @@ class SweepRunner:
 
             batches = plan_batches(self, records)
             mine = [r for j, batch in enumerate(batches) if j % n == i for r, _ in batch]
+            if not self.static_arms:
+                batches = []
         else:
             mine = [r for j, r in enumerate(records) if j % n == i]
         done = self.done_keys()
@@ -313,10 +325,15 @@ class SweepRunner:
             with open(out_path, "a") as f:  # a line torn by a kill: end it so the next one parses
                 f.write("\n")
         if self.engine == "static":
+            from itertools import chain
+
             from .batched import run_batches
 
-            work = {rec["id"]: w for rec, w in todo}
-            results = run_batches(self, [b for j, b in enumerate(batches) if j % n == i], work, bar)
+            static = {id(a) for a in self.static_arms}
+            work = {rec["id"]: [(a, s) for a, s in w if id(a) in static] for rec, w in todo}
+            eager = [(rec, [(a, s) for a, s in w if id(a) not in static]) for rec, w in todo]
+            results = chain(run_batches(self, [b for j, b in enumerate(batches) if j % n == i], work, bar),
+                            (row for rec, w in eager if w for row in self._run_record(rec, w, bar)))
         else:
             results = (row for rec, work in todo for row in self._run_record(rec, work, bar))
         with open(out_path, "a") as f:

@@ -10,6 +10,8 @@ Random-weight model of a real shape (default Llama-3.1-8B, bf16 on a GPU), synth
   sampled traces (temperature 0.6, top-p 0.95) x ``--b-arms``. The eager runner is far too slow for
   all of it: it is timed on ``--b-old-samples`` x ``--b-old-new`` tokens per arm and reported as
   tokens/s of that subset;
+* job ``warmup``: the warm-up (Triton compiles, CUDA-graph captures) of a many-arm sweep, by default
+  17 arms (full + oracle / r8i4 / r4i4 / quest x b = 64, 128, 256, 512) over ``--w-records`` records;
 * job ``memory``: one ``--context`` prefix serving every arm of ``--arms`` (``--memory-new`` tokens
   each) on one cache: the peak memory. Its K/V is written synthetically (structured random keys, as
   `bench_decode_step.py`): a dense prefill of 512K tokens is not what this checks.
@@ -110,7 +112,7 @@ def _peak_gb(device) -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
 
 
-def run_engine(model, bench, arms, engine: str, args, **kw) -> dict:
+def run_engine(model, bench, arms, engine: str, args, keep_runs: bool = False, **kw) -> dict:
     """One sweep of ``bench`` x ``arms`` through `SweepRunner` with ``engine``: timings and predictions."""
     device = next(model.parameters()).device
     _reset_memory(device)
@@ -133,7 +135,8 @@ def run_engine(model, bench, arms, engine: str, args, **kw) -> dict:
         prefill = sum({r["id"]: r["prefill_seconds"] for r in rows}.values())
         warm = 0.0  # eager: nothing to capture or compile (its first step's lazy work is in decode)
         decode = sum(r["seconds"] for r in rows)
-    return {"engine": engine, "wall_s": wall, "prefill_s": prefill, "warmup_s": warm, "decode_s": decode,
+    extra = {"arm_runs": runner.arm_runs} if keep_runs else {}
+    return {**extra, "engine": engine, "wall_s": wall, "prefill_s": prefill, "warmup_s": warm, "decode_s": decode,
             "tokens": tokens, "decode_tokens_per_s": tokens / decode if decode else None,
             "peak_gb": _peak_gb(device), "generations": len(rows),
             "preds": {(r["id"], r["arm"], r["sample"]): r["pred"] for r in rows},
@@ -185,6 +188,28 @@ def job_b(model, args, vocab):
             "eager_subset": f"{args.b_old_samples} sample(s) x {args.b_old_new} tokens per arm"}
 
 
+def job_warmup(model, args, vocab):
+    """The warm-up of a many-arm sweep: ``--w-arms`` x ``--w-budgets`` (+ full) over ``--w-records``
+    records of ``--a-context`` tokens, cold (no Triton kernel compiled before in this process unless an
+    earlier job compiled it; run this job first for a cold figure). Arms that differ only in budget
+    replay one step, so the warm-up grows with the distinct (selector, summary) settings, not the arms."""
+    budgets = [int(b) for b in args.w_budgets.split(",")]
+    names = args.w_arms.split(",")
+    arms = parse_arms([n for n in names if n == "full"], budgets[:1]) + parse_arms(
+        [n for n in names if n != "full"], budgets)
+    ctx = parse_tokens(args.a_context)
+    bench = SyntheticBench(args.w_records, ctx, args.w_new, vocab)
+    t0 = time.perf_counter()
+    new = run_engine(model, bench, arms, "static", args, keep_runs=True)
+    wall = time.perf_counter() - t0
+    runs = new.pop("arm_runs")
+    per_arm = [{"arm": r["arm"], "warmup_s": r["warmup_seconds"], "new_step": r["new_step"]} for r in runs
+               if r["batch"] == 0]
+    return {"job": "warmup", "context": ctx, "records": args.w_records, "arms": [a.name for a in arms],
+            "n_arms": len(arms), "new_tokens": args.w_new, "static": _public(new), "wall_s": wall,
+            "steps_built": sum(r["new_step"] for r in runs), "per_arm": per_arm}
+
+
 def job_memory(model, args, vocab):
     """One synthetic prefix of ``--context`` tokens, every arm decoded from it on the same cache."""
     device = next(model.parameters()).device
@@ -226,7 +251,7 @@ def print_table(results: list[dict], header: str) -> None:
           "speed-up | peak GB |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        if r["job"] == "memory":
+        if r["job"] in ("memory", "warmup"):
             continue
         base = r["eager"]["decode_tokens_per_s"]
         for name in ("static", "eager"):
@@ -242,6 +267,14 @@ def print_table(results: list[dict], header: str) -> None:
             print(f"\nidentity ({r['job']}): {c['identical']}/{c['compared']} generations with the same tokens, "
                   f"attended fractions equal: {c['attended_equal']} ({c['dtype']}, context {c['context']}, budget "
                   f"{c['budget']}, {c['new']} new tokens, arms {','.join(c['arms'])})")
+        if r["job"] == "warmup":
+            e = r["static"]
+            print(f"\nwarm-up: {r['n_arms']} arms x {r['records']} records of {r['context']} tokens: warm-up "
+                  f"{_fmt(e['warmup_s'])} s in all (steps built: {r['steps_built']}), wall {_fmt(r['wall_s'])} s, "
+                  f"prefill {_fmt(e['prefill_s'])} s, decode {_fmt(e['decode_tokens_per_s'])} tok/s, peak "
+                  f"{_fmt(e['peak_gb'])} GB")
+            for a in r["per_arm"]:
+                print(f"  {a['arm']:<22} warm-up {a['warmup_s']:6.1f} s  {'built' if a['new_step'] else 'replayed'}")
         if r["job"] == "memory":
             print(f"\nmemory: {r['context']}-token prefix (synthetic K/V, {r['kv_gb']:.1f} GB) served "
                   f"{len(r['arms'])} arms ({','.join(r['arms'])}) on one cache; peak {_fmt(r['peak_gb'])} GB")
@@ -249,7 +282,7 @@ def print_table(results: list[dict], header: str) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--jobs", default="a,b", help="comma list of a, b, memory")
+    ap.add_argument("--jobs", default="a,b", help="comma list of a, b, memory, warmup")
     ap.add_argument("--shape", default="llama3.1-8b", choices=list(SHAPES))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--step", default="auto", choices=["auto", "graph", "compile", "eager"],
@@ -267,6 +300,10 @@ def main(argv=None) -> None:
     ap.add_argument("--b-samples", type=int, default=8)
     ap.add_argument("--b-old-samples", type=int, default=1)
     ap.add_argument("--b-old-new", type=int, default=256)
+    ap.add_argument("--w-arms", default="full,oracle,locks-r8i4,locks-r4i4,quest", help="warm-up job: arm families")
+    ap.add_argument("--w-budgets", default="64,128,256,512", help="warm-up job: budgets (x the families but full)")
+    ap.add_argument("--w-records", type=int, default=2)
+    ap.add_argument("--w-new", type=int, default=16)
     ap.add_argument("--context", default="512K", help="memory job: the shared prefix")
     ap.add_argument("--memory-new", type=int, default=32)
     ap.add_argument("--check-context", type=int, default=1024, help="identity check: prompt tokens")
@@ -286,11 +323,11 @@ def main(argv=None) -> None:
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     vocab = config.vocab_size
-    jobs = {"a": job_a, "b": job_b, "memory": job_memory}
+    jobs = {"a": job_a, "b": job_b, "memory": job_memory, "warmup": job_warmup}
     results = []
     for name in args.jobs.split(","):
         if name not in jobs:
-            raise SystemExit(f"unknown job {name!r}: use a, b, memory")
+            raise SystemExit(f"unknown job {name!r}: use a, b, memory, warmup")
         t0 = time.perf_counter()
         res = jobs[name](model, args, vocab)
         if name in ("a", "b") and not args.no_check:

@@ -82,13 +82,16 @@ def test_bench_sweep_runs_on_cpu(tmp_path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     out = tmp_path / "sweep.json"
-    module.main(["--shape", "tiny", "--device", "cpu", "--jobs", "a,b,memory", "--budget", "64",
+    module.main(["--shape", "tiny", "--device", "cpu", "--jobs", "warmup,a,b,memory", "--budget", "64",
+                 "--w-arms", "full,locks-r4i4,quest", "--w-budgets", "64,96", "--w-new", "3",
                  "--arms", "full,locks-r4i4,quest", "--a-records", "2", "--a-context", "128", "--a-new", "3",
                  "--b-arms", "full,quest", "--b-prompt", "16", "--b-new", "20", "--b-samples", "2",
                  "--b-old-new", "4", "--context", "256", "--memory-new", "2", "--check-context", "48",
                  "--check-new", "3", "--check-records", "1", "--out", str(out)])
     results = {r["job"]: r for r in json.loads(out.read_text())["results"]}
-    a, b, memory = results["a"], results["b"], results["memory"]
+    a, b, memory, warmup = results["a"], results["b"], results["memory"], results["warmup"]
+    assert warmup["n_arms"] == 5 and warmup["steps_built"] == 3  # one batch: full, r4i4, quest
+    assert [p["new_step"] for p in warmup["per_arm"]] == [True, True, False, True, False]
     assert a["static"]["tokens"] == a["eager"]["tokens"] == 2 * 3 * 3  # records x arms x new tokens
     assert b["static"]["tokens"] == 2 * 2 * 20 and b["eager"]["tokens"] == 2 * 4
     for job in (a, b):

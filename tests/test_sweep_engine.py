@@ -239,11 +239,62 @@ def test_sampled_run_resumes_only_with_its_engine(tmp_path):
         SweepRunner(model, TOK, bench, arms, tmp_path, progress=False).run()
 
 
-def test_static_engine_refuses_arms_it_cannot_run(tmp_path):
+def test_static_sweep_runs_every_arm_the_eager_path_decodes_too(tmp_path):
+    """--engine static with arms it cannot decode itself (a shared-basis control, token-level
+    baselines, min_context): those take the eager path, and every merged line equals the eager
+    runner's; the engine itself still refuses them."""
     model = tiny("llama")
-    arms = parse_arms(["shared_basis-r20"], [64])
-    with pytest.raises(ValueError, match="--engine eager"):
-        SweepRunner(model, TOK, ToyBench(), arms, tmp_path, engine="static")
+    arms = parse_arms(["locks-r4i4", "shared_basis-r8", "rkv", "triattention"], [64])
+    bench = ToyBench(lengths=(300, 290), max_new=6)
+    eager = _results(model, bench, arms, tmp_path / "eager")
+    runner = SweepRunner(model, TOK, bench, arms, tmp_path / "static", progress=False, engine="static")
+    assert [a.name for a in runner.static_arms] == ["locks-r4i4-b64"]
+    runner.run()
+    merge(tmp_path / "static")
+    assert (tmp_path / "static" / "results.jsonl").read_text() == eager
+    assert {a["arm"] for a in runner.arm_runs} == {"locks-r4i4-b64"}
+    with pytest.raises(ValueError, match="eager path"):
+        list(StaticEngine(model).run(_rows((300,)), arms))
+
+
+def test_arms_differing_only_in_budget_share_one_step():
+    """Page lists are sized for the widest arm up front; an arm that differs from an earlier one only
+    in budget replays that arm's step (same buffers) and still gets what it gets alone."""
+    model = tiny("llama")
+    engine = StaticEngine(model)
+    arms = (parse_arms(["locks-r4i4"], [64, 128]) + parse_arms(["quest"], [64])
+            + parse_arms(["locks-r4i4"], [96, 32]))
+    rows = _rows((300, 280), max_new=12)
+    runs = list(engine.run(rows, arms))
+    assert [run.new_step for _, run in runs] == [True, False, True, False, False]
+    for arm, run in runs:
+        alone = _decode(engine, rows, [arm])[arm.name]
+        assert [(r.tokens, r.attended, r.context) for r in run.results] == alone, arm.name
+    batch = engine.prepare(rows, arms[0].config, max_budget=128)
+    assert {layer.page_slots()[0] for layer in batch.cache.locks_layers} == {8}  # ceil(128 / 16), from the start
+    batch.close()
+
+
+@pytest.mark.gpu  # CUDA graphs and the compiled kernels
+@pytest.mark.parametrize("step", ["graph", "compile"])
+def test_steps_replayed_across_budgets_equal_fresh_steps_on_cuda(step):
+    """On a GPU: one captured (or compiled) step replayed for arms that differ only in budget gives
+    each arm the tokens and statistics of the eager step run for that arm alone."""
+    from locks_hf.models import tiny_model
+
+    model = tiny_model("llama", head_dim=64).to("cuda")
+    arms = parse_arms(["locks-r4i4"], [64, 128, 96]) + parse_arms(["quest"], [64, 128])
+    rows = _rows((600, 560), max_new=40)
+    runs = list(StaticEngine(model, step=step).run(rows, arms))
+    assert [run.new_step for _, run in runs] == [True, False, False, True, False]
+    for arm, run in runs:
+        alone = _decode(StaticEngine(model, step="eager"), rows, [arm])[arm.name]
+        assert [(r.tokens, r.attended, r.context) for r in run.results] == alone, arm.name
+
+
+def test_static_engine_refuses_bad_settings(tmp_path):
+    model = tiny("llama")
+    arms = parse_arms(["locks-r4i4"], [64])
     with pytest.raises(ValueError, match="engine"):
         SweepRunner(model, TOK, ToyBench(), arms, tmp_path, engine="fast")
     with pytest.raises(ValueError, match="CUDA"):
