@@ -33,10 +33,20 @@ import triton
 from ._common import as_length, dot_precision, next_pow2
 from .score_dot import LOCKS, ORACLE, QUEST, _score_kernel
 from .score_fma import ROLL_CHUNKS_FROM_RANK, _locks_fma_kernel
-from .score_tiles import BY_TOKEN_MIN_PAGE_ROWS, VARIANTS, default_variant, dot_tiles, fma_supported, fma_tiles
+from .score_mma import PAIR_BASE, _locks_mma_kernel
+from .score_tiles import (
+    BY_TOKEN_MIN_PAGE_ROWS,
+    VARIANTS,
+    default_variant,
+    dot_tiles,
+    fma_supported,
+    fma_tiles,
+    mma_supported,
+    mma_tiles,
+)
 
 __all__ = ["BY_TOKEN_MIN_PAGE_ROWS", "LOCKS", "METHODS", "ORACLE", "QUEST", "ROLL_CHUNKS_FROM_RANK", "VARIANTS",
-           "fma_supported", "score_pages"]
+           "fma_supported", "mma_supported", "score_pages"]
 
 #: Scoring method names -> ``METHOD`` codes of `_score_kernel`.
 METHODS = {"locks": LOCKS, "oracle": ORACLE, "quest": QUEST}
@@ -72,7 +82,8 @@ def score_pages(method: str, query: torch.Tensor, *, slot_valid: torch.Tensor, r
                 basis_bits: int = 4, out: torch.Tensor | None = None, partials: torch.Tensor | None = None,
                 block_pages: int | None = None, sub_blocks: int | None = None, num_warps: int | None = None,
                 num_stages: int | None = None, by_token: bool | None = None, variant: str | None = None,
-                maxnreg: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                maxnreg: int | None = None, head_split: int | None = None,
+                words_per_chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Score every page of every row and KV head for one decode query.
 
     ``query [b, Hq, 1, d]`` (or ``[b, Hq, d]``); ``slot_valid [b, cap]`` real slots; ``row_start [b]``
@@ -85,11 +96,13 @@ def score_pages(method: str, query: torch.Tensor, *, slot_valid: torch.Tensor, r
     ``variant`` (Locks only): ``"dot"`` (tensor-core projections; ``by_token`` picks its epilogue,
     by default per token for groups of 16+ heads over many pages, see `score_tiles.dot_tiles`) or
     ``"fma"`` (one thread per page, CUDA-core FMAs; ``block_pages`` must be a multiple of
-    ``32*num_warps``, the pages a thread scores per step being the quotient; see `fma_supported`);
-    default (``None``): `score_tiles.default_variant`.
+    ``32*num_warps``, the pages a thread scores per step being the quotient; see `fma_supported`) or
+    ``"mma"`` (tensor-core projections, one (page, head group) pair per thread in the epilogue:
+    ``head_split`` threads per page, ``words_per_chunk`` int32 words of each packed row per product; see
+    `score_tiles.mma_tiles`, `mma_supported`); default (``None``): `score_tiles.default_variant`.
     Tiles (``block_pages``, ``sub_blocks``, ``num_warps``, ``num_stages``) default per method/variant
     (`score_tiles`);
-    ``maxnreg`` caps the registers per thread (more programs per SM; ``"fma"`` only).
+    ``maxnreg`` caps the registers per thread (more programs per SM; ``"fma"`` and ``"mma"``).
 
     Returns ``(scores [b*h, G, P] float32, partials [b*h, n_blk, 4, GG] float32)``, ``GG`` the
     group size rounded up to a power of two.
@@ -116,13 +129,22 @@ def score_pages(method: str, query: torch.Tensor, *, slot_valid: torch.Tensor, r
     if variant is None:
         variant = default_variant(m, G, d, B, R, bits)
     fma = m == LOCKS and variant == "fma"
+    mma = m == LOCKS and variant == "mma"
     if fma and not fma_supported(d, B, R, bits):
         raise ValueError(f"variant 'fma' needs d*bits % 128 == 0, page_size*rank % 16 == 0 and a power-of-two "
                          f"rank <= 16 (d={d}, page_size={B}, rank={R}, bits={bits})")
+    if mma:
+        block_pages, head_split, words_per_chunk, num_warps, num_stages = mma_tiles(
+            GG, block_pages, head_split, words_per_chunk, num_warps, num_stages)
+        if not mma_supported(d, B, R, bits, words_per_chunk):
+            raise ValueError(f"variant 'mma' needs d*bits % (32*words_per_chunk) == 0, d % (4*words_per_chunk) "
+                             f"== 0, page_size*rank % 16 == 0 and a power-of-two rank <= 16 (d={d}, "
+                             f"page_size={B}, rank={R}, bits={bits}, words_per_chunk={words_per_chunk})")
+        sub_blocks = 1 if sub_blocks is None else sub_blocks
     rows = b * h
     if fma:
         block_pages, sub_blocks, num_warps, num_stages = fma_tiles(block_pages, sub_blocks, num_warps, num_stages)
-    if m == LOCKS and not fma:
+    if m == LOCKS and not (fma or mma):
         names = ("basis", "basis_scale", "coef", "coef_scale", "mu", "mu_scale")
         xs = [_page_tensor(summary[n]) for n in names]
     elif m == QUEST:
@@ -131,7 +153,7 @@ def score_pages(method: str, query: torch.Tensor, *, slot_valid: torch.Tensor, r
         if keys.stride(-1) != 1:
             raise ValueError("keys must have a contiguous last dim")
         xs = [keys]
-    if not fma:
+    if not (fma or mma):
         by_token, block_pages, sub_blocks, num_warps, num_stages = dot_tiles(
             m, GG, B, R, rows * n_pages, by_token, block_pages, sub_blocks, num_warps, num_stages)
     span = block_pages * sub_blocks
@@ -151,6 +173,19 @@ def score_pages(method: str, query: torch.Tensor, *, slot_valid: torch.Tensor, r
             out, n_pages, partials, n_blk, h, float(scale), scratch, sub_blocks, 0x4B000000,
             G=G, GG=GG, D=d, B=B, R=R, BITS=bits, BP=block_pages,
             num_warps=num_warps, num_stages=num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg}),
+        )
+        return out, partials
+    if mma:
+        xs = [_words(summary["basis"]), _page_tensor(summary["basis_scale"]), _words(summary["coef"]),
+              _page_tensor(summary["coef_scale"]), _words(summary["mu"]), _page_tensor(summary["mu_scale"])]
+        _locks_mma_kernel[(n_blk, rows)](
+            q, q.stride(0), q.stride(1), *[a for x in xs for a in (x, x.stride(0), x.stride(1))],
+            _as_u8(slot_valid), slot_valid.stride(0), row_start, n_complete, len_t,
+            out, n_pages, partials, n_blk, h, float(scale), sub_blocks, 0x4B000000,
+            PAIR_BASE["fp16" if q.dtype == torch.float16 else "bf16"],
+            G=G, GG=GG, D=d, B=B, R=R, BITS=bits, BP=block_pages, HS=head_split, KCW=words_per_chunk,
+            DOT_PREC=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+            **({} if maxnreg is None else {"maxnreg": maxnreg}),
         )
         return out, partials
     args = []

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ._common import LOG2E, slot_ok
-from .score_parts import empty_partials, fold_scores, program_row, store_partials
+from .score_parts import empty_partials, fold_scores, program_row, row_summaries, store_partials
 
 # "fma" loops over basis chunks instead of unrolling them from this rank on (compile time; see
 # `_locks_fma_proj`). Ranks below keep the unrolled form measured on the H200.
@@ -231,12 +231,8 @@ def _locks_fma_kernel(q_ptr, q_sb, q_sh, bas, bas_sb, bas_sh, bsc, bsc_sb, bsc_s
     vrow = valid_ptr + bb * valid_sb
     scr = scr_ptr + (row * n_blk + blk).to(tl.int64) * (D * GG)
     _stage_query(q_ptr + bb * q_sb + hh * G * q_sh, q_sh, scr, G, GG, D)
-    bas += bb * bas_sb + hh * bas_sh
-    bsc += bb * bsc_sb + hh * bsc_sh
-    cf += bb * cf_sb + hh * cf_sh
-    csc += bb * csc_sb + hh * csc_sh
-    mu += bb * mu_sb + hh * mu_sh
-    msc += bb * msc_sb + hh * msc_sh
+    bas, bsc, cf, csc, mu, msc = row_summaries(bb, hh, bas, bas_sb, bas_sh, bsc, bsc_sb, bsc_sh, cf, cf_sb, cf_sh,
+                                               csc, csc_sb, csc_sh, mu, mu_sb, mu_sh, msc, msc_sb, msc_sh)
     qk2 = scale * LOG2E
     gi = tl.arange(0, GG)
     out_row = out_ptr + row * G * P_out

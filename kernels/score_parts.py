@@ -26,6 +26,15 @@ def program_row(row_start_ptr, n_complete_ptr, len_ptr, H, B: tl.constexpr):
 
 
 @triton.jit
+def row_summaries(bb, hh, bas, bas_sb, bas_sh, bsc, bsc_sb, bsc_sh, cf, cf_sb, cf_sh, csc, csc_sb, csc_sh,
+                  mu, mu_sb, mu_sh, msc, msc_sb, msc_sh):
+    """The six Locks summary pointers (basis, its scales, coefficients, theirs, centroid, its scale) at
+    batch row ``bb`` and KV head ``hh``."""
+    return (bas + bb * bas_sb + hh * bas_sh, bsc + bb * bsc_sb + hh * bsc_sh, cf + bb * cf_sb + hh * cf_sh,
+            csc + bb * csc_sb + hh * csc_sh, mu + bb * mu_sb + hh * mu_sh, msc + bb * msc_sb + hh * msc_sh)
+
+
+@triton.jit
 def empty_partials(GG: tl.constexpr):
     """Running max / sum of the candidate pages' scores, the first real page's scores and its index."""
     return (tl.full([GG], float("-inf"), tl.float32), tl.zeros([GG], dtype=tl.float32),

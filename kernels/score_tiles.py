@@ -8,7 +8,7 @@ from __future__ import annotations
 from .score_dot import LOCKS, ORACLE, QUEST
 
 #: Locks scoring variants (`score.score_pages`' ``variant``).
-VARIANTS = ("dot", "fma")
+VARIANTS = ("dot", "fma", "mma")
 
 
 def fma_supported(d: int, page_size: int, rank: int, basis_bits: int) -> bool:
@@ -18,10 +18,24 @@ def fma_supported(d: int, page_size: int, rank: int, basis_bits: int) -> bool:
             and page_size * rank % 16 == 0 and rank <= 16)
 
 
+def mma_supported(d: int, page_size: int, rank: int, basis_bits: int, words_per_chunk: int = 4) -> bool:
+    """Whether variant ``"mma"`` handles these summaries: whole chunks of ``words_per_chunk`` int32 words
+    in each basis row and centroid, 16-byte chunks of coefficients, power-of-two rank, int2/4/8 basis."""
+    return (basis_bits in (2, 4, 8) and d * basis_bits % (32 * words_per_chunk) == 0
+            and d % (4 * words_per_chunk) == 0 and rank & (rank - 1) == 0 and page_size * rank % 16 == 0
+            and rank <= 16)
+
+
 def default_variant(method: int, G: int, d: int, page_size: int, rank: int, basis_bits: int) -> str:
-    """``"fma"`` where it applies and the GQA group has at most 8 heads (H200, 512K, Llama shape G=4:
-    0.097 vs 0.213 ms), else ``"dot"`` (G=16 spills registers in ``"fma"``)."""
-    return "fma" if method == LOCKS and G <= 8 and fma_supported(d, page_size, rank, basis_bits) else "dot"
+    """Locks: ``"fma"`` where it applies and the GQA group has at most 8 heads (H200, 512K, Llama shape
+    G=4: 0.097 vs 0.213 ms for ``"dot"``), else ``"mma"`` where it applies (groups of 16+: ``"fma"``
+    spills registers, and ``"dot"``'s per-token layout costs ~0.11 ms at GLM-4 512K against a
+    0.008 ms byte floor), else ``"dot"``."""
+    if method != LOCKS:
+        return "dot"
+    if G <= 8 and fma_supported(d, page_size, rank, basis_bits):
+        return "fma"
+    return "mma" if mma_supported(d, page_size, rank, basis_bits) else "dot"
 
 
 def fma_tiles(block_pages, sub_blocks, num_warps, num_stages) -> tuple[int, int, int, int]:
@@ -34,6 +48,29 @@ def fma_tiles(block_pages, sub_blocks, num_warps, num_stages) -> tuple[int, int,
     if block_pages % (32 * num_warps):
         raise ValueError("variant 'fma': block_pages must be a multiple of 32*num_warps")
     return block_pages, 1 if sub_blocks is None else sub_blocks, num_warps, 1 if num_stages is None else num_stages
+
+
+def mma_tiles(GG: int, block_pages, head_split, words_per_chunk, num_warps, num_stages
+              ) -> tuple[int, int, int, int, int]:
+    """``(block_pages, head_split, words_per_chunk, num_warps, num_stages)`` of variant ``"mma"``.
+
+    One (page, head group) pair per thread: ``head_split`` threads per page with ``GG/head_split`` heads
+    each (at most 4 heads a thread by default: registers), so ``block_pages * head_split`` is a multiple
+    of ``32 * num_warps``; 16-byte chunks (4 words) of each packed row per tensor-core product.
+    """
+    if num_warps is None:
+        num_warps = 4
+    if head_split is None:
+        head_split = max(1, GG // 4)
+    if GG % head_split:
+        raise ValueError(f"variant 'mma': head_split must divide the padded group size {GG}, got {head_split}")
+    if block_pages is None:
+        block_pages = max(1, 32 * num_warps // head_split)
+    if (block_pages * head_split) % (32 * num_warps) or block_pages & (block_pages - 1):
+        raise ValueError("variant 'mma': block_pages must be a power of two and block_pages * head_split a "
+                         "multiple of 32 * num_warps")
+    return (block_pages, head_split, 4 if words_per_chunk is None else words_per_chunk, num_warps,
+            1 if num_stages is None else num_stages)
 
 
 # Page-rows (batch x KV heads x pages) from which a group of 16+ heads scores faster per token.

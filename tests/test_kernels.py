@@ -472,4 +472,5 @@ def test_locks_fma_rejects_bad_tiles():
         kernels.score_pages("locks", c.dev("query"), summary=summ, basis_bits=4, scale=0.3, variant="fma",
                             block_pages=48, num_warps=1, **c.kw())
     with pytest.raises(ValueError, match="variant"):
-        kernels.score_pages("locks", c.dev("query"), summary=summ, basis_bits=4, scale=0.3, variant="mma", **c.kw())
+        kernels.score_pages("locks", c.dev("query"), summary=summ, basis_bits=4, scale=0.3, variant="tensor",
+                            **c.kw())

@@ -1,0 +1,233 @@
+"""Locks page-scoring variants ("mma", "fma", "dot") against a brute-force float64 evaluation of the
+packed summaries, on fresh random codes and scales (every code value, not only what the quantizer
+writes), at each combination the kernels specialise on: rank, basis bits, GQA group size (powers of
+two and not), page size, the query dtype; rows with left padding, a hole and no complete page.
+
+The per-program partials are checked through what the selection kernel makes of them (sink page and
+per-head LSE over the candidates), so the contract holds whatever blocking a variant uses.
+
+On a machine without CUDA the kernels run under ``TRITON_INTERPRET=1`` (small shapes, float32 and
+float16 queries: the interpreter has no bfloat16 arithmetic); with CUDA they run compiled, bfloat16
+included.
+"""
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no CUDA and Triton was imported before TRITON_INTERPRET=1 was set: run the tests with "
+                    "TRITON_INTERPRET=1 in the environment", allow_module_level=True)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
+
+from locks_hf import kernels  # noqa: E402
+from locks_hf.kernels.score_tiles import fma_supported, mma_supported  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+INTERPRETED = DEV == "cpu"
+SCALE = 0.3
+
+
+class Summaries:
+    """Random packed Locks summaries for ``b`` rows of ``h`` KV heads, with the row tensors of a paged
+    cache: row 0 starts at slot 0, row 1 after ``pad`` padding slots with a hole in its third page,
+    row 2 (when ``b == 3``) holds fewer tokens than one page (no complete page)."""
+
+    def __init__(self, seed, *, rank, bits, G, B=16, d=64, pages=9, b=2, h=2, dtype=torch.float32, pad=21):
+        g = torch.Generator().manual_seed(seed)
+        self.rank, self.bits, self.G, self.B, self.d, self.h, self.b = rank, bits, G, B, d, h, b
+        starts = [0, pad, 0][:b]
+        self.length = pages * B - 5 + pad  # the last page of row 1 is incomplete, of row 0 full pages + 1
+        self.cap = self.length + 2 * B
+        self.row_start = torch.tensor(starts, dtype=torch.int32)
+        self.slot_valid = torch.ones(b, self.cap, dtype=torch.bool)
+        for i, s in enumerate(starts):
+            self.slot_valid[i, :s] = False
+        if b > 1:
+            self.slot_valid[1, pad + 2 * B + 3] = False  # a padding slot inside a page
+        if b > 2:
+            self.slot_valid[2, : self.length - B // 2] = False  # only the newest B/2 slots are real
+            self.row_start[2] = self.length - B // 2
+        self.n_complete = ((self.length - self.row_start) // B).to(torch.int32)
+        self.P = math.ceil((self.length - int(self.row_start.min())) / B)
+        P, per = self.P, 8 // bits
+        rand8 = lambda *shape: torch.randint(-128, 128, shape, generator=g, dtype=torch.int32).to(torch.int8)
+        scale = lambda *shape: (torch.rand(shape, generator=g) * 0.9 + 0.1).to(torch.bfloat16)
+        self.summary = {
+            "basis": rand8(b, h, P, rank, d // per).view(torch.uint8) if bits < 8 else rand8(b, h, P, rank, d),
+            "basis_scale": scale(b, h, P, rank) * (0.3 if bits == 8 else 1.0),
+            "coef": rand8(b, h, P, B, rank),
+            "coef_scale": scale(b, h, P, B) * 0.02,
+            "mu": rand8(b, h, P, d),
+            "mu_scale": scale(b, h, P, 1) * 0.02,
+        }
+        self.query = (torch.randn(b, h * G, 1, d, generator=g) * 2).to(dtype)
+
+    def kw(self):
+        return dict(slot_valid=self.slot_valid.to(DEV), row_start=self.row_start.to(DEV),
+                    n_complete=self.n_complete.to(DEV), length=self.length, n_pages=self.P, page_size=self.B)
+
+    def on_dev(self):
+        return {k: v.to(DEV) for k, v in self.summary.items()}
+
+    def codes(self, name):
+        """Signed codes of a packed tensor along its last axis (field 0 in the low bits), float64."""
+        x = self.summary[name]
+        if name != "basis" or self.bits == 8:
+            return x.view(torch.int8).double()
+        bits, per = self.bits, 8 // self.bits
+        v = x.to(torch.int32)[..., None] >> (torch.arange(per) * bits)
+        f = v & ((1 << bits) - 1)
+        f = torch.where(f >= 1 << (bits - 1), f - (1 << bits), f)
+        return f.flatten(-2).double()
+
+    def reference(self):
+        """``[b, h, G, P]`` float64 scores: ``-inf`` for pages that are not complete or hold no real token."""
+        s, b, h, G, B, P = self.summary, self.b, self.h, self.G, self.B, self.P
+        basis = self.codes("basis") * s["basis_scale"].double()[..., None]  # [b, h, P, r, d]
+        coef = self.codes("coef") * s["coef_scale"].double()[..., None]  # [b, h, P, B, r]
+        mu = self.codes("mu") * s["mu_scale"].double()  # [b, h, P, d]
+        q = self.query.double().view(b, h, G, self.d)
+        proj = torch.einsum("bhgd,bhprd->bhgpr", q, basis)
+        logits = SCALE * (torch.einsum("bhgpr,bhptr->bhgpt", proj, coef)
+                          + torch.einsum("bhgd,bhpd->bhgp", q, mu)[..., None])
+        slot = self.row_start.long()[:, None, None] + torch.arange(P)[None, :, None] * B + torch.arange(B)
+        real = self.slot_valid.gather(1, slot.clamp(0, self.cap - 1).view(b, -1)).view(b, P, B) & (slot < self.length)
+        out = torch.logsumexp(logits.masked_fill(~real[:, None, None], float("-inf")), -1)
+        ok = real.any(-1) & (torch.arange(P)[None] < self.n_complete[:, None])  # [b, P]
+        return out.masked_fill(~ok[:, None, None], float("-inf"))
+
+    def folded(self, scores):
+        """What selection reads: per row the sink page and the per-head LSE over the candidate pages
+        (complete real pages but the sink and the row's most recent page)."""
+        rows = scores.shape[0]
+        sink = torch.empty(rows, dtype=torch.long)
+        lse = torch.empty(rows, self.G, dtype=torch.float64)
+        for r in range(rows):
+            s = scores[r].double()
+            real = torch.isfinite(s[0]).nonzero().flatten()
+            last = (self.length - 1 - int(self.row_start[r // self.h])) // self.B
+            sink[r] = int(real[0]) if len(real) else last
+            keep = torch.isfinite(s[0]).clone()
+            keep[sink[r]] = False
+            if last < s.shape[1]:
+                keep[last] = False
+            lse[r] = torch.logsumexp(s[:, keep], -1) if keep.any() else torch.full((self.G,), float("-inf"))
+        return sink, lse
+
+
+def check_partials(part, summ, want_scores):
+    """Partials -> (sink, per-head LSE) as `kernels.select._sink_and_lse` folds them = the reference's."""
+    p = part.double().cpu()
+    rows, G = p.shape[0], summ.G
+    sink_want, lse_want = summ.folded(want_scores)
+    for r in range(rows):
+        last = (summ.length - 1 - int(summ.row_start[r // summ.h])) // summ.B
+        first = p[r, :, 3, 0]
+        real = first[first < 2**30]
+        sink = int(real.min()) if len(real) else last
+        assert sink == int(sink_want[r]), (r, sink, int(sink_want[r]))
+        m, l, fs = p[r, :, 0, :G], p[r, :, 1, :G], p[r, :, 2, :G]
+        add = ((first != sink) & (first != last) & (first < 2**30))[:, None]
+        terms = torch.cat([m + torch.log(l), torch.where(add, fs, float("-inf"))], 0)
+        lse = torch.logsumexp(terms, 0)
+        want = lse_want[r]
+        fin = torch.isfinite(want)
+        assert torch.equal(fin, torch.isfinite(lse)), (r, lse, want)
+        assert torch.allclose(lse[fin], want[fin], rtol=1e-5, atol=1e-5), (r, lse, want)
+
+
+def run(summ, variant, small=False, **kw):
+    """`score_pages` on the summaries; ``small``: one-warp "mma" tiles under the interpreter (its time grows
+    with the block, not the pages; the default tiles run in the tests that do not ask for this)."""
+    if small and INTERPRETED and variant == "mma" and not kw:
+        kw = dict(num_warps=1)
+    return kernels.score_pages("locks", summ.query.to(DEV), summary=summ.on_dev(), scale=SCALE,
+                               basis_bits=summ.bits, variant=variant, **kw, **summ.kw())
+
+
+def assert_scores(got, want, tol):
+    got = got.double().cpu().view(want.shape)
+    fin = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), fin), "pages that are not complete real pages must score -inf"
+    err = ((got[fin] - want[fin]).norm() / want[fin].norm()).item()
+    assert err < tol, err
+
+
+QUERY_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if not INTERPRETED else [])
+
+# (rank, bits, G, page size): every rank x bits at G = 4; every group size at r4i4; every page size;
+# a few crossings of the large and odd cases.
+CASES = sorted({(r, bits, 4, 16) for r in (2, 4, 8) for bits in (2, 4, 8)}
+               | {(4, 4, G, 16) for G in (1, 2, 3, 4, 6, 8, 16)}
+               | {(4, 4, 4, B) for B in (8, 32)} | {(4, 4, 16, 32)}
+               | {(8, 4, 16, 16), (2, 2, 3, 8), (8, 8, 6, 32), (8, 2, 1, 16)})
+
+
+@pytest.mark.parametrize("rank,bits,G,B", CASES)
+def test_mma_scores_and_partials_match_float64(rank, bits, G, B):
+    summ = Summaries(rank * 100 + bits * 10 + G + B, rank=rank, bits=bits, G=G, B=B, b=3)
+    want = summ.reference()
+    got, part = run(summ, "mma", small=True)
+    assert got.shape == (summ.b * summ.h, G, summ.P)
+    assert_scores(got, want, 1e-5)
+    check_partials(part, summ, want.view(summ.b * summ.h, G, summ.P))
+
+
+@pytest.mark.parametrize("dtype", QUERY_DTYPES[1:])
+@pytest.mark.parametrize("G", [4, 16])
+def test_mma_16_bit_queries(dtype, G):
+    """fp16 codes for an fp16 query (its own magic number), bf16 codes for bf16; exact products."""
+    summ = Summaries(7 + G, rank=4, bits=4, G=G, dtype=dtype)
+    assert_scores(run(summ, "mma")[0], summ.reference(), 1e-5)
+
+
+@pytest.mark.parametrize("tiles", [dict(block_pages=256, num_warps=8), dict(head_split=2), dict(words_per_chunk=2),
+                                   dict(words_per_chunk=8, sub_blocks=3, block_pages=32, head_split=4),
+                                   dict(num_warps=2, block_pages=16, head_split=4)])
+def test_mma_tiles_give_the_same_scores(tiles):
+    summ = Summaries(11, rank=4, bits=4, G=16, pages=20)
+    want = summ.reference()
+    got, part = run(summ, "mma", **tiles)
+    assert_scores(got, want, 1e-5)
+    check_partials(part, summ, want.view(summ.b * summ.h, summ.G, summ.P))
+
+
+@pytest.mark.parametrize("rank,bits,G", [(4, 4, 4), (8, 4, 16), (2, 8, 3)])
+def test_variants_agree_and_select_the_same_pages(rank, bits, G):
+    """"mma", "fma" and "dot" on the same inputs: the same scores (float32 rounding) and, through the
+    unchanged selection kernel, the same page lists."""
+    summ = Summaries(5 + G, rank=rank, bits=bits, G=G, pages=14)
+    want = summ.reference()
+    lists = {}
+    for variant in ("mma", "fma", "dot"):
+        if variant == "fma" and not fma_supported(summ.d, summ.B, rank, bits):
+            continue
+        got, part = run(summ, variant)
+        assert_scores(got, want, 1e-5)
+        lists[variant] = kernels.select_pages(got, part, slots=6, per_head=False, row_start=summ.kw()["row_start"],
+                                              length=summ.length, heads=summ.h, page_size=summ.B).cpu()
+    ref = lists.pop("mma")
+    for variant, pages in lists.items():
+        assert torch.equal(pages, ref), variant
+
+
+def test_mma_refuses_what_it_cannot_score():
+    summ = Summaries(3, rank=4, bits=4, G=4)
+    with pytest.raises(ValueError, match="head_split"):
+        run(summ, "mma", head_split=3)
+    with pytest.raises(ValueError, match="block_pages"):
+        run(summ, "mma", block_pages=48)
+    with pytest.raises(ValueError, match="words_per_chunk"):
+        run(summ, "mma", words_per_chunk=16)  # an int4 row of d = 64 holds 8 words
+    with pytest.raises(ValueError, match="variant must be one of"):
+        run(summ, "tensor")
+    assert not mma_supported(64, 16, 3, 4) and not mma_supported(32, 16, 4, 2) and mma_supported(64, 16, 4, 2)
+    odd = Summaries(3, rank=2, bits=4, G=4, B=4)  # 4-token pages, rank 2: 8 coefficient bytes a page
+    with pytest.raises(ValueError, match="variant 'mma' needs"):
+        run(odd, "mma")
