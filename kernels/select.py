@@ -161,14 +161,21 @@ def _key_bin(key):
 
 @triton.jit
 def _radix_keys_kernel(score_ptr, part_ptr, n_blk, row_start_ptr, len_ptr, H, P, sink_ptr, state_ptr,
-                       key_ptr, key_stride,
+                       key_ptr, key_stride, mask_ptr,
                        PER_HEAD: tl.constexpr, G: tl.constexpr, GG: tl.constexpr, B: tl.constexpr, CH: tl.constexpr,
-                       NBP: tl.constexpr):
+                       NBP: tl.constexpr, MARK: tl.constexpr):
     """Program (chunk, vrow): the keys of ``CH`` pages into the row's key buffer and their bins into
-    the row's histogram (one atomic per occupied bin)."""
+    the row's histogram (one atomic per occupied bin); with ``MARK`` it clears its pages in the
+    row's page mask (the gather kernel, launched after, marks the selection)."""
     chunk, vrow, p, key = _chunk_keys(score_ptr, part_ptr, n_blk, row_start_ptr, len_ptr, H, P, sink_ptr,
                                       PER_HEAD, G, GG, B, CH, NBP)
     tl.store(key_ptr + vrow * key_stride + p, key, mask=p < P)
+    if MARK:
+        if PER_HEAD:  # the row's first head clears
+            if vrow % G == 0:
+                tl.store(mask_ptr + (vrow // G) * P + p, tl.zeros([CH], dtype=tl.int8), mask=p < P)
+        else:
+            tl.store(mask_ptr + vrow * P + p, tl.zeros([CH], dtype=tl.int8), mask=p < P)
     hist = tl.histogram(_key_bin(key), NB)
     bins = tl.arange(0, NB)
     tl.atomic_add(state_ptr + vrow * (NB + N_COUNTERS) + bins, hist, mask=(hist > 0) & (bins > 0))
@@ -192,9 +199,9 @@ def _threshold_bin(hist_ptr, K):
 
 @triton.jit
 def _radix_gather_kernel(state_ptr, key_ptr, key_stride, P, k_ptr, K_MAX, n_chunk, list_ptr, tie_key_ptr,
-                         tie_page_ptr, sink_ptr, row_start_ptr, len_ptr, H, out_ptr, W,
-                         PER_HEAD: tl.constexpr, B: tl.constexpr, CH: tl.constexpr, KP: tl.constexpr,
-                         TC: tl.constexpr, TILE: tl.constexpr):
+                         tie_page_ptr, sink_ptr, row_start_ptr, len_ptr, H, out_ptr, W, mask_ptr,
+                         PER_HEAD: tl.constexpr, G: tl.constexpr, B: tl.constexpr, CH: tl.constexpr,
+                         KP: tl.constexpr, TC: tl.constexpr, TILE: tl.constexpr, MARK: tl.constexpr):
     """Program (chunk, vrow): its pages above the threshold bin into the row's list, those in it into
     the row's tie buffer (positions reserved by atomics); the row's last program to arrive resolves
     the ties, writes the row's output in page order and leaves the histogram and counters zero."""
@@ -232,6 +239,11 @@ def _radix_gather_kernel(state_ptr, key_ptr, key_stride, P, k_ptr, K_MAX, n_chun
         e = tl.arange(0, KP)
         keep = e < n
         pages = tl.load(list_ptr + vrow * KP + e, mask=keep, other=BIG_PAGE, cache_modifier=".cg")
+        if MARK:
+            row = vrow
+            if PER_HEAD:
+                row = vrow // G
+            _mark_pages(mask_ptr, row, P, pages, keep, sink_ptr, row_start_ptr, len_ptr, H, B)
         if PER_HEAD:  # the union kernel sorts
             tl.store(out_ptr + vrow * KP + e, tl.where(keep, pages, SENTINEL))
         else:  # page order: the positions reserved by the atomics vary from run to run
@@ -241,6 +253,16 @@ def _radix_gather_kernel(state_ptr, key_ptr, key_stride, P, k_ptr, K_MAX, n_chun
         tl.store(hist_ptr + bins, tl.zeros([NB], dtype=tl.int32))
         c = tl.arange(0, N_COUNTERS)
         tl.store(cnt_ptr + c, tl.zeros([N_COUNTERS], dtype=tl.int32))
+
+
+@triton.jit
+def _mark_pages(mask_ptr, row, P, pages, keep, sink_ptr, row_start_ptr, len_ptr, H, B: tl.constexpr):
+    """Set the row's page mask (``int8 [rows, P]``) at the kept ``pages``, the sink and the recent page."""
+    tl.store(mask_ptr + row * P + pages, tl.full(pages.shape, 1, tl.int8), mask=keep & (pages < P))
+    last_page = (tl.load(len_ptr) - 1 - tl.load(row_start_ptr + row // H)) // B
+    two = tl.arange(0, 2)
+    forced = tl.where(two == 0, tl.load(sink_ptr + row), last_page)
+    tl.store(mask_ptr + row * P + forced, tl.full([2], 1, tl.int8), mask=(forced >= 0) & (forced < P))
 
 
 @triton.jit
@@ -388,8 +410,8 @@ def select_pages(scores: torch.Tensor, partials: torch.Tensor, *, slots: int, pe
                  row_start: torch.Tensor, length: int | torch.Tensor, heads: int, page_size: int,
                  out: torch.Tensor | None = None, chunk: int | None = None,
                  active_slots: torch.Tensor | None = None, algorithm: str = "radix",
-                 state: torch.Tensor | None = None, tie_capacity: int = 1024, num_warps: int | None = None
-                 ) -> torch.Tensor:
+                 state: torch.Tensor | None = None, tie_capacity: int = 1024, num_warps: int | None = None,
+                 mask_out: torch.Tensor | None = None) -> torch.Tensor:
     """Page lists ``[b*h, W]`` int32 (``SENTINEL``-padded) from ``score_pages``' outputs.
 
     ``slots`` is ``k = ceil(b / B)``; ``W = k`` for the shared rule and ``G*(k-2) + 2`` for Quest's
@@ -406,6 +428,9 @@ def select_pages(scores: torch.Tensor, partials: torch.Tensor, *, slots: int, pe
     from `radix_state` saves its memset, ``tie_capacity`` ties are resolved in one tile, more in a
     slower pass over the row) or ``"chunks"`` (per-chunk top-k, then a merge per row; ``chunk``
     pages per program for either). Both select the same pages.
+
+    ``mask_out`` (``"radix"`` only): a contiguous bool or int8 ``[b*h, P]`` page mask overwritten with
+    the listed pages (what the lists hold, as `locks_hf.paged.pages_to_mask` would give it).
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"select_pages: algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
@@ -416,6 +441,15 @@ def select_pages(scores: torch.Tensor, partials: torch.Tensor, *, slots: int, pe
     if slots < 0:
         raise ValueError(f"select_pages: slots must be >= 0, got {slots}")
     rows, G, P = scores.shape
+    marks = scores
+    if mask_out is not None:
+        if algorithm != "radix":
+            raise ValueError("select_pages: mask_out needs algorithm='radix'")
+        if mask_out.dtype not in (torch.bool, torch.int8) or mask_out.numel() != rows * P \
+                or not mask_out.is_contiguous():
+            raise ValueError(f"select_pages: mask_out must be a contiguous bool/int8 tensor of {rows} x {P} pages, "
+                             f"got {mask_out.dtype} {tuple(mask_out.shape)}")
+        marks = mask_out.view(torch.int8)
     length = as_length(length, scores.device)
     K = max(slots - 2, 0)
     k_active = as_length(slots if active_slots is None else active_slots, scores.device)
@@ -445,12 +479,13 @@ def select_pages(scores: torch.Tensor, partials: torch.Tensor, *, slots: int, pe
         tie_page = torch.empty((vrows, TC), dtype=torch.int32, device=dev)
         warps = num_warps or (4 if CH <= 1024 else 8)
         _radix_keys_kernel[(n_chunk, vrows)](
-            scores, partials, n_blk, row_start, length, heads, P, sink, state, keys, P,
-            PER_HEAD=per_head, G=G, GG=GG, B=page_size, CH=CH, NBP=64, num_warps=warps)
+            scores, partials, n_blk, row_start, length, heads, P, sink, state, keys, P, marks,
+            PER_HEAD=per_head, G=G, GG=GG, B=page_size, CH=CH, NBP=64, MARK=mask_out is not None, num_warps=warps)
         _radix_gather_kernel[(n_chunk, vrows)](
             state, keys, P, P, k_active, K, n_chunk, lst, tie_key, tie_page, sink, row_start, length, heads,
-            lists if per_head else out, KP if per_head else W,
-            PER_HEAD=per_head, B=page_size, CH=CH, KP=KP, TC=TC, TILE=1024, num_warps=warps)
+            lists if per_head else out, KP if per_head else W, marks,
+            PER_HEAD=per_head, G=G, B=page_size, CH=CH, KP=KP, TC=TC, TILE=1024, MARK=mask_out is not None,
+            num_warps=warps)
     else:
         CH = chunk or chunk_size(P, KP)
         n_chunk = max(1, triton.cdiv(P, CH))

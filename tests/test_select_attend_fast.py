@@ -252,3 +252,65 @@ def test_attention_rejects_bad_input():
         kernels.sparse_attention(q, k, v, pages, pad=c.row_start.to(DEV), **kw)
     with pytest.raises(ValueError, match="semaphore"):
         kernels.sparse_attention(q, k, v, pages, splits=2, semaphore=torch.zeros(1, dtype=torch.int32), **kw)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_radix_selection_marks_the_page_mask(per_head):
+    """``mask_out`` ends up as the listed pages' mask, whatever it held before."""
+    from locks_hf.paged import pages_to_mask
+
+    c = Rows(17, G=4, B=16, pages=20)
+    scores = c.scores()
+    mask = torch.rand(c.b * c.h, c.P, generator=c.gen).to(DEV) > 0.5
+    pages = _select(c, scores, 6, per_head=per_head, chunk=8, mask_out=mask)
+    assert torch.equal(mask.cpu(), pages_to_mask(pages.cpu(), c.P))
+    with pytest.raises(ValueError, match="radix"):
+        _select(c, scores, 6, algorithm="chunks", mask_out=mask)
+
+
+@pytest.mark.parametrize("selector", ["locks", "quest", "full"])
+def test_static_layer_step_keeps_its_bookkeeping_in_the_launches(monkeypatch, selector):
+    """A static layer with the kernels' buffers (a GPU's; given by hand here): the decode launches
+    write what the glue wrote before (page mask, statistics per row and in all, complete pages
+    through the page update), equal to the reference path on the same layer; the workspace is left
+    zero."""
+    monkeypatch.setenv("LOCKS_HF_KERNELS", "0")  # the reference calls below must not dispatch
+    from locks_hf.attention import reference_decode
+    from locks_hf.backend import kernel_decode, kernel_update_newest_page
+    from locks_hf.config import LocksConfig
+    from locks_hf.kernels.decode import workspace_size
+    from locks_hf.static_cache import LocksStaticLayer
+
+    c = Rows(21, b=2, h=2, G=4, B=16, pages=12, pad=(0, 0), d=64)
+    c.slot_valid[:] = True
+    L = (c.length // 16) * 16 - 1  # the first decode step completes a page
+    cfg = LocksConfig(rank=4, basis_bits=4, budget=5 * 16, selector=selector)
+    layer = LocksStaticLayer(L + 3 * 16, cfg)
+    keys, values = c.keys.to(DEV), c.values.to(DEV)
+    layer.update(keys[:, :, :L], values[:, :, :L])
+    layer.workspace = torch.zeros(workspace_size(c.b * c.h), dtype=torch.int32, device=DEV)
+    layer.prepare(None, L)
+    assert layer.kernel_buffers() is not None and torch.equal(layer.n_complete, layer.row_tensors()[1])
+    layer.update(keys[:, :, L: L + 1], values[:, :, L: L + 1])
+    if layer.summary:  # the decode step's page update: the completed page, n_complete
+        kernel_update_newest_page(layer)
+        assert torch.equal(layer.n_complete, layer.row_tensors()[1])
+    else:  # nothing reads it
+        assert layer.kernel_buffers()["n_complete"] is None
+    q = c.query.to(DEV)
+    got = kernel_decode(layer, q, 0.3)
+    got_sel, got_counts, got_rows = layer.last_selection.clone(), layer.counts.clone(), layer.row_counts.clone()
+    assert not layer.workspace.any()
+    layer.reset_stats()
+    layer.last_selection.fill_(True)
+    context = ((layer.length_t - layer.pad) * c.h).to(torch.int64)  # what the reference glue's prepare adds
+    layer.row_counts[:, 1] += context
+    if layer.selector is None:
+        layer.row_counts[:, 0] += context
+    ref = reference_decode(layer, q, 0.3)
+    if selector == "full":
+        assert not got_sel.any()
+    else:
+        assert torch.equal(got_sel, layer.last_selection)
+    assert torch.equal(got_counts, layer.counts) and torch.equal(got_rows, layer.row_counts)
+    assert ((got.double() - ref.double()).norm() / ref.double().norm()).item() < 1e-5
