@@ -149,12 +149,12 @@ MAX_SPLITS = 1024
 
 def default_splits(rows: int, width: int, tile_pages: int, dense: bool, sms: int) -> int:
     """Splits per row: dense, enough programs to keep memory busy (~4 per SM) with at least 16 tiles
-    each; sparse (latency-bound: ~k pages), about one program per SM over the rows, at least one
-    tile each."""
+    each; sparse (latency-bound: ~k pages), about two programs per SM over the rows, at least one
+    tile each, at most 32 (the last split merges them)."""
     if dense:
         want = triton.cdiv(4 * sms, rows)
         return max(1, min(want, triton.cdiv(width, tile_pages * 16), MAX_SPLITS))
-    return max(1, min(triton.cdiv(sms, rows), triton.cdiv(width, tile_pages), 32))
+    return max(1, min(triton.cdiv(2 * sms, rows), triton.cdiv(width, tile_pages), 32))
 
 
 def sparse_attention(query: torch.Tensor, key_buf: torch.Tensor, value_buf: torch.Tensor, pages: torch.Tensor | None,

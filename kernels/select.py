@@ -218,9 +218,12 @@ def _radix_gather_kernel(state_ptr, key_ptr, key_stride, P, k_ptr, K_MAX, n_chun
     tie = (kb == b) & (kb > 0)
     na = tl.sum(above.to(tl.int32), axis=0)
     nt = tl.sum(tie.to(tl.int32), axis=0)
-    base_a = tl.atomic_add(cnt_ptr, na)
+    # most programs keep nothing: no atomic for them (the row's programs would queue on one address)
+    base_a = na * 0
+    if na > 0:
+        base_a = tl.atomic_add(cnt_ptr, na)
     tl.store(list_ptr + vrow * KP + base_a + tl.cumsum(above.to(tl.int32), axis=0) - 1, p, mask=above)
-    if n_tie <= TC:
+    if (n_tie <= TC) & (nt > 0):
         base_t = tl.atomic_add(cnt_ptr + 1, nt)
         at = vrow * TC + base_t + tl.cumsum(tie.to(tl.int32), axis=0) - 1
         tl.store(tie_key_ptr + at, key, mask=tie)

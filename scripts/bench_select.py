@@ -103,6 +103,8 @@ def kernel_config(model: str, ctx: int, batch: int, budget: int, reps: int, swee
     sets = [BD.CacheSet(batch, hq, h, d, ctx, gen) for _ in range(nbuf)]
     for s in sets:
         s.build([(4, 4)])
+        # the length as the cache keeps it (a device tensor): no per-launch copy of an int
+        s.length = torch.full((1,), ctx, dtype=torch.int32, device=BD.DEV)
     row = {"model": model, "context": ctx, "batch": batch, "budget": budget, "copies": nbuf,
            "build_s": time.perf_counter() - t0}
     log(f"{model} {BD.fmt_ctx(ctx)} b{batch}: {nbuf} copies built in {row['build_s']:.1f} s")
