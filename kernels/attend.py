@@ -27,7 +27,7 @@ def _sparse_attn_kernel(q_ptr, q_sb, q_sh, k_ptr, k_sb, k_sh, k_st, v_ptr, v_sb,
                         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
                         TP: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
                         DENSE: tl.constexpr, COUNT: tl.constexpr, ROW_COUNT: tl.constexpr, CONTEXT: tl.constexpr,
-                        FUSED: tl.constexpr, NSP: tl.constexpr, SB: tl.constexpr):
+                        FUSED: tl.constexpr, SB: tl.constexpr):
     row = tl.program_id(0)
     split = tl.program_id(1)
     bb = (row // H).to(tl.int64)  # 64-bit offsets: a batch of long caches passes 2**31 elements
@@ -99,7 +99,7 @@ def _sparse_attn_kernel(q_ptr, q_sb, q_sh, k_ptr, k_sb, k_sh, k_st, v_ptr, v_sb,
             tl.debug_barrier()  # every thread's stores before the arrival (released by the atomic)
             if tl.atomic_add(sem_ptr + row, 1) == n_split - 1:
                 _combine_row(part_o_ptr, part_l_ptr, row, n_split, out_ptr + bb * out_sb + hh * G * out_sh, out_sh,
-                             G, GP, D, NSP, SB)
+                             G, GP, D, SB)
                 tl.store(sem_ptr + row, 0)
     else:
         tl.store(out_ptr + bb * out_sb + (hh * G + g[:, None]) * out_sh + c[None, :],
@@ -108,20 +108,26 @@ def _sparse_attn_kernel(q_ptr, q_sb, q_sh, k_ptr, k_sb, k_sh, k_st, v_ptr, v_sb,
 
 @triton.jit
 def _combine_row(part_o_ptr, part_l_ptr, row, n_split, out_ptr, out_sh, G: tl.constexpr, GG: tl.constexpr,
-                 D: tl.constexpr, NSP: tl.constexpr, SB: tl.constexpr):
-    """Merge the ``n_split <= NSP`` partial outputs (normalised, with base-2 LSEs) of one (row, KV
-    head) into its G output heads: the weights from all LSEs in one load, then ``SB`` partials per
-    step (independent loads, not one dependent load per partial)."""
+                 D: tl.constexpr, SB: tl.constexpr):
+    """Merge the ``n_split`` partial outputs (normalised, with base-2 LSEs) of one (row, KV head) into
+    its G output heads: the LSEs' max and sum first (64 splits per load), then ``SB`` partials per
+    step, so that the loads of a step do not wait for the previous step's (small tiles: the merge
+    shares the attention kernel's registers)."""
     g = tl.arange(0, GG)
     gm = g < G
     c = tl.arange(0, D)
-    s_all = tl.arange(0, NSP)
     base = row * n_split
-    lse = tl.load(part_l_ptr + (base + s_all)[:, None] * G + g[None, :],
-                  mask=(s_all < n_split)[:, None] & gm[None, :], other=float("-inf"), cache_modifier=".cg")
-    m = tl.max(lse, axis=0)
+    m = tl.full([GG], float("-inf"), tl.float32)
+    l = tl.zeros([GG], dtype=tl.float32)
+    for s0 in range(0, n_split, 64):
+        sb = s0 + tl.arange(0, 64)
+        lse = tl.load(part_l_ptr + (base + sb)[:, None] * G + g[None, :], mask=(sb < n_split)[:, None] & gm[None, :],
+                      other=float("-inf"), cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
+        safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l = l * tl.exp2(m - safe) + tl.sum(tl.exp2(lse - safe[None, :]), axis=0)
+        m = m_new
     safe = tl.where(m == float("-inf"), 0.0, m)
-    l = tl.sum(tl.exp2(lse - safe[None, :]), axis=0)
     acc = tl.zeros([GG, D], dtype=tl.float32)
     for s0 in range(0, n_split, SB):
         sb = s0 + tl.arange(0, SB)
@@ -137,13 +143,13 @@ def _combine_row(part_o_ptr, part_l_ptr, row, n_split, out_ptr, out_sh, G: tl.co
 
 @triton.jit
 def _combine_kernel(part_o_ptr, part_l_ptr, out_ptr, out_sb, out_sh, H, n_split,
-                    G: tl.constexpr, GG: tl.constexpr, D: tl.constexpr, NSP: tl.constexpr, SB: tl.constexpr):
+                    G: tl.constexpr, GG: tl.constexpr, D: tl.constexpr, SB: tl.constexpr):
     row = tl.program_id(0)
     _combine_row(part_o_ptr, part_l_ptr, row, n_split, out_ptr + (row // H) * out_sb + (row % H) * G * out_sh, out_sh,
-                 G, GG, D, NSP, SB)
+                 G, GG, D, SB)
 
 
-#: Most splits per row (the merge reads every split's LSEs in one tile).
+#: Most splits per row.
 MAX_SPLITS = 1024
 
 
@@ -214,8 +220,7 @@ def sparse_attention(query: torch.Tensor, key_buf: torch.Tensor, value_buf: torc
             semaphore = torch.zeros((rows,), dtype=torch.int32, device=dev)
         elif semaphore.dtype != torch.int32 or semaphore.numel() < rows:
             raise ValueError(f"sparse_attention: semaphore must be int32 with >= {rows} entries")
-    NSP = next_pow2(splits)
-    SB = 4 if G * d <= 2048 else 2
+    SB = 4 if G * d < 2048 else 2
     _sparse_attn_kernel[(rows, splits)](
         q, q.stride(0), q.stride(1), key_buf, key_buf.stride(0), key_buf.stride(1), key_buf.stride(2),
         value_buf, value_buf.stride(0), value_buf.stride(1), value_buf.stride(2),
@@ -226,8 +231,8 @@ def sparse_attention(query: torch.Tensor, key_buf: torch.Tensor, value_buf: torc
         semaphore if fused else row_start,
         G=G, GP=GP, D=d, B=B, TP=TP, SPLIT=splits > 1, DOT_PREC=dot_precision(q.dtype),
         DENSE=dense, COUNT=counts is not None, ROW_COUNT=row_counts is not None, CONTEXT=pad is not None,
-        FUSED=fused, NSP=NSP, SB=SB, num_warps=num_warps, num_stages=num_stages)
+        FUSED=fused, SB=SB, num_warps=num_warps, num_stages=num_stages)
     if splits > 1 and not fused:
         _combine_kernel[(rows,)](part_o, part_l, o3, o3.stride(0), o3.stride(1), h, splits, G=G, GG=GP, D=d,
-                                 NSP=NSP, SB=SB, num_warps=4)
+                                 SB=SB, num_warps=4)
     return out

@@ -413,7 +413,7 @@ def select_pages(scores: torch.Tensor, partials: torch.Tensor, *, slots: int, pe
                  row_start: torch.Tensor, length: int | torch.Tensor, heads: int, page_size: int,
                  out: torch.Tensor | None = None, chunk: int | None = None,
                  active_slots: torch.Tensor | None = None, algorithm: str = "radix",
-                 state: torch.Tensor | None = None, tie_capacity: int = 1024, num_warps: int | None = None,
+                 state: torch.Tensor | None = None, tie_capacity: int = 512, num_warps: int | None = None,
                  mask_out: torch.Tensor | None = None) -> torch.Tensor:
     """Page lists ``[b*h, W]`` int32 (``SENTINEL``-padded) from ``score_pages``' outputs.
 
@@ -429,7 +429,7 @@ def select_pages(scores: torch.Tensor, partials: torch.Tensor, *, slots: int, pe
     spread over many programs, a histogram of the keys' top bits, then each program keeps its pages
     above the threshold bin and the row's last program resolves the threshold bin's ties; ``state``
     from `radix_state` saves its memset, ``tie_capacity`` ties are resolved in one tile, more in a
-    slower pass over the row) or ``"chunks"`` (per-chunk top-k, then a merge per row; ``chunk``
+    slower pass over the row; ``num_warps`` of its first launch) or ``"chunks"`` (per-chunk top-k, then a merge per row; ``chunk``
     pages per program for either). Both select the same pages.
 
     ``mask_out`` (``"radix"`` only): a contiguous bool or int8 ``[b*h, P]`` page mask overwritten with
@@ -480,15 +480,16 @@ def select_pages(scores: torch.Tensor, partials: torch.Tensor, *, slots: int, pe
         lst = torch.empty((vrows, KP), dtype=torch.int32, device=dev)
         tie_key = torch.empty((vrows, TC), dtype=torch.int32, device=dev)
         tie_page = torch.empty((vrows, TC), dtype=torch.int32, device=dev)
-        warps = num_warps or (4 if CH <= 1024 else 8)
         _radix_keys_kernel[(n_chunk, vrows)](
             scores, partials, n_blk, row_start, length, heads, P, sink, state, keys, P, marks,
-            PER_HEAD=per_head, G=G, GG=GG, B=page_size, CH=CH, NBP=64, MARK=mask_out is not None, num_warps=warps)
+            PER_HEAD=per_head, G=G, GG=GG, B=page_size, CH=CH, NBP=64, MARK=mask_out is not None,
+            num_warps=num_warps or (4 if CH <= 1024 else 8))
+        # 8 warps: the histogram's suffix sums and the tie search's [TC, 16] counts fit without spills
         _radix_gather_kernel[(n_chunk, vrows)](
             state, keys, P, P, k_active, K, n_chunk, lst, tie_key, tie_page, sink, row_start, length, heads,
             lists if per_head else out, KP if per_head else W, marks,
-            PER_HEAD=per_head, G=G, B=page_size, CH=CH, KP=KP, TC=TC, TILE=1024, MARK=mask_out is not None,
-            num_warps=warps)
+            PER_HEAD=per_head, G=G, B=page_size, CH=CH, KP=KP, TC=TC, TILE=512, MARK=mask_out is not None,
+            num_warps=8)
     else:
         CH = chunk or chunk_size(P, KP)
         n_chunk = max(1, triton.cdiv(P, CH))

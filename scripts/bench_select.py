@@ -249,14 +249,14 @@ def previous_kernels(cache):
             layer.workspace = w
 
 
-def step_shape(shape: str, ctx: int, arms: list[str], steps: int, budget: int) -> list[dict]:
+def step_shape(shape: str, ctx: int, arms: list[str], steps: int, budget: int, out: list[dict], saved) -> None:
+    """Time each arm's step (new and old variant) into ``out``, calling ``saved()`` after each arm."""
     import bench_decode_step as BS
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(**BS.SHAPES[shape], max_position_embeddings=2**21)
     with torch.device("cuda"):
         model = LlamaForCausalLM._from_config(config, attn_implementation="locks", dtype=torch.bfloat16).eval()
-    out = []
     with torch.no_grad():
         for arm in arms:
             try:
@@ -298,10 +298,10 @@ def step_shape(shape: str, ctx: int, arms: list[str], steps: int, budget: int) -
                 cache = None
                 gc.collect()
                 torch.cuda.empty_cache()
+                saved()
     del model
     gc.collect()
     torch.cuda.empty_cache()
-    return out
 
 
 def step_table(rows: list[dict]) -> str:
@@ -325,7 +325,7 @@ def main(argv=None) -> None:
                     help="model:context:batch, comma separated")
     ap.add_argument("--sweep", default="glm4-9b:512K:1,llama3.1-8b:512K:1",
                     help="configurations that also try other chunk / split / tile sizes")
-    ap.add_argument("--step-shapes", default="glm4-9b:full,r4i4,r8i4;llama3.1-8b:full,r4i4")
+    ap.add_argument("--step-shapes", default="llama3.1-8b:full,r4i4;glm4-9b:full,r8i4,r4i4")
     ap.add_argument("--step-context", default="512K")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--budget", type=int, default=2048)
@@ -349,12 +349,14 @@ def main(argv=None) -> None:
             save(args.out)
             print("\n## One layer (ms; CUDA-graph medians)\n\n" + kernel_table(RESULTS["kernels"]) + "\n", flush=True)
     if args.step:
-        for part in args.step_shapes.split(";"):
-            shape, arms = part.split(":")
-            RESULTS["step"] += step_shape(shape, BD.parse_ctx(args.step_context), arms.split(","), args.steps,
-                                          args.budget)
+        def saved():
             save(args.out)
             print("\n## Complete decode step (CUDA graph, batch 1)\n\n" + step_table(RESULTS["step"]) + "\n", flush=True)
+
+        for part in args.step_shapes.split(";"):
+            shape, arms = part.split(":")
+            step_shape(shape, BD.parse_ctx(args.step_context), arms.split(","), args.steps, args.budget,
+                       RESULTS["step"], saved)
     save(args.out)
 
 

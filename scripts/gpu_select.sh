@@ -3,7 +3,7 @@
 # launches. Compiled tests first (14 workers), then scripts/bench_select.py (one layer: old vs new
 # selection and attention, with scoring, vs dense; then the complete decode step, old vs new, with
 # its kernel count). Tables on stdout, JSON and logs under ${OUT:-out}. About 5-6 minutes:
-# tests <= TEST_TIMEOUT (100 s), kernels <= KERNEL_TIMEOUT (120 s), step <= STEP_TIMEOUT (150 s).
+# tests <= TEST_TIMEOUT (100 s), kernels <= KERNEL_TIMEOUT (110 s), step <= STEP_TIMEOUT (170 s).
 # Skip parts with SKIP_TESTS=1, SKIP_KERNELS=1, SKIP_STEP=1; CONFIGS / SWEEP / STEP_SHAPES are passed on.
 source scripts/gpu_env.sh
 OUT=${OUT:-out}
@@ -26,10 +26,10 @@ if [ -z "$SKIP_TESTS" ]; then
 fi
 ARGS=(--out "$OUT/bench_select.json" ${CONFIGS:+--configs "$CONFIGS"} ${SWEEP+--sweep "$SWEEP"}
       ${STEP_SHAPES:+--step-shapes "$STEP_SHAPES"})
-[ -n "$SKIP_KERNELS" ] || timeout "${KERNEL_TIMEOUT:-120}" python3 scripts/bench_select.py --kernels "${ARGS[@]}" \
+[ -n "$SKIP_KERNELS" ] || timeout "${KERNEL_TIMEOUT:-110}" python3 scripts/bench_select.py --kernels "${ARGS[@]}" \
     2>&1 | tee "$OUT/bench_kernels.log" | grep -v Warning | tail -40
 if [ -z "$SKIP_STEP" ]; then
   ARGS[1]="$OUT/bench_step.json"
-  timeout "${STEP_TIMEOUT:-150}" python3 scripts/bench_select.py --step "${ARGS[@]}" 2>&1 | tee "$OUT/bench_step.log" \
+  timeout "${STEP_TIMEOUT:-170}" python3 scripts/bench_select.py --step "${ARGS[@]}" 2>&1 | tee "$OUT/bench_step.log" \
       | grep -v Warning | tail -45
 fi
