@@ -18,6 +18,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
 
+from conftest import page_lists_as_mask  # noqa: E402
+
 from locks_hf import kernels  # noqa: E402
 from locks_hf.kernels.select import STATE_WIDTH, radix_state  # noqa: E402
 from locks_hf.selectors import select_pages as ref_select  # noqa: E402
@@ -101,16 +103,6 @@ class Rows:
                           "share_average", per_head)
 
 
-def _as_mask(pages, b, h, P):
-    mask = torch.zeros(b, h, P, dtype=torch.bool)
-    for r, row in enumerate(pages.cpu().tolist()):
-        for p in row:
-            if p >= 0:
-                assert not mask[r // h, r % h, p], f"page {p} listed twice: {row}"
-                mask[r // h, r % h, p] = True
-    return mask
-
-
 def _select(c, scores, k, per_head=False, span=8, **kw):
     return kernels.select_pages(scores.to(DEV), c.partials(scores, span).to(DEV), slots=k, per_head=per_head,
                                 row_start=c.row_start.to(DEV), length=c.length, heads=c.h, page_size=c.B, **kw)
@@ -131,7 +123,7 @@ def test_radix_selection_is_the_reference_rule(G, B, k, kind, chunk, ties_held):
     state = radix_state(c.b * c.h, DEV)
     pages = _select(c, scores, k, chunk=chunk, tie_capacity=ties_held, state=state)
     assert pages.shape == (c.b * c.h, k)
-    assert torch.equal(_as_mask(pages, c.b, c.h, c.P), c.want(scores, k, False))
+    assert torch.equal(page_lists_as_mask(pages, c.b, c.h, c.P), c.want(scores, k, False))
     assert not state.any(), "the launch leaves its state zero for the next one"
     # fixed layout: sink, recent, the rest in page order, then padding
     for row in pages.cpu().tolist():
@@ -151,14 +143,14 @@ def test_radix_selection_short_rows_and_device_budget():
         active = torch.tensor([k], dtype=torch.int32, device=DEV)
         pages = _select(c, scores, 10, chunk=8, active_slots=active)
         assert pages.shape[1] == 10 and (pages[:, k:] == kernels.SENTINEL).all()
-        assert torch.equal(_as_mask(pages, c.b, c.h, c.P), c.want(scores, k, False))
+        assert torch.equal(page_lists_as_mask(pages, c.b, c.h, c.P), c.want(scores, k, False))
 
 
 def test_radix_selection_per_head_union():
     c = Rows(11, G=4, B=16, pages=20)
     scores = c.scores("ties")
     pages = _select(c, scores, 6, per_head=True, chunk=16)
-    assert torch.equal(_as_mask(pages, c.b, c.h, c.P), c.want(scores, 6, True))
+    assert torch.equal(page_lists_as_mask(pages, c.b, c.h, c.P), c.want(scores, 6, True))
     assert torch.equal(pages, _select(c, scores, 6, per_head=True, algorithm="chunks"))
 
 
@@ -172,7 +164,7 @@ def test_radix_selection_of_a_nan_row_is_todays():
     assert torch.equal(pages, _select(c, scores, 8, algorithm="chunks"))
     assert 7 in pages[1].tolist()
     clean = c.want(scores.nan_to_num(0.0), 8, False)
-    mask = _as_mask(pages, c.b, c.h, c.P)
+    mask = page_lists_as_mask(pages, c.b, c.h, c.P)
     assert torch.equal(mask[0, 0], clean[0, 0]) and torch.equal(mask[1], clean[1])
 
 
