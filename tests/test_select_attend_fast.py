@@ -306,3 +306,24 @@ def test_static_layer_step_keeps_its_bookkeeping_in_the_launches(monkeypatch, se
         assert torch.equal(got_sel, layer.last_selection)
     assert torch.equal(got_counts, layer.counts) and torch.equal(got_rows, layer.row_counts)
     assert ((got.double() - ref.double()).norm() / ref.double().norm()).item() < 1e-5
+
+
+def test_kernels_compile_for_sm90_without_spills():
+    """The interpreter runs what the compiler may reject: `scripts/check_kernels_compile.py` compiles
+    the selection and attention kernels for an sm_90 target (no GPU needed) and checks that none
+    spills registers."""
+    import pathlib
+    import subprocess
+
+    import triton
+
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU the other tests run the kernels compiled")
+    ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip("this Triton has no bundled ptxas")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(root / "scripts" / "check_kernels_compile.py")], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr[-2000:]
