@@ -36,6 +36,19 @@ def as_length(length, device) -> torch.Tensor:
     return torch.full((1,), int(length), dtype=torch.int32, device=device)
 
 
+_SM_COUNT: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (8 off CUDA: the interpreter's launch sizing)."""
+    if device.type != "cuda":
+        return 8
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
@@ -79,13 +92,12 @@ def score_key(x):
 
 
 @triton.jit
-def top_keys(key, K):
-    """Mask of the ``K`` largest keys of ``key [N]`` (ties: earlier position first).
+def kth_key(key, K):
+    """The largest ``t`` with at least ``K`` keys ``>= t`` among ``key [N]`` (``NO_KEY`` entries left
+    out), as int64; just below the smallest key when at most ``K`` are left.
 
-    Entries equal to ``NO_KEY`` are never selected; with fewer than ``K`` other entries all of them
-    are. A 16-way search on the key value (each round counts the keys above 16 thresholds in one
-    block-wide reduction; at most 8 rounds for 32-bit keys), then a prefix count of the ties at the
-    threshold. No sort, no host sync.
+    A 16-way search on the key value: each round counts the keys above 16 thresholds in one
+    block-wide reduction; at most 8 rounds for 32-bit keys, fewer for a narrow range. No sort.
     """
     cand = key != NO_KEY
     lo = tl.min(tl.where(cand, key, 2147483647), axis=0).to(tl.int64)
@@ -103,7 +115,18 @@ def top_keys(key, K):
         best = tl.max(tl.where(cnt >= K, th, lo), axis=0)
         hi = tl.minimum(hi, best + step - 1)
         lo = best
-    thr = lo
+    return lo
+
+
+@triton.jit
+def top_keys(key, K):
+    """Mask of the ``K`` largest keys of ``key [N]`` (ties: earlier position first).
+
+    Entries equal to ``NO_KEY`` are never selected; with fewer than ``K`` other entries all of them
+    are. The threshold from `kth_key`, then a prefix count of the ties at the threshold.
+    """
+    cand = key != NO_KEY
+    thr = kth_key(key, K)
     above = cand & (key.to(tl.int64) > thr)
     tie = cand & (key.to(tl.int64) == thr)
     room = K - tl.sum(above.to(tl.int32), axis=0)

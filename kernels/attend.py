@@ -4,7 +4,8 @@
 time: each K/V page is loaded once for all G query heads of the KV head (the group is the M side of
 the tensor-core products, padded to 16), online softmax in float32, padding slots and ``SENTINEL``
 entries masked. With one split it writes the output; otherwise each split writes its normalised
-partial output and base-2 LSE and ``_combine_kernel`` merges them. ``DENSE`` walks every page up to
+partial output and base-2 LSE, and the row's last split to finish merges them (`_combine_row`;
+a counter per row, in a second launch, ``_combine_kernel``, without ``fused_combine``). ``DENSE`` walks every page up to
 the cache's length instead of a list: dense decode for the static cache's ``"full"`` selector, so
 that its baseline reads K/V at flash-decoding speed, not through a capacity-wide SDPA mask.
 """
@@ -15,27 +16,18 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, as_length, dot_precision, next_pow2, slot_ok
-
-_SM_COUNT: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
+from ._common import LOG2E, as_length, dot_precision, next_pow2, slot_ok, sm_count
 
 
 @triton.jit
 def _sparse_attn_kernel(q_ptr, q_sb, q_sh, k_ptr, k_sb, k_sh, k_st, v_ptr, v_sb, v_sh, v_st,
                         sel_ptr, W, valid_ptr, valid_sb, row_start_ptr, len_ptr, H, scale,
                         part_o_ptr, part_l_ptr, out_ptr, out_sb, out_sh, pages_per_split, n_split, count_ptr,
+                        row_count_ptr, pad_ptr, sem_ptr,
                         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
                         TP: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
-                        DENSE: tl.constexpr, COUNT: tl.constexpr):
+                        DENSE: tl.constexpr, COUNT: tl.constexpr, ROW_COUNT: tl.constexpr, CONTEXT: tl.constexpr,
+                        FUSED: tl.constexpr, SB: tl.constexpr):
     row = tl.program_id(0)
     split = tl.program_id(1)
     bb = (row // H).to(tl.int64)  # 64-bit offsets: a batch of long caches passes 2**31 elements
@@ -66,11 +58,14 @@ def _sparse_attn_kernel(q_ptr, q_sb, q_sh, k_ptr, k_sb, k_sh, k_st, v_ptr, v_sb,
         else:
             pg = tl.load(sel_ptr + row * W + w, mask=w < end, other=-1)
         slot = rs + pg[:, None] * B + t[None, :]
-        ok = (pg >= 0)[:, None] & slot_ok(vrow, slot, length)
+        # the keys' load waits only for the page list; padding is masked in the logits (and in V,
+        # whose padding slots may hold anything: 0 * NaN = NaN)
+        inside = (pg >= 0)[:, None] & (slot >= 0) & (slot < length)
+        ok = inside & slot_ok(vrow, slot, length)
         seen += ok.to(tl.int32)
         slot = tl.reshape(slot, [TP * B])
         ok = tl.reshape(ok, [TP * B])
-        k = tl.load(kb + slot[:, None] * k_st + c[None, :], mask=ok[:, None], other=0.0)
+        k = tl.load(kb + slot[:, None] * k_st + c[None, :], mask=tl.reshape(inside, [TP * B])[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [GP, TP*B], base 2
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -82,8 +77,17 @@ def _sparse_attn_kernel(q_ptr, q_sb, q_sh, k_ptr, k_sb, k_sh, k_st, v_ptr, v_sb,
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m = m_new
 
-    if COUNT:  # statistics: the real tokens this program attended (the caller adds the cached ones)
-        tl.atomic_add(count_ptr, tl.sum(tl.sum(seen, axis=1), axis=0).to(tl.int64))
+    # statistics: the real tokens this program attended; the real tokens cached, once per batch row
+    n_seen = tl.sum(tl.sum(seen, axis=1), axis=0).to(tl.int64)
+    if COUNT:
+        tl.atomic_add(count_ptr, n_seen)
+    if ROW_COUNT:
+        tl.atomic_add(row_count_ptr + bb * 2, n_seen)
+    if CONTEXT:
+        if (hh == 0) & (split == 0):
+            context = ((length - tl.load(pad_ptr + bb)) * H).to(tl.int64)
+            tl.atomic_add(row_count_ptr + bb * 2 + 1, context)
+            tl.atomic_add(count_ptr + 1, context)
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
     gm = g[:, None] < G
     if SPLIT:
@@ -91,60 +95,108 @@ def _sparse_attn_kernel(q_ptr, q_sb, q_sh, k_ptr, k_sb, k_sh, k_st, v_ptr, v_sb,
         tl.store(part_o_ptr + (base + g[:, None]) * D + c[None, :], o, mask=gm)
         lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
         tl.store(part_l_ptr + base + g, lse, mask=g < G)
+        if FUSED:  # the row's last split to finish merges the partials (no second launch)
+            tl.debug_barrier()  # every thread's stores before the arrival (released by the atomic)
+            if tl.atomic_add(sem_ptr + row, 1) == n_split - 1:
+                _combine_row(part_o_ptr, part_l_ptr, row, n_split, out_ptr + bb * out_sb + hh * G * out_sh, out_sh,
+                             G, GP, D, SB)
+                tl.store(sem_ptr + row, 0)
     else:
         tl.store(out_ptr + bb * out_sb + (hh * G + g[:, None]) * out_sh + c[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=gm)
 
 
 @triton.jit
-def _combine_kernel(part_o_ptr, part_l_ptr, out_ptr, out_sb, out_sh, H, n_split,
-                    G: tl.constexpr, GG: tl.constexpr, D: tl.constexpr):
-    row = tl.program_id(0)
-    bb = row // H
-    hh = row % H
+def _combine_row(part_o_ptr, part_l_ptr, row, n_split, out_ptr, out_sh, G: tl.constexpr, GG: tl.constexpr,
+                 D: tl.constexpr, SB: tl.constexpr):
+    """Merge the ``n_split`` partial outputs (normalised, with base-2 LSEs) of one (row, KV head) into
+    its G output heads: the LSEs' max and sum first (64 splits per load), then ``SB`` partials per
+    step, so that the loads of a step do not wait for the previous step's (small tiles: the merge
+    shares the attention kernel's registers)."""
     g = tl.arange(0, GG)
     gm = g < G
     c = tl.arange(0, D)
+    base = row * n_split
     m = tl.full([GG], float("-inf"), tl.float32)
     l = tl.zeros([GG], dtype=tl.float32)
-    acc = tl.zeros([GG, D], dtype=tl.float32)
-    for s in range(n_split):
-        base = (row * n_split + s) * G
-        lse = tl.load(part_l_ptr + base + g, mask=gm, other=float("-inf"))
-        o = tl.load(part_o_ptr + (base + g[:, None]) * D + c[None, :], mask=gm[:, None], other=0.0)
-        m_new = tl.maximum(m, lse)
+    for s0 in range(0, n_split, 64):
+        sb = s0 + tl.arange(0, 64)
+        lse = tl.load(part_l_ptr + (base + sb)[:, None] * G + g[None, :], mask=(sb < n_split)[:, None] & gm[None, :],
+                      other=float("-inf"), cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
         safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - safe)
-        wgt = tl.exp2(lse - safe)
-        l = l * alpha + wgt
-        acc = acc * alpha[:, None] + wgt[:, None] * o
+        l = l * tl.exp2(m - safe) + tl.sum(tl.exp2(lse - safe[None, :]), axis=0)
         m = m_new
+    safe = tl.where(m == float("-inf"), 0.0, m)
+    acc = tl.zeros([GG, D], dtype=tl.float32)
+    for s0 in range(0, n_split, SB):
+        sb = s0 + tl.arange(0, SB)
+        ok = (sb < n_split)[:, None] & gm[None, :]
+        w = tl.exp2(tl.load(part_l_ptr + (base + sb)[:, None] * G + g[None, :], mask=ok, other=float("-inf"),
+                            cache_modifier=".cg") - safe[None, :])
+        o = tl.load(part_o_ptr + ((base + sb)[:, None, None] * G + g[None, :, None]) * D + c[None, None, :],
+                    mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+        acc += tl.sum(w[:, :, None] * o, axis=0)
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
-    tl.store(out_ptr + bb * out_sb + (hh * G + g[:, None]) * out_sh + c[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=gm[:, None])
+    tl.store(out_ptr + g[:, None] * out_sh + c[None, :], o.to(out_ptr.dtype.element_ty), mask=gm[:, None])
+
+
+@triton.jit
+def _combine_kernel(part_o_ptr, part_l_ptr, out_ptr, out_sb, out_sh, H, n_split,
+                    G: tl.constexpr, GG: tl.constexpr, D: tl.constexpr, SB: tl.constexpr):
+    row = tl.program_id(0)
+    _combine_row(part_o_ptr, part_l_ptr, row, n_split, out_ptr + (row // H) * out_sb + (row % H) * G * out_sh, out_sh,
+                 G, GG, D, SB)
+
+
+#: Most splits per row.
+MAX_SPLITS = 1024
+
+
+def default_splits(rows: int, width: int, tile_pages: int, dense: bool, sms: int) -> int:
+    """Splits per row: dense, enough programs to keep memory busy (~4 per SM) with at least 16 tiles
+    each; sparse (latency-bound: ~k pages), about two programs per SM over the rows, at least one
+    tile each, at most 32 (the last split merges them)."""
+    if dense:
+        want = triton.cdiv(4 * sms, rows)
+        return max(1, min(want, triton.cdiv(width, tile_pages * 16), MAX_SPLITS))
+    return max(1, min(triton.cdiv(2 * sms, rows), triton.cdiv(width, tile_pages), 32))
 
 
 def sparse_attention(query: torch.Tensor, key_buf: torch.Tensor, value_buf: torch.Tensor, pages: torch.Tensor | None,
                      *, slot_valid: torch.Tensor, row_start: torch.Tensor, length: int | torch.Tensor, scale: float,
                      page_size: int, n_pages: int | None = None, counts: torch.Tensor | None = None,
                      out: torch.Tensor | None = None, splits: int | None = None, tile_pages: int | None = None,
-                     num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                     num_warps: int = 4, num_stages: int = 2, fused_combine: bool = True,
+                     semaphore: torch.Tensor | None = None, row_counts: torch.Tensor | None = None,
+                     pad: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one decode query over the listed pages of each (row, KV head).
 
     ``query [b, Hq, 1, d]``; ``key_buf``/``value_buf`` ``[b, h, cap, d]`` (the cache buffers);
     ``pages [b*h, W]`` int32 page numbers (``SENTINEL`` = none; page ``p`` of row ``i`` holds slots
     ``row_start[i] + p*B ...``). ``pages=None`` attends every written page of the first ``n_pages``
     (dense flash-decoding over the cache's length, read on the device). ``counts`` (int64, optional):
-    ``counts[0]`` grows by the number of real tokens attended, summed over rows and KV heads.
+    ``counts[0]`` grows by the number of real tokens attended, summed over rows and KV heads;
+    ``row_counts`` (int64 ``[b, 2]``, optional): ``row_counts[i, 0]`` by those of batch row ``i``;
+    with ``pad`` (int32 ``[b]``, padding slots per row) also ``row_counts[i, 1]`` and ``counts[1]``
+    by the real tokens cached, ``(length - pad[i]) * h`` (a decode step's statistics in the launch).
     Returns ``[b, 1, Hq, d]`` in the query dtype.
+
+    With several splits per row, ``fused_combine`` merges the partials in the row's last split to
+    finish (one launch; ``semaphore``, int32 ``[>= b*h]`` zeros that the launch leaves zero, saves a
+    memset), else in a second launch.
     """
     b, hq, d = query.shape[0], query.shape[1], query.shape[-1]
     q = query.reshape(b, hq, d)
     h = key_buf.shape[1]
+    if hq % h:
+        raise ValueError(f"sparse_attention: {hq} query heads are not a multiple of {h} KV heads")
     G = hq // h
     dense = pages is None
     if dense and n_pages is None:
         raise ValueError("sparse_attention: pages=None (dense) needs n_pages")
+    if pad is not None and (row_counts is None or counts is None):
+        raise ValueError("sparse_attention: pad (the cached-token statistics) needs counts and row_counts")
     rows, W = (b * h, n_pages) if dense else pages.shape
     B = page_size
     TP = tile_pages or (4 if B <= 16 else max(1, 64 // B))
@@ -152,11 +204,9 @@ def sparse_attention(query: torch.Tensor, key_buf: torch.Tensor, value_buf: torc
         out = torch.empty((b, 1, hq, d), dtype=query.dtype, device=query.device)
     o3 = out.view(b, hq, d)
     if splits is None:
-        # dense: enough programs to keep memory busy (~4 per SM), each at least 16 tiles long
-        want = triton.cdiv((4 if dense else 2) * _sm_count(query.device), rows)
-        splits = max(1, min(want, triton.cdiv(W, TP * (16 if dense else 1))))
-    pps = triton.cdiv(triton.cdiv(W, splits), TP) * TP
-    splits = triton.cdiv(W, pps)
+        splits = default_splits(rows, W, TP, dense, sm_count(query.device))
+    pps = triton.cdiv(triton.cdiv(W, max(1, min(splits, MAX_SPLITS))), TP) * TP
+    splits = max(1, triton.cdiv(W, pps))
     GP = max(16, next_pow2(G))
     dev = query.device
     if splits > 1:
@@ -164,15 +214,25 @@ def sparse_attention(query: torch.Tensor, key_buf: torch.Tensor, value_buf: torc
         part_l = torch.empty((rows, splits, G), dtype=torch.float32, device=dev)
     else:
         part_o = part_l = o3
+    fused = fused_combine and splits > 1
+    if fused:
+        if semaphore is None:
+            semaphore = torch.zeros((rows,), dtype=torch.int32, device=dev)
+        elif semaphore.dtype != torch.int32 or semaphore.numel() < rows:
+            raise ValueError(f"sparse_attention: semaphore must be int32 with >= {rows} entries")
+    SB = 4 if G * d < 2048 else 2
     _sparse_attn_kernel[(rows, splits)](
         q, q.stride(0), q.stride(1), key_buf, key_buf.stride(0), key_buf.stride(1), key_buf.stride(2),
         value_buf, value_buf.stride(0), value_buf.stride(1), value_buf.stride(2),
         row_start if dense else pages, W, slot_valid.view(torch.uint8) if slot_valid.dtype == torch.bool else slot_valid,
         slot_valid.stride(0), row_start, as_length(length, query.device), h, float(scale),
         part_o, part_l, o3, o3.stride(0), o3.stride(1), pps, splits, row_start if counts is None else counts,
+        row_start if row_counts is None else row_counts, row_start if pad is None else pad,
+        semaphore if fused else row_start,
         G=G, GP=GP, D=d, B=B, TP=TP, SPLIT=splits > 1, DOT_PREC=dot_precision(q.dtype),
-        DENSE=dense, COUNT=counts is not None, num_warps=num_warps, num_stages=num_stages)
-    if splits > 1:
-        _combine_kernel[(rows,)](part_o, part_l, o3, o3.stride(0), o3.stride(1), h, splits, G=G, GG=next_pow2(G), D=d,
-                                 num_warps=4)
+        DENSE=dense, COUNT=counts is not None, ROW_COUNT=row_counts is not None, CONTEXT=pad is not None,
+        FUSED=fused, SB=SB, num_warps=num_warps, num_stages=num_stages)
+    if splits > 1 and not fused:
+        _combine_kernel[(rows,)](part_o, part_l, o3, o3.stride(0), o3.stride(1), h, splits, G=G, GG=GP, D=d,
+                                 SB=SB, num_warps=4)
     return out

@@ -12,9 +12,15 @@ import torch
 from ._common import SUMMARY_NAMES, as_length
 from .attend import sparse_attention
 from .score import score_pages
-from .select import select_pages
+from .select import STATE_WIDTH, select_pages
 
-__all__ = ["SUMMARY_NAMES", "decode_step", "implements"]
+__all__ = ["SUMMARY_NAMES", "decode_step", "implements", "workspace_size"]
+
+
+def workspace_size(rows: int) -> int:
+    """int32 entries of `decode_step`'s ``workspace`` for ``rows = b*h``: the radix selection's state
+    (shared rule) and the attention's merge counters."""
+    return rows * (STATE_WIDTH + 1)
 
 #: Basis bits the Locks scoring kernels unpack (coefficients and centroids are int8).
 _QUANTIZED = (2, 4, 8)
@@ -27,8 +33,10 @@ def decode_step(method: str, query: torch.Tensor, *, key_buf: torch.Tensor, valu
                 slot_valid: torch.Tensor, row_start: torch.Tensor, n_complete: torch.Tensor, length: int | torch.Tensor,
                 n_pages: int, slots: int, scale: float, page_size: int,
                 summary: dict[str, torch.Tensor] | None = None, basis_bits: int = 4,
-                counts: torch.Tensor | None = None,
-                active_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                counts: torch.Tensor | None = None, active_slots: torch.Tensor | None = None,
+                workspace: torch.Tensor | None = None, row_counts: torch.Tensor | None = None,
+                pad: torch.Tensor | None = None, selection: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sparse decode step on explicit tensors: ``(output [b, 1, Hq, d], pages [b*h, W])``.
 
     ``method`` is ``"locks"``, ``"quest"`` or ``"oracle"`` (see `score_pages` for the inputs), or
@@ -36,20 +44,38 @@ def decode_step(method: str, query: torch.Tensor, *, key_buf: torch.Tensor, valu
     ``counts`` (int64, optional): ``counts[0]`` grows by the real tokens attended.
     ``active_slots`` (``int32 [1]``, optional): the page slots ``k <= slots`` to select, read on the
     device (``slots`` then only sizes the page lists).
+
+    The rest lets a static cache's layer step be these launches alone: ``workspace`` (int32, zeros,
+    `workspace_size` entries; the kernels leave it zero) saves the per-call memsets of the selection
+    state and merge counters (Quest selects per query head and keeps its own); ``row_counts`` (int64
+    ``[b, 2]``) and ``pad`` (int32 ``[b]``): the per-row statistics (see `sparse_attention`; ``counts``
+    needed); ``selection`` (bool ``[b, h, P]``): overwritten with the pages attended (not for
+    ``"full"``).
     """
     length = as_length(length, query.device)  # one device tensor for the three kernels
-    h = key_buf.shape[1]
+    b, h = query.shape[0], key_buf.shape[1]
+    rows = b * h
+    state = semaphore = None
+    if workspace is not None:
+        if workspace.dtype != torch.int32 or workspace.numel() < workspace_size(rows) or not workspace.is_contiguous():
+            raise ValueError(f"decode_step: workspace must be a contiguous int32 tensor of >= {workspace_size(rows)} "
+                             f"entries (workspace_size), got {workspace.dtype} {tuple(workspace.shape)}")
+        flat = workspace.view(-1)
+        state = flat[: rows * STATE_WIDTH].view(rows, STATE_WIDTH) if method != "quest" else None
+        semaphore = flat[rows * STATE_WIDTH: rows * (STATE_WIDTH + 1)]
+    stats = dict(counts=counts, row_counts=row_counts, pad=pad, semaphore=semaphore)
     if method == "full":
         out = sparse_attention(query, key_buf, value_buf, None, n_pages=n_pages, slot_valid=slot_valid,
-                               row_start=row_start, length=length, scale=scale, page_size=page_size, counts=counts)
-        return out, row_start.new_empty((query.shape[0] * h, 0))
+                               row_start=row_start, length=length, scale=scale, page_size=page_size, **stats)
+        return out, row_start.new_empty((rows, 0))
     scores, partials = score_pages(method, query, slot_valid=slot_valid, row_start=row_start,
                                    n_complete=n_complete, length=length, n_pages=n_pages, scale=scale,
                                    page_size=page_size, summary=summary, keys=key_buf, basis_bits=basis_bits)
     pages = select_pages(scores, partials, slots=slots, per_head=method == "quest", row_start=row_start,
-                         length=length, heads=h, page_size=page_size, active_slots=active_slots)
+                         length=length, heads=h, page_size=page_size, active_slots=active_slots, state=state,
+                         mask_out=None if selection is None else selection.view(rows, -1))
     out = sparse_attention(query, key_buf, value_buf, pages, slot_valid=slot_valid, row_start=row_start,
-                           length=length, scale=scale, page_size=page_size, counts=counts)
+                           length=length, scale=scale, page_size=page_size, **stats)
     return out, pages
 
 

@@ -17,25 +17,29 @@ from .page_update import update_completed_pages
 from .select import page_list_width
 
 
-@torch.library.custom_op("locks_hf::decode_step", mutates_args=("counts",))
+@torch.library.custom_op("locks_hf::decode_step", mutates_args=("counts", "workspace", "row_counts", "selection"))
 def decode_step_op(method: str, query: torch.Tensor, key_buf: torch.Tensor, value_buf: torch.Tensor,
                    slot_valid: torch.Tensor, row_start: torch.Tensor, n_complete: torch.Tensor,
                    length: torch.Tensor, summary: list[torch.Tensor], n_pages: int, slots: int, scale: float,
                    page_size: int, basis_bits: int, counts: torch.Tensor,
-                   active_slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                   active_slots: torch.Tensor | None, workspace: torch.Tensor | None = None,
+                   row_counts: torch.Tensor | None = None, pad: torch.Tensor | None = None,
+                   selection: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`decode.decode_step` with the summary passed as the list ``SUMMARY_NAMES[method]``; ``counts[0]``
     (int64) grows by the tokens attended. ``slots`` sizes the page lists; ``active_slots`` (``int32 [1]``
-    or ``None`` for ``slots``) is the budget selected with, read on the device."""
+    or ``None`` for ``slots``) is the budget selected with, read on the device. ``workspace``,
+    ``row_counts``, ``pad`` and ``selection``: a static layer's buffers (see `decode.decode_step`)."""
     named = dict(zip(SUMMARY_NAMES[method], summary))
     return decode_step(method, query, key_buf=key_buf, value_buf=value_buf, slot_valid=slot_valid,
                        row_start=row_start, n_complete=n_complete, length=length, n_pages=n_pages, slots=slots,
                        scale=scale, page_size=page_size, summary=named, basis_bits=basis_bits, counts=counts,
-                       active_slots=active_slots)
+                       active_slots=active_slots, workspace=workspace, row_counts=row_counts, pad=pad,
+                       selection=selection)
 
 
 @decode_step_op.register_fake
 def _(method, query, key_buf, value_buf, slot_valid, row_start, n_complete, length, summary, n_pages, slots,
-      scale, page_size, basis_bits, counts, active_slots):
+      scale, page_size, basis_bits, counts, active_slots, workspace=None, row_counts=None, pad=None, selection=None):
     b, hq, d = query.shape[0], query.shape[1], query.shape[-1]
     h = key_buf.shape[1]
     width = 0 if method == "full" else page_list_width(method, slots, hq // h)
@@ -55,15 +59,16 @@ def _(keys, valid, rank, basis_bits):
     return [keys.new_empty(shape, dtype=dtype) for shape, dtype in (shapes[n] for n in SUMMARY_NAMES["locks"])]
 
 
-@torch.library.custom_op("locks_hf::update_completed_pages", mutates_args=("summary",))
+@torch.library.custom_op("locks_hf::update_completed_pages", mutates_args=("summary", "n_complete"))
 def update_completed_pages_op(method: str, key_buf: torch.Tensor, slot_valid: torch.Tensor, row_start: torch.Tensor,
                               length: torch.Tensor, summary: list[torch.Tensor], page_size: int, rank: int,
-                              basis_bits: int) -> None:
-    """`page_update.update_completed_pages`: the summary (``SUMMARY_NAMES[method]``) written in place."""
+                              basis_bits: int, n_complete: torch.Tensor | None = None) -> None:
+    """`page_update.update_completed_pages`: the summary (``SUMMARY_NAMES[method]``) written in place,
+    and ``n_complete`` when given."""
     update_completed_pages(method, key_buf, slot_valid, row_start, length, summary, page_size=page_size, rank=rank,
-                           basis_bits=basis_bits)
+                           basis_bits=basis_bits, n_complete=n_complete)
 
 
 @update_completed_pages_op.register_fake
-def _(method, key_buf, slot_valid, row_start, length, summary, page_size, rank, basis_bits):
+def _(method, key_buf, slot_valid, row_start, length, summary, page_size, rank, basis_bits, n_complete=None):
     return None

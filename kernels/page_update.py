@@ -47,17 +47,22 @@ def _pad_rows(x, NP: tl.constexpr):
 
 @triton.jit
 def _page_update_kernel(k_ptr, k_sb, k_sh, k_st, valid_ptr, valid_sb, row_start_ptr, len_ptr, H, P,
-                        s0, s1, s2, s3, s4, s5,
+                        s0, s1, s2, s3, s4, s5, n_complete_ptr,
                         D: tl.constexpr, B: tl.constexpr, BP: tl.constexpr, R: tl.constexpr,
-                        RP: tl.constexpr, BITS: tl.constexpr, SWEEPS: tl.constexpr, QUEST: tl.constexpr):
+                        RP: tl.constexpr, BITS: tl.constexpr, SWEEPS: tl.constexpr, QUEST: tl.constexpr,
+                        N_COMPLETE: tl.constexpr):
     """Program ``(row, head)``: summary of the row's just-completed page into ``s0..s5`` (the buffers
-    of ``SUMMARY_NAMES``, contiguous ``[b, H, P, ...]``), nothing when no page has just completed."""
+    of ``SUMMARY_NAMES``, contiguous ``[b, H, P, ...]``), nothing when no page has just completed;
+    with ``N_COMPLETE`` head 0 also writes the row's complete pages (what the scoring reads next)."""
     prog = tl.program_id(0)
     bb = (prog // H).to(tl.int64)
     hh = prog % H
     length = tl.load(len_ptr)
     rs = tl.load(row_start_ptr + bb)
     n = length - rs
+    if N_COMPLETE:
+        if hh == 0:
+            tl.store(n_complete_ptr + bb, tl.maximum(n, 0) // B)
     if (n <= 0) | (n % B != 0) | (n > P * B):
         return
     page = n // B - 1
@@ -134,7 +139,8 @@ def _check_summary(method: str, summary: list[torch.Tensor], lead: tuple, key_bu
 
 def update_completed_pages(method: str, key_buf: torch.Tensor, slot_valid: torch.Tensor, row_start: torch.Tensor,
                            length: torch.Tensor, summary: list[torch.Tensor], *, page_size: int, rank: int,
-                           basis_bits: int, num_warps: int | None = None) -> None:
+                           basis_bits: int, num_warps: int | None = None,
+                           n_complete: torch.Tensor | None = None) -> None:
     """Summarize, in place, each (row, KV head)'s page that the newest token completed.
 
     ``key_buf [b, h, cap, d]`` (last dim contiguous), ``slot_valid [b, cap]`` bool, ``row_start``
@@ -144,12 +150,21 @@ def update_completed_pages(method: str, key_buf: torch.Tensor, slot_valid: torch
     ``[b, h, P, d]`` max / min for ``"quest"``); ``"oracle"`` keeps none and launches nothing. A row
     with ``n = length - row_start`` tokens gets page ``n / B - 1`` written when ``n > 0`` is a multiple
     of ``B``; every other page, and every other row, is left as it was. No host synchronisation.
+    ``n_complete`` (int32 ``[b]``, optional): overwritten with each row's complete pages,
+    ``max(length - row_start, 0) // B`` (so that a decode step needs no launch of its own for it).
     """
     if method not in SUMMARY_NAMES:
         raise ValueError(f"update_completed_pages: unknown method {method!r}")
     if not SUMMARY_NAMES[method]:
+        if n_complete is not None:
+            raise ValueError(f"update_completed_pages({method!r}): keeps no summary and launches nothing, so it "
+                             "cannot write n_complete")
         return
     b, h, _, d = key_buf.shape
+    if n_complete is not None and (n_complete.dtype != torch.int32 or n_complete.numel() != b
+                                   or not n_complete.is_contiguous()):
+        raise ValueError(f"update_completed_pages: n_complete must be a contiguous int32 [{b}] tensor, got "
+                         f"{n_complete.dtype} {tuple(n_complete.shape)}")
     B = page_size
     if B not in PAGE_SIZES:
         raise ValueError(f"update_completed_pages: page_size in {PAGE_SIZES}, got {B}")
@@ -174,5 +189,6 @@ def update_completed_pages(method: str, key_buf: torch.Tensor, slot_valid: torch
     with on_device(key_buf.device):
         _page_update_kernel[(b * h,)](
             key_buf, key_buf.stride(0), key_buf.stride(1), key_buf.stride(2), slot_valid, slot_valid.stride(0),
-            row_start, length, h, P, *ptrs, D=d, B=B, BP=max(16, B), R=rank if locks else 1, RP=RP,
-            BITS=basis_bits if locks else 8, SWEEPS=default_sweeps(B), QUEST=not locks, num_warps=num_warps)
+            row_start, length, h, P, *ptrs, row_start if n_complete is None else n_complete, D=d, B=B,
+            BP=max(16, B), R=rank if locks else 1, RP=RP, BITS=basis_bits if locks else 8, SWEEPS=default_sweeps(B),
+            QUEST=not locks, N_COMPLETE=n_complete is not None, num_warps=num_warps)

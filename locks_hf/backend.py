@@ -92,21 +92,39 @@ def _summary_list(layer) -> list[torch.Tensor]:
 
 
 def kernel_decode(layer, query: torch.Tensor, scale: float) -> torch.Tensor:
-    """Kernel twin of `locks_hf.attention.reference_decode`: ``query [b, Hq, 1, d]`` -> ``[b, 1, Hq, d]``."""
+    """Kernel twin of `locks_hf.attention.reference_decode`: ``query [b, Hq, 1, d]`` -> ``[b, 1, Hq, d]``.
+
+    A layer with `PagedLayer.kernel_buffers` (the static layer) has the launches keep its
+    bookkeeping too: the statistics, the selected-page mask, and the selection's state left zero
+    for the next step; no other launch runs here. Otherwise the glue records them.
+    """
     from . import kernels
 
     cfg = layer.config
     keys = layer.key_buffer()
     b, h = query.shape[0], keys.shape[1]
-    row_start, n_complete = layer.row_tensors()
+    method = kernel_method(cfg.selector)
     width, active = layer.page_slots()  # page-list width, and the budget as a device tensor (or None)
+    bufs = layer.kernel_buffers()
+    if bufs is not None:
+        n_complete = bufs["n_complete"]
+        row_start = bufs["row_start"]
+        if n_complete is None:
+            row_start, n_complete = layer.row_tensors()
+        extra = dict(workspace=bufs["workspace"], row_counts=bufs["row_counts"], pad=bufs["pad"],
+                     selection=None if method == "full" else bufs["selection"])
+    else:
+        row_start, n_complete = layer.row_tensors()
+        extra = {}
     # Triton launches on the *current* device; with a model split over GPUs (device_map) this layer's
     # tensors may live on another one. The kernels count the tokens they attend into the statistics.
     with kernels.on_device(query.device):
         out, pages = torch.ops.locks_hf.decode_step(
-            kernel_method(cfg.selector), query, keys, layer.value_buffer(), layer.slot_valid, row_start, n_complete,
+            method, query, keys, layer.value_buffer(), layer.slot_valid, row_start, n_complete,
             layer.length_tensor(), _summary_list(layer), layer.num_pages, width, float(scale),
-            cfg.page_size, cfg.basis_bits, layer.count_buffer(), active)
+            cfg.page_size, cfg.basis_bits, layer.count_buffer(), active, **extra)
+    if bufs is not None:
+        return out
     if pages.shape[1]:  # dense ("full") selects no list: every page
         layer.note_selection(pages.view(b, h, -1))
     layer.record_step(None, layer.real_tokens() * h)
@@ -115,12 +133,14 @@ def kernel_decode(layer, query: torch.Tensor, scale: float) -> torch.Tensor:
 
 def kernel_update_newest_page(layer) -> None:
     """Kernel twin of `LocksStaticLayer`'s per-step page summary: one launch that writes the page the
-    newest token completed, in place, and does nothing on the other ``B - 1`` steps of a page."""
+    newest token completed, in place, and does nothing on the other ``B - 1`` steps of a page (and
+    writes the layer's complete-page counts, where `PagedLayer.kernel_buffers` keeps them)."""
     cfg = layer.config
-    row_start, _ = layer.row_tensors()
+    bufs = layer.kernel_buffers()
+    row_start = layer.row_tensors()[0] if bufs is None else bufs["row_start"]
     torch.ops.locks_hf.update_completed_pages(
         kernel_method(cfg.selector), layer.key_buffer(), layer.slot_valid, row_start, layer.length_tensor(),
-        _summary_list(layer), cfg.page_size, cfg.rank, cfg.basis_bits)
+        _summary_list(layer), cfg.page_size, cfg.rank, cfg.basis_bits, None if bufs is None else bufs["n_complete"])
 
 
 def kernel_summary(layer, keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor] | None:

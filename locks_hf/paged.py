@@ -127,6 +127,13 @@ class PagedLayer(ABC):
     decode_steps = 0
     estimate_bytes = 0
 
+    def kernel_buffers(self) -> dict[str, torch.Tensor | None] | None:
+        """Buffers that let the kernels keep this layer's per-step bookkeeping in their launches
+        (`locks_hf.backend.kernel_decode`), or ``None`` (the glue keeps it): ``row_start``,
+        ``n_complete`` (written by the per-step page update; ``None`` where none runs), ``pad``,
+        ``row_counts``, ``selection`` (the page mask) and ``workspace`` (zeros the kernels leave zero)."""
+        return None
+
     def page_slots(self) -> tuple[int, torch.Tensor | None]:
         """Width of the kernels' page lists and the budget in use as a device tensor (``None``: the
         width is the budget)."""

@@ -66,6 +66,7 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         self.max_slots = max(config.page_slots, max_slots or 0)
         # tensors from lazy_initialization on
         self.counts = self.last_selection = self.row_counts = self.slots_t = None
+        self.n_complete = self.workspace = None
         # Summaries of the layouts not in use (`set_config`), each with the length up to which its
         # complete pages are summarized.
         self._stored_layouts: dict[tuple, tuple[dict[str, torch.Tensor], int]] = {}
@@ -84,19 +85,38 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         self.row_counts = torch.zeros((b, 2), dtype=torch.int64, device=dev)  # the same per row
         self.last_selection = torch.zeros((b, h, P), dtype=torch.bool, device=dev)
         self.slots_t = torch.full((1,), self.config.page_slots, dtype=torch.int32, device=dev)
+        self.n_complete = torch.zeros(b, dtype=torch.int32, device=dev)  # written by the kernels' page update
+        self.workspace = self._new_workspace()
         self.summary = self._new_summary()
         if not is_torchdynamo_compiling():
             self._mark_static()
 
     def _mark_static(self) -> None:
         mark_static(self.keys, self.values, self.cumulative_length, *self._row_state().values(),
-                    self.length_t, self.counts, self.slots_t)
+                    self.length_t, self.counts, self.slots_t, *([] if self.workspace is None else [self.workspace]))
+
+    def _new_workspace(self) -> torch.Tensor | None:
+        """The kernels' zeroed scratch (selection state, merge counters), on a GPU with the kernels."""
+        if self.keys.device.type != "cuda" or not backend.kernels_available():
+            return None
+        from .kernels.decode import workspace_size
+
+        return torch.zeros(workspace_size(self.keys.shape[0] * self.keys.shape[1]), dtype=torch.int32,
+                           device=self.keys.device)
+
+    def kernel_buffers(self) -> dict[str, torch.Tensor | None] | None:
+        """The buffers the kernels keep this layer's bookkeeping in (see `PagedLayer.kernel_buffers`):
+        the page update writes ``n_complete`` when the selector keeps summaries."""
+        if self.workspace is None:
+            return None
+        return {"row_start": self.row_start, "n_complete": self.n_complete if self.summary else None, "pad": self.pad,
+                "row_counts": self.row_counts, "selection": self.last_selection, "workspace": self.workspace}
 
     def _row_state(self) -> dict[str, torch.Tensor]:
         """The per-row state (batch axis first) other than K/V, by attribute name (summaries as
         ``summary.<name>``)."""
         state = {"slot_valid": self.slot_valid, "row_start": self.row_start, "pad": self.pad,
-                 "row_counts": self.row_counts, "last_selection": self.last_selection}
+                 "row_counts": self.row_counts, "last_selection": self.last_selection, "n_complete": self.n_complete}
         return {**state, **{f"summary.{n}": t for n, t in self.summary.items()}}
 
     def _new_summary(self) -> dict[str, torch.Tensor]:
@@ -190,6 +210,11 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         if query_len > 1:
             self._prefill(attention_mask, query_len)
             return
+        if self.kernel_buffers() is not None and backend.uses_kernels(self):
+            # the decode launches count the statistics; the page update writes the complete pages
+            if self.summary:
+                backend.kernel_update_newest_page(self)
+            return
         # per-row statistics: real tokens cached (all of them attended under "full"); decode tokens
         # are real, so a row's count is the written length minus its padding
         context = ((self.length_t - self.pad) * self.keys.shape[1]).to(torch.int64)
@@ -216,7 +241,12 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         slots = torch.arange(end, device=self.device)
         self.row_start.copy_(torch.where(self.slot_valid[:, :end], slots, end).amin(-1).to(torch.int32))
         self.pad.copy_((~self.slot_valid[:, :end]).sum(-1))
+        self._sync_complete()
         self._summarize_pages(0)
+
+    def _sync_complete(self) -> None:
+        """``n_complete`` for the current length (eagerly; during decode the page update keeps it)."""
+        self.n_complete.copy_(self.row_tensors()[1])
 
     def _summarize_pages(self, first: int) -> None:
         """Summarize pages ``first ..`` up to the last complete page of any row (eager, one pass)."""
@@ -274,8 +304,9 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         self.values = resized(pick(self.values), 2, cap)
         self.batch_size = self.keys.shape[0]
         self.slot_valid = resized(pick(self.slot_valid), 1, cap, fill=True)
-        self.row_start, self.pad, self.row_counts = (pick(t).clone() for t in (self.row_start, self.pad,
-                                                                               self.row_counts))
+        self.row_start, self.pad, self.row_counts, self.n_complete = (
+            pick(t).clone() for t in (self.row_start, self.pad, self.row_counts, self.n_complete))
+        self.workspace = self._new_workspace()
         self.last_selection = resized(pick(self.last_selection), 2, P, fill=False)
         self.summary = {n: resized(pick(t), 2, P) for n, t in self.summary.items()}
         self._stored_layouts = {k: ({n: resized(pick(t), 2, P) for n, t in summary.items()}, built)
@@ -308,6 +339,7 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         self.cumulative_length.fill_(end)
         self.length_t.fill_(end)
         self.pad.copy_((~self.slot_valid[:, :end]).sum(-1))
+        self._sync_complete()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
@@ -324,7 +356,7 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         idx = beam_idx.to(self.device)
         stored = [t for summary, _ in self._stored_layouts.values() for t in summary.values()]
         for t in (self.keys, self.values, self.slot_valid, self.row_start, self.pad, self.last_selection,
-                  self.row_counts, *self.summary.values(), *stored):
+                  self.row_counts, self.n_complete, *self.summary.values(), *stored):
             t.copy_(t.index_select(0, idx))
 
     def reset(self) -> None:
@@ -334,6 +366,7 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
             self.row_start.zero_()
             self.pad.zero_()
             self.length_t.zero_()
+            self.n_complete.zero_()
             self.last_selection.zero_()
             self.reset_stats()
             for summary, _ in self._stored_layouts.values():  # they hold pages of the old sequence
@@ -359,6 +392,7 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         else:
             self.row_start.zero_()
             self.pad.zero_()
+        self._sync_complete()
         self.last_selection.zero_()
         self.reset_stats()
 

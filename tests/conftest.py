@@ -58,3 +58,14 @@ def count_forwards(model, monkeypatch) -> dict:
 
     monkeypatch.setattr(model, "forward", counting)
     return calls
+
+
+def page_lists_as_mask(pages, b, h, P):
+    """Page lists ``[b*h, W]`` (``< 0`` = none) as a mask ``[b, h, P]``, checking no page is listed twice."""
+    mask = torch.zeros(b, h, P, dtype=torch.bool)
+    for r, row in enumerate(pages.cpu().tolist()):
+        for p in row:
+            if p >= 0:
+                assert not mask[r // h, r % h, p], f"page {p} listed twice: {row}"
+                mask[r // h, r % h, p] = True
+    return mask

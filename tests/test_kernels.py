@@ -19,6 +19,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
 
+from conftest import page_lists_as_mask  # noqa: E402
+
 from locks_hf import kernels  # noqa: E402
 from locks_hf.config import LocksConfig  # noqa: E402
 from locks_hf.selectors import QuestSelector, select_pages as ref_select  # noqa: E402
@@ -164,16 +166,6 @@ def _partials(scores, c):
     return part
 
 
-def _as_mask(pages, b, h, P):
-    mask = torch.zeros(b, h, P, dtype=torch.bool)
-    for r, row in enumerate(pages.cpu().tolist()):
-        for p in row:
-            if p >= 0:
-                assert not mask[r // h, r % h, p], f"page {p} listed twice: {row}"
-                mask[r // h, r % h, p] = True
-    return mask
-
-
 @pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize("k", [2, 5, 9, 40])
@@ -190,7 +182,7 @@ def test_selection_matches_reference(per_head, ties, k):
                                  row_start=c.dev("row_start"), length=c.length, heads=c.h, page_size=B)
     assert pages.shape[1] == (c.G * (k - 2) + 2 if per_head else k)
     want = ref_select(scores.view(c.b, c.h, c.G, c.P).double(), c.page_real, c.complete, k, "share_average", per_head)
-    assert torch.equal(_as_mask(pages, c.b, c.h, c.P), want)
+    assert torch.equal(page_lists_as_mask(pages, c.b, c.h, c.P), want)
 
 
 @pytest.mark.parametrize("per_head", [False, True])
@@ -211,7 +203,7 @@ def test_selection_with_a_device_budget_matches_reference(per_head, k):
                                  active_slots=active)
     assert pages.shape[1] == (c.G * (widest - 2) + 2 if per_head else widest)
     want = ref_select(scores.view(c.b, c.h, c.G, c.P).double(), c.page_real, c.complete, k, "share_average", per_head)
-    assert torch.equal(_as_mask(pages, c.b, c.h, c.P), want)
+    assert torch.equal(page_lists_as_mask(pages, c.b, c.h, c.P), want)
     if not per_head:  # [sink, recent, k - 2 winners] then padding
         assert (pages[:, k:] == kernels.SENTINEL).all()
 
@@ -236,7 +228,7 @@ def test_score_then_select_over_many_blocks(method):
                                      length=c.length, heads=c.h, page_size=B, chunk=256 if k == 3 else None)
         want = ref_select(scores.cpu().view(c.b, c.h, c.G, c.P).double(), c.page_real, c.complete, k,
                           "share_average", method == "quest")
-        assert torch.equal(_as_mask(pages, c.b, c.h, c.P), want)
+        assert torch.equal(page_lists_as_mask(pages, c.b, c.h, c.P), want)
 
 
 def _ref_attention(c, pages, scale):
@@ -326,7 +318,7 @@ def test_decode_step_matches_reference_pipeline():
     scores = estimated_page_lse(mu, basis, coef, c.valid[:, None, :n], c.query.view(c.b, c.h, c.G, c.d).double(), 0.3)
     scores = torch.nn.functional.pad(scores, (0, c.P - n), value=float("-inf"))
     want = ref_select(scores, c.page_real, c.complete, k, "share_average", False)
-    assert torch.equal(_as_mask(pages, c.b, c.h, c.P), want)
+    assert torch.equal(page_lists_as_mask(pages, c.b, c.h, c.P), want)
     ref = _ref_attention(c, pages, 0.3)
     assert ((out.cpu().double() - ref).norm() / ref.norm()).item() < 1e-5
 
@@ -462,7 +454,7 @@ def test_locks_fma_score_then_select_over_many_blocks():
                                      length=c.length, heads=c.h, page_size=B)
         want = ref_select(scores.cpu().view(c.b, c.h, c.G, c.P).double(), c.page_real, c.complete, k,
                           "share_average", False)
-        assert torch.equal(_as_mask(pages, c.b, c.h, c.P), want)
+        assert torch.equal(page_lists_as_mask(pages, c.b, c.h, c.P), want)
 
 
 def test_locks_fma_rejects_bad_tiles():

@@ -1,0 +1,109 @@
+#!/usr/bin/env python
+"""Compile the selection and attention kernels for sm_90 without a GPU and report their registers.
+
+Triton's interpreter (the CPU tests) accepts programs the compiler rejects; this runs the compiler
+itself (the PTX and cubin of ``triton.compile`` for an H100/H200 target, with the ptxas that ships
+with Triton) for the specializations a decode step uses at the GLM-4-9B and Llama-3.1-8B shapes,
+and reads each kernel's register count from the cubin (255: spills). Exit status 1 when a kernel
+does not compile or spills. Must run without ``TRITON_INTERPRET=1``.
+
+    python scripts/check_kernels_compile.py
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import sys
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    raise SystemExit("check_kernels_compile: unset TRITON_INTERPRET (the interpreter does not compile)")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from locks_hf.kernels import attend, select  # noqa: E402
+
+I32, F32 = "*i32", "*fp32"
+#: EIATTR_REGCOUNT in a cubin's .nv.info section (format EIFMT_SVAL: function index, count).
+_REGCOUNT = 0x2F
+
+
+def cubin_registers(cubin: bytes) -> int | None:
+    """Registers per thread of the (single) kernel of an ELF cubin."""
+    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names = sections[shstrndx][4]
+    for name, _, _, _, off, size in sections:
+        label = cubin[names + name: cubin.index(b"\0", names + name)]
+        if not label.startswith(b".nv.info"):
+            continue
+        p = off
+        while p < off + size:
+            fmt, attr = cubin[p], cubin[p + 1]
+            if fmt == 4:  # EIFMT_SVAL: a 2-byte size, then the value
+                n = struct.unpack_from("<H", cubin, p + 2)[0]
+                if attr == _REGCOUNT:
+                    return struct.unpack_from("<II", cubin, p + 4)[1]
+                p += 4 + n
+            else:  # EIFMT_HVAL / BVAL: 4 bytes; NVAL: 2
+                p += 4 if fmt in (2, 3) else 2
+    return None
+
+
+def compile_sm90(fn, pointers: dict[str, str], constants: dict, floats=(), num_warps: int = 4) -> int | None:
+    """Compile ``fn`` (every other argument an int32 scalar) and return its registers per thread."""
+    signature, constexprs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constants:
+            signature[name] = "constexpr"
+            constexprs[(i,)] = constants[name]
+        else:
+            signature[name] = pointers.get(name, "fp32" if name in floats else "i32")
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    return cubin_registers(kernel.asm["cubin"])
+
+
+def cases():
+    keys = {n: F32 for n in ("score_ptr", "part_ptr")} | {n: I32 for n in (
+        "row_start_ptr", "len_ptr", "sink_ptr", "state_ptr", "key_ptr")} | {"mask_ptr": "*i8"}
+    gather = {n: I32 for n in ("state_ptr", "key_ptr", "k_ptr", "list_ptr", "tie_key_ptr", "tie_page_ptr", "sink_ptr",
+                               "row_start_ptr", "len_ptr", "out_ptr")} | {"mask_ptr": "*i8"}
+    att = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "sel_ptr": I32, "valid_ptr": "*u8",
+           "row_start_ptr": I32, "len_ptr": I32, "part_o_ptr": F32, "part_l_ptr": F32, "out_ptr": "*bf16",
+           "count_ptr": "*i64", "row_count_ptr": "*i64", "pad_ptr": I32, "sem_ptr": I32}
+    for G, CH, warps in ((16, 256, 4), (4, 512, 4), (4, 4096, 8)):
+        yield (f"radix keys G={G} CH={CH}", select._radix_keys_kernel, keys,
+               dict(PER_HEAD=False, G=G, GG=G, B=16, CH=CH, NBP=64, MARK=True), (), warps)
+        yield (f"radix gather CH={CH}", select._radix_gather_kernel, gather,
+               dict(PER_HEAD=False, G=G, B=16, CH=CH, KP=128, TC=512, TILE=512, MARK=True), (), 8)
+    yield ("radix keys per head", select._radix_keys_kernel, keys,
+           dict(PER_HEAD=True, G=4, GG=4, B=16, CH=512, NBP=64, MARK=True), (), 4)
+    for G, dense, fused in ((16, False, True), (4, False, True), (16, True, True), (16, False, False)):
+        yield (f"attention G={G} dense={dense} fused={fused}", attend._sparse_attn_kernel, att,
+               dict(G=G, GP=max(16, G), D=128, B=16, TP=4, SPLIT=True, DOT_PREC="tf32", DENSE=dense, COUNT=True,
+                    ROW_COUNT=True, CONTEXT=True, FUSED=fused, SB=2 if G == 16 else 4), ("scale",), 4)
+    yield ("attention merge", attend._combine_kernel, {"part_o_ptr": F32, "part_l_ptr": F32, "out_ptr": "*bf16"},
+           dict(G=16, GG=16, D=128, SB=2), (), 4)
+
+
+def main() -> int:
+    bad = 0
+    for label, fn, pointers, constants, floats, warps in cases():
+        try:
+            regs = compile_sm90(fn, pointers, constants, floats, warps)
+        except Exception as e:
+            print(f"FAIL  {label}: {type(e).__name__}: {str(e)[:500]}", flush=True)
+            bad += 1
+            continue
+        spills = regs is not None and regs >= 255
+        bad += spills
+        print(f"{'SPILL' if spills else 'ok   '} {label}: {regs} registers", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
