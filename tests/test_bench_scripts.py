@@ -69,7 +69,7 @@ def test_compile_time_script_compiles_the_rolled_fma_kernel_for_sm90():
     run = subprocess.run([sys.executable, str(SCRIPT.parent / "compile_time.py"), "--ranks", "8"],
                          capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
-    m = re.search(r"rank 8: ([\d.]+) s \{'registers': (\d+), 'local_bytes': (\d+)", run.stdout)
+    m = re.search(r"rank 8 bits \d+: ([\d.]+) s \{'registers': (\d+), 'local_bytes': (\d+)", run.stdout)
     assert m, run.stdout
     assert int(m.group(2)) <= 128 and int(m.group(3)) == 0
 
