@@ -103,6 +103,7 @@ class KVzipPolicy(TokenPolicy):
     generated tokens beyond it."""
 
     name = "kvzip"
+    report_order = 61
     needs_context_scores = True
 
     def start(self, layer, query, scale):

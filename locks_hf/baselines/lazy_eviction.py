@@ -73,6 +73,7 @@ class LazyEvictionPolicy(TokenPolicy):
     """LazyEviction at per-query-head capacity ``b`` with window ``W = 0.243 b``."""
 
     name = "lazy_eviction"
+    report_order = 66
     per_query_head = True
     family_grammar = "lazy_eviction or lazy_eviction-a<alpha> (e.g. lazy_eviction-a0.0005)"
 
