@@ -389,7 +389,9 @@ class SweepRunner:
         t0 = time.perf_counter()
         # the eager engine: dynamic caches, as this runner has always decoded (one fork per arm)
         base = LocksCache(model.config, LocksConfig(selector="full"), layout="dynamic")
-        out = model(ids[:, :split], past_key_values=base, use_cache=True)
+        # only the last position's logits (the first answer token): the LM head over every prompt
+        # position would be most of a prefill's work and memory (Gemma 3: 262K-token vocabulary)
+        out = model(ids[:, :split], past_key_values=base, use_cache=True, logits_to_keep=1)
         first = out.logits[:, -1].argmax(-1, keepdim=True)
         del out
         self._score_context(rec, ids[:, :split], base, [arm for arm, _ in work])
