@@ -300,15 +300,42 @@ def agreement_markdown(run_dir: Path) -> str:
     return "\n".join(md)
 
 
+def summary_markdown(runs_cells: list[list[dict]], png: Path, title: str) -> str:
+    """For several runs of distinct prompt lengths: one arm x (length, budget) table of the averages
+    over tasks and one plot of them (a panel per length); ``""`` otherwise."""
+    lengths = [{c["length"] for c in cells} for cells in runs_cells]
+    if len(runs_cells) < 2 or any(a & b for i, a in enumerate(lengths) for b in lengths[i + 1:]):
+        return ""
+    cells = [c for run in runs_cells for c in run]
+    _, averages = tables_markdown(cells)
+    columns = sorted({(k[0], k[2]) for k in averages}, key=lambda k: (k[0] is None, k[0], k[1]))
+    fams = sorted({k[1] for k in averages}, key=_fam_key)
+    md = ["## Summary: average over tasks (score x100), every run\n",
+          "| arm | " + " | ".join(f"{_length_label(L)} b={b}" for L, b in columns) + " |",
+          "|---|" + "---|" * len(columns)]
+    for f in fams:
+        md.append(f"| {f} | " + " | ".join(_fmt(averages.get((L, f, b), (None,))[0]) for L, b in columns) + " |")
+    md.append("")
+    if plot_scores(cells, png, title.split(":")[0]):
+        md.append(f"![score vs budget]({png.name})\n")
+    return "\n".join(md)
+
+
+def _length_label(length) -> str:
+    return "" if length is None else f"{length // 1024}K" if length % 1024 == 0 else str(length)
+
+
 def write_report(run_dirs: list[Path], out_dir: Path, title: str = "Locks sweep", name: str = "report",
                  fidelity_dirs: list[Path] | None = None, notes: str | None = None) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     parts = [f"# {title}\n"]
     if notes:
         parts.append(notes.strip() + "\n")
+    run_cells = {run: load_cells(run) for run in run_dirs}
+    parts.append(summary_markdown(list(run_cells.values()), out_dir / f"{name}.png", title))
     for run in run_dirs:
         cfg = json.loads((run / "config.json").read_text())
-        cells = load_cells(run)
+        cells = run_cells[run]
         timing = (run / "timing.csv").read_text() if (run / "timing.csv").exists() else ""
         md, _ = tables_markdown(cells)
         bench = cfg.get("benchmark", {})
