@@ -234,6 +234,12 @@ class SweepRunner:
         self.not_run = list(not_run)  # (arm, reason): arms whose method does not fit their budget
         self.device = next(model.parameters()).device
 
+    @property
+    def _sampled(self) -> bool:
+        """Records are sampled (k > 1 samples, or sampling settings even for one): `plan` prefills all
+        but the last prompt token, and the config says so."""
+        return self.bench.samples > 1 or self.bench.sampling is not None
+
     # -- config ------------------------------------------------------------------------------------
     def config(self) -> dict:
         import locks_hf
@@ -244,8 +250,8 @@ class SweepRunner:
             "arms": [{"name": a.name, "family": a.family, "budget": a.budget, "selector": a.selector,
                       "config": {k: getattr(a.config, k) for k in a.config.__dataclass_fields__}} for a in self.arms],
             "arms_not_run": [{"name": name, "reason": reason} for name, reason in self.not_run],
-            "protocol": self.protocol if self.bench.samples == 1 else "prefill-all-but-last-token (sampled)",
-            "protocol_text": PROTOCOL_TEXT[self.protocol if self.bench.samples == 1 else "sampled"],
+            "protocol": "prefill-all-but-last-token (sampled)" if self._sampled else self.protocol,
+            "protocol_text": PROTOCOL_TEXT["sampled" if self._sampled else self.protocol],
             "samples": self.bench.samples, "sampling": self.bench.sampling,
             # greedy tokens are the same on both engines; sampled ones come from different random streams
             "engine": self.engine,
@@ -346,7 +352,7 @@ class SweepRunner:
         max_new = self.bench.max_new_tokens(rec)
         if self.max_new_cap:
             max_new = min(max_new, self.max_new_cap)
-        sampled = self.bench.samples > 1 or self.bench.sampling is not None
+        sampled = self._sampled
         split = T
         if sampled:
             split = T - 1

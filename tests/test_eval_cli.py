@@ -64,6 +64,15 @@ def test_cli_math_sampled_avg_at_k(tmp_path):
     assert all(r["attended_fraction"] < 0.1 for r in rows if r["arm"] == "oracle-b32")  # sparse decode ran
 
 
+def test_cli_math_one_sample_with_sampling_is_a_sampled_run(tmp_path):
+    pytest.importorskip("math_verify")
+    out = tmp_path / "m1"
+    main(["sweep", "--benchmark", "math", "--model", "tiny-llama", "--tasks", "aime2024", "--num-samples", "1",
+          "--k", "1", "--temperature", "0.8", "--max-new-tokens", "3", "--arms", "full", "--out", str(out)])
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["samples"] == 1 and "sampled" in cfg["protocol"] and "last prompt token" in cfg["protocol_text"]
+
+
 def test_tiny_model_names_set_head_dim():
     from locks_hf.eval.cli import load_any_model
 
