@@ -160,8 +160,9 @@ def plot_scores(cells: list[dict], path: Path, title: str) -> Path | None:
     lengths = sorted({k[0] for k in averages}, key=lambda x: (x is None, x))
     if not lengths:
         return None
-    fig, axes = plt.subplots(1, len(lengths), figsize=(5.5 * len(lengths), 4), squeeze=False)
-    for ax, L in zip(axes[0], lengths):
+    many = len({k[1] for k in averages}) > 6  # a legend beside the panels, not over the lines
+    fig, axes = plt.subplots(1, len(lengths), figsize=(5.5 * len(lengths) + 2 * many, 4), squeeze=False)
+    for j, (ax, L) in enumerate(zip(axes[0], lengths)):
         fams = sorted({k[1] for k in averages if k[0] == L}, key=_fam_key)
         for i, f in enumerate(fams):
             pts = sorted((k[2], v[0]) for k, v in averages.items() if k[0] == L and k[1] == f)
@@ -171,7 +172,11 @@ def plot_scores(cells: list[dict], path: Path, title: str) -> Path | None:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=_MARKERS[i % len(_MARKERS)],
                     linestyle=":" if _token_level(f) else "-", label=f)
         ax.set_ylabel("score (avg over tasks)")
-        _style_budget_axis(ax, "budget b (tokens per layer and KV head)", f"{title}, {L} tokens" if L else title)
+        _style_budget_axis(ax, "budget b (tokens per layer and KV head)", f"{title}, {L} tokens" if L else title,
+                           legend=not many or j == len(lengths) - 1, outside=many)
+        budgets = sorted({k[2] for k in averages if k[0] == L})
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.minorticks_off()
     return _save_figure(fig, path)
 
 
@@ -188,12 +193,13 @@ def _token_level(family: str) -> bool:
         return False
 
 
-def _style_budget_axis(ax, xlabel: str, title: str) -> None:
+def _style_budget_axis(ax, xlabel: str, title: str, legend: bool = True, outside: bool = False) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel(xlabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if legend:
+        ax.legend(fontsize=8, **({"loc": "upper left", "bbox_to_anchor": (1.02, 1.0)} if outside else {}))
 
 
 def _save_figure(fig, path: Path) -> Path:
@@ -300,7 +306,7 @@ def agreement_markdown(run_dir: Path) -> str:
     return "\n".join(md)
 
 
-def summary_markdown(runs_cells: list[list[dict]], png: Path, title: str) -> str:
+def summary_markdown(runs_cells: list[list[dict]], png: Path, label: str) -> str:
     """For several runs of distinct prompt lengths: one arm x (length, budget) table of the averages
     over tasks and one plot of them (a panel per length); ``""`` otherwise."""
     lengths = [{c["length"] for c in cells} for cells in runs_cells]
@@ -316,7 +322,7 @@ def summary_markdown(runs_cells: list[list[dict]], png: Path, title: str) -> str
     for f in fams:
         md.append(f"| {f} | " + " | ".join(_fmt(averages.get((L, f, b), (None,))[0]) for L, b in columns) + " |")
     md.append("")
-    if plot_scores(cells, png, title.split(":")[0]):
+    if plot_scores(cells, png, label):
         md.append(f"![score vs budget]({png.name})\n")
     return "\n".join(md)
 
@@ -332,7 +338,9 @@ def write_report(run_dirs: list[Path], out_dir: Path, title: str = "Locks sweep"
     if notes:
         parts.append(notes.strip() + "\n")
     run_cells = {run: load_cells(run) for run in run_dirs}
-    parts.append(summary_markdown(list(run_cells.values()), out_dir / f"{name}.png", title))
+    first = json.loads((run_dirs[0] / "config.json").read_text()) if run_dirs else {}
+    label = f"{first.get('benchmark', {}).get('name', '')} {first.get('model', '')}".strip()
+    parts.append(summary_markdown(list(run_cells.values()), out_dir / f"{name}.png", label))
     for run in run_dirs:
         cfg = json.loads((run / "config.json").read_text())
         cells = run_cells[run]
