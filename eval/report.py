@@ -12,7 +12,7 @@ from pathlib import Path
 from locks_hf.selectors import family_sort_key
 
 from .jsonl import read_jsonl, resolve
-from .runner import merge
+from .runner import TRAFFIC, merge
 
 # Arm families are ordered by selector (each declares its `report_order`), larger summaries first.
 _fam_key = family_sort_key
@@ -34,14 +34,15 @@ def load_cells(run_dir: Path, complete_only: bool = True) -> list[dict]:
         by_id[r["id"]].add(r["arm"])
     keep = {i for i, a in by_id.items() if not complete_only or set(arms) <= a}
     per_rec = defaultdict(list)
-    frac = defaultdict(list)
+    traffic = {name: defaultdict(list) for name in TRAFFIC}
     meta = {}
     for r in rows:
         if r["id"] not in keep:
             continue
         per_rec[(r["task"], r["length"], r["arm"], r["id"])].append(r.get("score", 0.0))
-        if r.get("attended_fraction") is not None:
-            frac[(r["task"], r["length"], r["arm"])].append(r["attended_fraction"])
+        for name, values in traffic.items():
+            if r.get(name) is not None:
+                values[(r["task"], r["length"], r["arm"])].append(r[name])
         meta[r["arm"]] = (r["family"], r["budget"], r["selector"])
     cells = defaultdict(list)
     for (task, length, arm, _), sc in per_rec.items():
@@ -50,10 +51,10 @@ def load_cells(run_dir: Path, complete_only: bool = True) -> list[dict]:
     out = []
     for (task, length, arm), v in sorted(cells.items(), key=lambda kv: (str(kv[0][1]), kv[0][0], order.get(kv[0][2], 999))):
         fam, bud, sel = meta[arm]
-        fr = frac.get((task, length, arm))
+        means = {name: (sum(got) / len(got)) if (got := values.get((task, length, arm))) else None
+                 for name, values in traffic.items()}
         out.append({"task": task, "length": length, "arm": arm, "family": fam, "budget": bud, "selector": sel,
-                    "n": len(v), "score": 100 * sum(v) / len(v),
-                    "attended_fraction": (sum(fr) / len(fr)) if fr else None})
+                    "n": len(v), "score": 100 * sum(v) / len(v), **means})
     return out
 
 
@@ -80,10 +81,12 @@ def tables_markdown(cells: list[dict]) -> tuple[str, dict]:
         budgets = sorted({c["budget"] for c in cs if c["budget"] is not None})
         full = {c["task"]: c for c in cs if c["family"] == "full"}
         cell = {(c["task"], c["family"], c["budget"]): c for c in cs}
-        # only tasks finished by every arm enter the averages (so partial runs compare like with like)
+        # only tasks finished by every arm enter the averages (so partial runs compare like with like);
+        # the arms are the (family, budget) pairs the run has (ShadowKV, e.g., only where it fits)
+        arm_cells = {(f, b) for (_, f, b) in cell}
         complete_tasks = [t for t in tasks if all(
             (t, f, b) in cell and cell[(t, f, b)]["n"] == max(cell[(t, ff, bb)]["n"] for (tt, ff, bb) in cell if tt == t)
-            for f in fams for b in ([None] if f == "full" else budgets))]
+            for f, b in arm_cells)]
         title = f"length {L}" if L else "all records"
         sparse = [f for f in fams if f != "full"]
         md.append(f"### {title}: average over tasks (score x100)\n")
@@ -112,17 +115,37 @@ def tables_markdown(cells: list[dict]) -> tuple[str, dict]:
                 n = max((cell[k]["n"] for k in cell if k[0] == t), default=0)
                 md.append(f"| {t} | {n} | " + " | ".join(row) + " |")
             md.append("")
-        att = [c for c in cs if c.get("attended_fraction")]
-        if att:
-            md.append(f"#### {title}: attended fraction of cached tokens during decode (mean over tasks)\n")
-
-            def mean_fraction(f, b):
-                got = [float(c["attended_fraction"]) for c in att if c["family"] == f and c["budget"] == b]
-                return f"{sum(got) / len(got):.3f}" if got else ""
-
-            md += _arm_budget_table(sparse, budgets, mean_fraction)
-            md.append("")
+        md += _traffic_tables(cs, title, fams, budgets)
     return "\n".join(md), averages
+
+
+#: The decode-traffic tables: (cell key, heading, formatter, full attention shown).
+_TRAFFIC_TABLES = (
+    ("attended_fraction", "attended fraction of cached tokens during decode", lambda v: f"{v:.3f}", False),
+    ("attended_tokens", "tokens attended per (layer, KV head) and decode step (K/V read)", lambda v: f"{v:.0f}", True),
+    ("read_bytes", "KiB read per (layer, KV head) and decode step (K/V plus the selection's reads)",
+     lambda v: f"{v / 1024:.1f}", True),
+)
+
+
+def _traffic_tables(cs: list[dict], title: str, fams: list[str], budgets: list) -> list[str]:
+    """Markdown lines of the decode-traffic tables (means over tasks) of one length's cells: a budget
+    column per budget, full attention's value (no budget) in each column."""
+    md = []
+    for key, heading, shown, with_full in _TRAFFIC_TABLES:
+        got = [c for c in cs if c.get(key) is not None]
+        rows = [f for f in fams if (with_full or f != "full") and any(c["family"] == f for c in got)]
+        if not rows:
+            continue
+        md.append(f"#### {title}: {heading} (mean over tasks)\n")
+
+        def mean(f, b, key=key, got=got, shown=shown):
+            vals = [float(c[key]) for c in got if c["family"] == f and (f == "full" or c["budget"] == b)]
+            return shown(sum(vals) / len(vals)) if vals else ""
+
+        md += _arm_budget_table(rows, budgets, mean)
+        md.append("")
+    return md
 
 
 def plot_scores(cells: list[dict], path: Path, title: str) -> Path | None:
@@ -137,26 +160,46 @@ def plot_scores(cells: list[dict], path: Path, title: str) -> Path | None:
     lengths = sorted({k[0] for k in averages}, key=lambda x: (x is None, x))
     if not lengths:
         return None
-    fig, axes = plt.subplots(1, len(lengths), figsize=(5.5 * len(lengths), 4), squeeze=False)
-    for ax, L in zip(axes[0], lengths):
+    many = len({k[1] for k in averages}) > 6  # a legend beside the panels, not over the lines
+    fig, axes = plt.subplots(1, len(lengths), figsize=(5.5 * len(lengths) + 2 * many, 4), squeeze=False)
+    for j, (ax, L) in enumerate(zip(axes[0], lengths)):
         fams = sorted({k[1] for k in averages if k[0] == L}, key=_fam_key)
-        for f in fams:
+        for i, f in enumerate(fams):
             pts = sorted((k[2], v[0]) for k, v in averages.items() if k[0] == L and k[1] == f)
             if f == "full":
                 ax.axhline(pts[0][1], color="black", linestyle="--", label="full")
                 continue
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=_MARKERS[i % len(_MARKERS)],
+                    linestyle=":" if _token_level(f) else "-", label=f)
         ax.set_ylabel("score (avg over tasks)")
-        _style_budget_axis(ax, "budget b (tokens per layer and KV head)", f"{title}, {L} tokens" if L else title)
+        _style_budget_axis(ax, "budget b (tokens per layer and KV head)", f"{title}, {L} tokens" if L else title,
+                           legend=not many or j == len(lengths) - 1, outside=many)
+        budgets = sorted({k[2] for k in averages if k[0] == L})
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.minorticks_off()
     return _save_figure(fig, path)
 
 
-def _style_budget_axis(ax, xlabel: str, title: str) -> None:
+_MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "<", ">", "h", "p")
+
+
+def _token_level(family: str) -> bool:
+    """The family is a token-level baseline (`locks_hf.token_policy`), drawn dotted."""
+    from locks_hf.selectors import parse_family
+
+    try:
+        return bool(parse_family(family)[0].token_level)
+    except ValueError:
+        return False
+
+
+def _style_budget_axis(ax, xlabel: str, title: str, legend: bool = True, outside: bool = False) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel(xlabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if legend:
+        ax.legend(fontsize=8, **({"loc": "upper left", "bbox_to_anchor": (1.02, 1.0)} if outside else {}))
 
 
 def _save_figure(fig, path: Path) -> Path:
@@ -263,15 +306,44 @@ def agreement_markdown(run_dir: Path) -> str:
     return "\n".join(md)
 
 
+def summary_markdown(runs_cells: list[list[dict]], png: Path, label: str) -> str:
+    """For several runs of distinct prompt lengths: one arm x (length, budget) table of the averages
+    over tasks and one plot of them (a panel per length); ``""`` otherwise."""
+    lengths = [{c["length"] for c in cells} for cells in runs_cells]
+    if len(runs_cells) < 2 or any(a & b for i, a in enumerate(lengths) for b in lengths[i + 1:]):
+        return ""
+    cells = [c for run in runs_cells for c in run]
+    _, averages = tables_markdown(cells)
+    columns = sorted({(k[0], k[2]) for k in averages}, key=lambda k: (k[0] is None, k[0], k[1]))
+    fams = sorted({k[1] for k in averages}, key=_fam_key)
+    md = ["## Summary: average over tasks (score x100), every run\n",
+          "| arm | " + " | ".join(f"{_length_label(L)} b={b}" for L, b in columns) + " |",
+          "|---|" + "---|" * len(columns)]
+    for f in fams:
+        md.append(f"| {f} | " + " | ".join(_fmt(averages.get((L, f, b), (None,))[0]) for L, b in columns) + " |")
+    md.append("")
+    if plot_scores(cells, png, label):
+        md.append(f"![score vs budget]({png.name})\n")
+    return "\n".join(md)
+
+
+def _length_label(length) -> str:
+    return "" if length is None else f"{length // 1024}K" if length % 1024 == 0 else str(length)
+
+
 def write_report(run_dirs: list[Path], out_dir: Path, title: str = "Locks sweep", name: str = "report",
                  fidelity_dirs: list[Path] | None = None, notes: str | None = None) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     parts = [f"# {title}\n"]
     if notes:
         parts.append(notes.strip() + "\n")
+    run_cells = {run: load_cells(run) for run in run_dirs}
+    first = json.loads((run_dirs[0] / "config.json").read_text()) if run_dirs else {}
+    label = f"{first.get('benchmark', {}).get('name', '')} {first.get('model', '')}".strip()
+    parts.append(summary_markdown(list(run_cells.values()), out_dir / f"{name}.png", label))
     for run in run_dirs:
         cfg = json.loads((run / "config.json").read_text())
-        cells = load_cells(run)
+        cells = run_cells[run]
         timing = (run / "timing.csv").read_text() if (run / "timing.csv").exists() else ""
         md, _ = tables_markdown(cells)
         bench = cfg.get("benchmark", {})

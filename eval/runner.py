@@ -244,6 +244,12 @@ class SweepRunner:
         self.not_run = list(not_run)  # (arm, reason): arms whose method does not fit their budget
         self.device = next(model.parameters()).device
 
+    @property
+    def _sampled(self) -> bool:
+        """Records are sampled (k > 1 samples, or sampling settings even for one): `plan` prefills all
+        but the last prompt token, and the config says so."""
+        return self.bench.samples > 1 or self.bench.sampling is not None
+
     # -- config ------------------------------------------------------------------------------------
     def config(self) -> dict:
         import locks_hf
@@ -254,8 +260,8 @@ class SweepRunner:
             "arms": [{"name": a.name, "family": a.family, "budget": a.budget, "selector": a.selector,
                       "config": {k: getattr(a.config, k) for k in a.config.__dataclass_fields__}} for a in self.arms],
             "arms_not_run": [{"name": name, "reason": reason} for name, reason in self.not_run],
-            "protocol": self.protocol if self.bench.samples == 1 else "prefill-all-but-last-token (sampled)",
-            "protocol_text": PROTOCOL_TEXT[self.protocol if self.bench.samples == 1 else "sampled"],
+            "protocol": "prefill-all-but-last-token (sampled)" if self._sampled else self.protocol,
+            "protocol_text": PROTOCOL_TEXT["sampled" if self._sampled else self.protocol],
             "samples": self.bench.samples, "sampling": self.bench.sampling,
             # greedy tokens are the same on both engines; sampled ones come from different random streams
             "engine": self.engine,
@@ -363,7 +369,7 @@ class SweepRunner:
         max_new = self.bench.max_new_tokens(rec)
         if self.max_new_cap:
             max_new = min(max_new, self.max_new_cap)
-        sampled = self.bench.samples > 1 or self.bench.sampling is not None
+        sampled = self._sampled
         split = T
         if sampled:
             split = T - 1
@@ -406,7 +412,9 @@ class SweepRunner:
         t0 = time.perf_counter()
         # the eager engine: dynamic caches, as this runner has always decoded (one fork per arm)
         base = LocksCache(model.config, LocksConfig(selector="full"), layout="dynamic")
-        out = model(ids[:, :split], past_key_values=base, use_cache=True)
+        # only the last position's logits (the first answer token): the LM head over every prompt
+        # position would be most of a prefill's work and memory (Gemma 3: 262K-token vocabulary)
+        out = model(ids[:, :split], past_key_values=base, use_cache=True, logits_to_keep=1)
         first = out.logits[:, -1].argmax(-1, keepdim=True)
         del out
         self._score_context(rec, ids[:, :split], base, [arm for arm, _ in work])

@@ -41,6 +41,8 @@ class LocksConfig:
             ``"shared_all"`` (centroid and basis both fitted on the prompt; ranks 28 / 48).
         group_combine: how the query heads of a GQA group agree on one page set (not Quest).
         min_context: decode steps with fewer cached tokens run dense (0 = always select).
+        lazy_alpha: LazyEviction's attention threshold (``selector="lazy_eviction"`` only); ``None``:
+            the published value of the model's family (`locks_hf.baselines.lazy_eviction.family_alpha`).
     """
 
     page_size: int = 16
@@ -52,6 +54,7 @@ class LocksConfig:
     selector: str = "locks"
     group_combine: str = "share_average"
     min_context: int = 0
+    lazy_alpha: float | None = None
 
     def __post_init__(self) -> None:
         for name in _INT_FIELDS:  # 4.0 or True would pass the range checks and fail deep in a kernel
@@ -84,6 +87,12 @@ class LocksConfig:
             )
         if self.min_context < 0:
             raise LocksConfigError(f"min_context must be a non-negative int, got {self.min_context!r}")
+        if self.lazy_alpha is not None:
+            if isinstance(self.lazy_alpha, bool) or not isinstance(self.lazy_alpha, numbers.Real):
+                raise LocksConfigError(f"lazy_alpha must be a float or None, got {self.lazy_alpha!r}")
+            if self.selector != "lazy_eviction":
+                raise LocksConfigError(f"lazy_alpha is LazyEviction's threshold; selector {self.selector!r} has none")
+            object.__setattr__(self, "lazy_alpha", float(self.lazy_alpha))
         selector.validate(self)  # last: selector-specific checks see validated generic fields
 
     @property

@@ -93,7 +93,7 @@ class TokenPolicy(SelectionMethod):
 
     token_level = True
     static_cache = False
-    report_order = 50
+    report_order = 60  # after the page selectors; each baseline sets its place (the paper's column order)
     #: Keep one mask per query head (``Gm = G``) instead of one per KV head.
     per_query_head = False
 

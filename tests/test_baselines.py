@@ -385,7 +385,7 @@ def test_rkv_decode_compresses_every_128_generated_tokens():
 
 # -- LazyEviction --------------------------------------------------------------------------------
 def test_lazy_eviction_recurrence_and_importance_follow_the_published_rule():
-    from locks_hf.baselines.lazy_eviction import ALPHA, importance, record_recurrence
+    from locks_hf.baselines.lazy_eviction import DEFAULT_ALPHA as ALPHA, importance, record_recurrence
     from locks_hf.token_policy import PolicyState
 
     L, steps = 12, 9
@@ -395,7 +395,7 @@ def test_lazy_eviction_recurrence_and_importance_follow_the_published_rule():
     state.add_slot_tensor("period", torch.zeros(1, 1, 1, L, dtype=torch.float64), 0.0)
     last, period = [0.0] * L, [0.0] * L
     for t in range(1, steps + 1):
-        record_recurrence(state, t, probs[t - 1])
+        record_recurrence(state, t, probs[t - 1], ALPHA)
         for i in range(L):
             if probs[t - 1, 0, 0, 0, i] >= ALPHA:
                 period[i] = max(period[i], t - last[i])
@@ -448,6 +448,44 @@ def test_lazy_eviction_decode_keeps_each_query_heads_budget():
             assert (counts == budget).all()
     G = keep.shape[2]
     assert cache.decode_traffic()["attended_tokens"] <= G * (budget + W)
+
+
+
+@pytest.mark.parametrize("arch,alpha", [("llama", 5e-4), ("qwen3", 1e-4), ("gemma3", 1e-4)])
+def test_lazy_eviction_alpha_follows_the_model_family(arch, alpha):
+    from locks_hf.baselines.lazy_eviction import family_alpha
+
+    model = tiny(arch)
+    assert family_alpha(model.config.get_text_config(decoder=True)) == alpha
+    cache = LocksCache(model.config, LocksConfig(selector="lazy_eviction", budget=64))
+    out = model(_ids(80), past_key_values=cache)
+    model(out.logits[:, -1:].argmax(-1), past_key_values=cache)
+    assert all(layer.policy_state.info["alpha"] == alpha for layer in cache.locks_layers)
+
+
+def test_lazy_eviction_alpha_is_configurable_and_decides_what_recurs():
+    from locks_hf.eval.arms import parse_arms
+
+    arm = parse_arms(["lazy_eviction-a0.0005"], [64])[0]
+    assert arm.name == "lazy_eviction-a0.0005-b64" and arm.config.lazy_alpha == 5e-4
+    assert parse_arms(["lazy_eviction"], [64])[0].config.lazy_alpha is None
+    model = tiny("llama")
+    states = {}
+    for alpha in (1e-12, 0.999):  # every token reaches the threshold at every step / none does
+        cache = LocksCache(model.config, LocksConfig(selector="lazy_eviction", budget=64, lazy_alpha=alpha))
+        token = model(_ids(80), past_key_values=cache).logits[:, -1:].argmax(-1)
+        for _ in range(3):
+            token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+        states[alpha] = cache.locks_layers[0].policy_state
+    assert states[1e-12].info["alpha"] == 1e-12
+    prompt = slice(0, 80)
+    assert (states[1e-12].slot["last"][..., prompt] == 3).all() and (states[1e-12].slot["period"][..., prompt] == 1).all()
+    assert (states[0.999].slot["last"][..., prompt] == 0).all() and (states[0.999].slot["period"] == 0).all()
+    for bad in (0.0, 1.0, -1e-4):
+        with pytest.raises(ValueError, match="lazy_alpha"):
+            LocksConfig(selector="lazy_eviction", lazy_alpha=bad)
+    with pytest.raises(ValueError, match="lazy_alpha"):
+        LocksConfig(selector="quest", lazy_alpha=1e-4)
 
 
 # -- KVzip -------------------------------------------------------------------------------------------

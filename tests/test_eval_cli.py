@@ -21,6 +21,26 @@ def test_cli_sweep_report(tmp_path, capsys):
     assert "| niah_single_1 | 2 |" in md
 
 
+BASELINES = "rocketkv,kvzip,shadowkv,rkv,triattention,lazy_eviction"
+
+
+def test_cli_sweep_runs_every_baseline_arm_and_lists_what_does_not_fit(tmp_path):
+    out = tmp_path / "run"
+    main(["sweep", "--model", "tiny-gemma3", "--tasks", "niah_single_1", "--lengths", "1024", "--num-samples", "1",
+          "--arms", f"full,locks-r4i4,{BASELINES},lazy_eviction-a0.0005", "--budgets", "64,512", "--max-new-tokens",
+          "3", "--out", str(out), "--threads", "1"])
+    rows = {r["arm"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    families = BASELINES.split(",") + ["lazy_eviction-a0.0005"]
+    want = {f"{f}-b{b}" for f in families for b in (64, 512)} - {"shadowkv-b64"}
+    assert want <= set(rows) and "shadowkv-b64" not in rows
+    cfg = json.loads((out / "config.json").read_text())
+    assert [a["name"] for a in cfg["arms_not_run"]] == ["shadowkv-b64"]
+    assert next(a for a in cfg["arms"] if a["name"] == "lazy_eviction-a0.0005-b64")["config"]["lazy_alpha"] == 5e-4
+    for arm in want:  # every arm decoded and read its tokens (the accounting is there)
+        assert rows[arm]["new_tokens"] >= 1 and rows[arm]["attended_tokens"] > 0 and rows[arm]["read_bytes"] > 0
+    assert rows["rocketkv-b64"]["attended_tokens"] == 32 and rows["kvzip-b64"]["attended_tokens"] < 1024
+
+
 def test_cli_ruler_generate(tmp_path):
     main(["ruler-generate", "--model", "tiny-llama", "--tasks", "vt,cwe", "--lengths", "8192", "--num-samples", "2",
           "--out", str(tmp_path)])
@@ -42,6 +62,15 @@ def test_cli_math_sampled_avg_at_k(tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["samples"] == 2 and cfg["sampling"]["temperature"] == 0.8 and "sampled" in cfg["protocol"]
     assert all(r["attended_fraction"] < 0.1 for r in rows if r["arm"] == "oracle-b32")  # sparse decode ran
+
+
+def test_cli_math_one_sample_with_sampling_is_a_sampled_run(tmp_path):
+    pytest.importorskip("math_verify")
+    out = tmp_path / "m1"
+    main(["sweep", "--benchmark", "math", "--model", "tiny-llama", "--tasks", "aime2024", "--num-samples", "1",
+          "--k", "1", "--temperature", "0.8", "--max-new-tokens", "3", "--arms", "full", "--out", str(out)])
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["samples"] == 1 and "sampled" in cfg["protocol"] and "last prompt token" in cfg["protocol_text"]
 
 
 def test_tiny_model_names_set_head_dim():

@@ -59,7 +59,8 @@ def test_arm_labels_round_trip(config):
 
 def test_report_order_of_the_paper_families():
     order = ["full", "oracle", "locks-r16bf16", "locks-r8bf16", "locks-r8i4", "locks-r4i4", "locks-r2i4",
-             "shared_basis-r36", "shared_basis-r20", "shared_all-r52", "shared_all-r28", "quest"]
+             "shared_basis-r36", "shared_basis-r20", "shared_all-r52", "shared_all-r28", "quest",
+             "kvzip", "shadowkv", "rocketkv", "rkv", "triattention", "lazy_eviction", "lazy_eviction-a0.0005"]
     assert sorted(reversed(order), key=family_sort_key) == order
     assert sorted(["zzz", "quest", "aaa"], key=family_sort_key) == ["quest", "aaa", "zzz"]
 

@@ -90,7 +90,7 @@ def score_context(model, tokenizer, cache, context_ids: torch.Tensor) -> None:
         fork = cache.fork()
         for layer, store in zip(fork.locks_layers, stores):
             layer.score_request = ReconstructionScores(store, start, end)
-        model(ids, past_key_values=fork, use_cache=True)
+        model(ids, past_key_values=fork, use_cache=True, logits_to_keep=1)  # only the attention is used
         del fork
     for layer, store in zip(layers, stores):
         store[:, :, :SINK] = float("inf")
@@ -103,6 +103,7 @@ class KVzipPolicy(TokenPolicy):
     generated tokens beyond it."""
 
     name = "kvzip"
+    report_order = 61
     needs_context_scores = True
 
     def start(self, layer, query, scale):

@@ -7,8 +7,10 @@ cache is cut back to ``b``: the ``W`` newest tokens stay and the other ``b - W``
 tokens of highest importance ``2 / (1 + exp(1 + (t - last) / (period + 1e-5))) + s``, with
 ``s = 2 / (1 + exp(period - 1))`` for tokens that have recurred (0 otherwise). Each query head keeps
 its own cache (a GQA group may read up to ``G b`` distinct tokens; the accounting reports the
-union). ``alpha = 1e-4`` (the Qwen3 setting) and ``W = round(0.243 b)`` (the published 363-token
-window at 1492 capacity, scaled to the budget).
+union). ``W = round(0.243 b)`` (the published 363-token window at 1492 capacity, scaled to the
+budget). ``alpha`` follows the model family (`family_alpha`: the published 1e-4 for Qwen, 5e-4 for
+Llama, 1e-4 for any other family) unless ``LocksConfig.lazy_alpha`` sets it (arm label
+``lazy_eviction-a<alpha>``, e.g. ``lazy_eviction-a0.0005``).
 """
 
 from __future__ import annotations
@@ -17,11 +19,22 @@ import math
 
 import torch
 
+from ..config import LocksConfigError
 from ..selectors.registry import register_selector
 from ..token_policy import PolicyState, TokenPolicy
 
-ALPHA = 1e-4
+#: The published attention threshold per model family (``model_type`` prefix): Qwen3 1e-4, Llama 5e-4.
+ALPHA_BY_FAMILY = {"qwen": 1e-4, "llama": 5e-4}
+#: Families without a published value (Gemma, ...) take the Qwen3 setting, the method's main one.
+DEFAULT_ALPHA = 1e-4
 WINDOW_FRACTION = 363 / 1492
+
+
+def family_alpha(text_config) -> float:
+    """LazyEviction's ``alpha`` for the model ``text_config`` describes (`ALPHA_BY_FAMILY` by the
+    prefix of its ``model_type``, else `DEFAULT_ALPHA`; ``None``: `DEFAULT_ALPHA`)."""
+    model_type = str(getattr(text_config, "model_type", "") or "")
+    return next((a for prefix, a in ALPHA_BY_FAMILY.items() if model_type.startswith(prefix)), DEFAULT_ALPHA)
 
 
 def window_size(budget: int) -> int:
@@ -34,8 +47,9 @@ def importance(step: int, last: torch.Tensor, period: torch.Tensor) -> torch.Ten
     return 2 / (1 + torch.exp(1 + (step - last) / (period + 1e-5))) + recurred
 
 
-def record_recurrence(state: PolicyState, step: int, probs: torch.Tensor, alpha: float = ALPHA) -> None:
-    """Update the last-attended steps and recurrence periods from one step's ``probs [b, h, G, L]``."""
+def record_recurrence(state: PolicyState, step: int, probs: torch.Tensor, alpha: float) -> None:
+    """Update the last-attended steps and recurrence periods from one step's ``probs [b, h, G, L]``
+    (a token counts as attended when its probability reaches ``alpha``)."""
     last = state.slot["last"]
     new_last = torch.where(probs >= alpha, float(step), last)
     state.slot["period"] = torch.maximum(state.slot["period"], new_last - last)
@@ -59,10 +73,39 @@ class LazyEvictionPolicy(TokenPolicy):
     """LazyEviction at per-query-head capacity ``b`` with window ``W = 0.243 b``."""
 
     name = "lazy_eviction"
+    report_order = 66
     per_query_head = True
+    family_grammar = "lazy_eviction or lazy_eviction-a<alpha> (e.g. lazy_eviction-a0.0005)"
+
+    @classmethod
+    def parse_family(cls, family):
+        """``lazy_eviction`` (alpha of the model family) or ``lazy_eviction-a<alpha>``."""
+        if family == cls.name:
+            return {}
+        prefix = f"{cls.name}-a"
+        if not family.startswith(prefix):
+            return None
+        try:
+            alpha = float(family[len(prefix):])
+        except ValueError:
+            return None
+        return {"lazy_alpha": alpha}
+
+    @classmethod
+    def family(cls, config):
+        return cls.name if config.lazy_alpha is None else f"{cls.name}-a{config.lazy_alpha:g}"
+
+    @classmethod
+    def validate(cls, config, head_dim=None):
+        super().validate(config, head_dim)
+        alpha = config.lazy_alpha
+        if alpha is not None and not 0 < alpha < 1:
+            raise LocksConfigError(f"lazy_alpha is an attention probability threshold in (0, 1), got {alpha!r}")
 
     def start(self, layer, query, scale):
         state = super().start(layer, query, scale)
+        alpha = self.config.lazy_alpha
+        state.info["alpha"] = family_alpha(layer.text_config) if alpha is None else alpha
         zeros = torch.zeros(state.keep.shape, dtype=torch.float64, device=state.keep.device)
         state.add_slot_tensor("last", zeros, 0.0)  # a token written at step t starts at t - 1
         state.add_slot_tensor("period", zeros.clone(), 0.0)
@@ -70,7 +113,7 @@ class LazyEvictionPolicy(TokenPolicy):
 
     def observe(self, layer, state, query, probs):
         step = state.steps + 1
-        record_recurrence(state, step, probs)
+        record_recurrence(state, step, probs, state.info["alpha"])
         W = window_size(self.config.budget)
         if step % W == 0:
             score = importance(step, state.slot["last"], state.slot["period"])

@@ -58,6 +58,7 @@ class RKVPolicy(TokenPolicy):
     """R-KV at budget ``b`` (buffer 128, 8 observation queries, lambda 0.1)."""
 
     name = "rkv"
+    report_order = 64
 
     def start(self, layer, query, scale):
         state = super().start(layer, query, scale)

@@ -98,6 +98,7 @@ class RocketKVPolicy(TokenPolicy):
     """RocketKV at token budget ``b``: stage-1 prompt eviction, stage-2 top-``b/2`` selection."""
 
     name = "rocketkv"
+    report_order = 63
 
     def start(self, layer, query, scale):
         state = super().start(layer, query, scale)

@@ -53,6 +53,7 @@ class ShadowKVPolicy(TokenPolicy):
     """ShadowKV at budget ``b >= 424``: 384 outlier tokens + 32 local + ``b - 416`` selected."""
 
     name = "shadowkv"
+    report_order = 62
 
     @classmethod
     def validate(cls, config, head_dim=None) -> None:

@@ -52,6 +52,7 @@ class TriAttentionPolicy(TokenPolicy):
     """TriAttention at budget ``b`` (prompt protected, group max, every 128 positions)."""
 
     name = "triattention"
+    report_order = 65
 
     def start(self, layer, query, scale):
         state = super().start(layer, query, scale)

@@ -1,0 +1,66 @@
+"""The report's tables from a run's merged rows: averages over the arms the run has (a method that
+fits only some budgets, as ShadowKV, still enters them) and the decode-traffic tables."""
+
+import json
+
+from locks_hf.eval.report import load_cells, tables_markdown, write_report
+
+ARMS = [("full", "full", None), ("quest-b64", "quest", 64), ("quest-b512", "quest", 512),
+        ("shadowkv-b512", "shadowkv", 512)]
+
+
+def _run(tmp_path, skip=(), length=1024, name="run"):
+    """A published-style run folder (config.json + results.jsonl): tasks t1, t2 of one record each
+    at ``length``; ``skip`` lists (task, arm) rows left out."""
+    run = tmp_path / name
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"model": "m", "benchmark": {"name": "ruler"},
+                                                 "arms": [{"name": a} for a, _, _ in ARMS]}))
+    rows = []
+    for t, task in enumerate(["t1", "t2"]):
+        for i, (arm, family, budget) in enumerate(ARMS):
+            if (task, arm) in skip:
+                continue
+            tokens = 1000 if budget is None else budget
+            rows.append({"id": f"{task}-0", "task": task, "length": length, "arm": arm, "family": family,
+                         "budget": budget, "selector": family, "pred": "x", "score": (t + i) % 2,
+                         "attended_fraction": tokens / 1000, "attended_tokens": tokens,
+                         "read_bytes": 2048.0 * tokens + 1024 * t})
+    (run / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+def test_averages_cover_the_arms_the_run_has(tmp_path):
+    md, averages = tables_markdown(load_cells(_run(tmp_path)))
+    assert "Tasks in the average: t1, t2." in md
+    assert averages[(1024, "shadowkv", 512)] == (50.0, 2) and averages[(1024, "quest", 64)] == (50.0, 2)
+    assert (1024, "shadowkv", 64) not in averages
+    assert "| shadowkv |  | 50.0 |" in md  # no b=64 cell: blank, not a task left out
+
+
+def test_a_task_missing_an_arm_leaves_the_averages(tmp_path):
+    md, averages = tables_markdown(load_cells(_run(tmp_path, skip=[("t2", "shadowkv-b512")]), complete_only=False))
+    assert "Tasks in the average: t1." in md
+    assert averages[(1024, "quest", 64)] == (100.0, 1)
+
+
+def test_traffic_tables_show_tokens_and_bytes_per_arm_and_budget(tmp_path):
+    path = write_report([_run(tmp_path)], tmp_path / "docs", name="r")
+    text = path.read_text()
+    tokens = text.split("tokens attended per (layer, KV head) and decode step")[1]
+    assert "| full | 1000 | 1000 |" in tokens and "| quest | 64 | 512 |" in tokens and "| shadowkv |  | 512 |" in tokens
+    kib = text.split("KiB read per (layer, KV head) and decode step")[1]
+    # 2 KiB a token, plus 1 KiB on t2: the mean over the two tasks adds 0.5 KiB
+    assert "| full | 2000.5 | 2000.5 |" in kib and "| quest | 128.5 | 1024.5 |" in kib
+    assert (tmp_path / "docs" / "r-run.png").stat().st_size > 1000
+
+
+def test_runs_of_two_lengths_get_one_summary_table_and_plot(tmp_path):
+    runs = [_run(tmp_path, name="short"), _run(tmp_path, length=2048, skip=[("t2", "quest-b64")], name="long")]
+    text = write_report(runs, tmp_path / "docs", name="r").read_text()
+    summary = text.split("## Summary: average over tasks")[1].split("\n## ")[0]
+    assert "| arm | 1K b=64 | 1K b=512 | 2K b=64 | 2K b=512 |" in summary
+    # at 2K only t1 has every arm: quest-b64 scores 100 there
+    assert "| quest | 50.0 | 50.0 | 100.0 | 0.0 |" in summary and "| shadowkv |  | 50.0 |  | 100.0 |" in summary
+    assert "![score vs budget](r.png)" in summary and (tmp_path / "docs" / "r.png").stat().st_size > 1000
+    assert "## Summary" not in write_report(runs[:1], tmp_path / "one", name="r").read_text()
