@@ -11,7 +11,8 @@ BASIS_BITS = (2, 4, 8, 16)  # 16 = unquantized (stored in the K/V dtype)
 VALUE_BITS = (8, 16)  # for coefficients and centroids
 #: Largest page: selection at a coarser grain than this reads most of a 128K context anyway.
 MAX_PAGE_SIZE = 1024
-_INT_FIELDS = ("page_size", "rank", "basis_bits", "coef_bits", "centroid_bits", "budget", "min_context")
+_INT_FIELDS = ("page_size", "rank", "basis_bits", "coef_bits", "centroid_bits", "budget", "min_context",
+               "rerank")
 
 
 
@@ -41,6 +42,8 @@ class LocksConfig:
             ``"shared_all"`` (centroid and basis both fitted on the prompt; ranks 28 / 48).
         group_combine: how the query heads of a GQA group agree on one page set (not Quest).
         min_context: decode steps with fewer cached tokens run dense (0 = always select).
+        rerank: ``"locks_rerank"`` only: the short list re-ranked by exact page LSE holds
+            ``rerank * k`` candidate pages.
     """
 
     page_size: int = 16
@@ -52,6 +55,7 @@ class LocksConfig:
     selector: str = "locks"
     group_combine: str = "share_average"
     min_context: int = 0
+    rerank: int = 4
 
     def __post_init__(self) -> None:
         for name in _INT_FIELDS:  # 4.0 or True would pass the range checks and fail deep in a kernel
@@ -84,6 +88,9 @@ class LocksConfig:
             )
         if self.min_context < 0:
             raise LocksConfigError(f"min_context must be a non-negative int, got {self.min_context!r}")
+        if self.rerank < 1:
+            raise LocksConfigError(f"rerank (candidate pages per page slot) must be a positive int, e.g. 4, "
+                                   f"got {self.rerank!r}")
         selector.validate(self)  # last: selector-specific checks see validated generic fields
 
     @property
