@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from ._common import SUMMARY_NAMES, as_length
+from ._common import SCAN_METHOD, SUMMARY_NAMES, as_length
 from .attend import sparse_attention
+from .rerank import rerank_pages
 from .score import score_pages
 from .select import select_pages
 
@@ -27,13 +28,14 @@ def decode_step(method: str, query: torch.Tensor, *, key_buf: torch.Tensor, valu
                 slot_valid: torch.Tensor, row_start: torch.Tensor, n_complete: torch.Tensor, length: int | torch.Tensor,
                 n_pages: int, slots: int, scale: float, page_size: int,
                 summary: dict[str, torch.Tensor] | None = None, basis_bits: int = 4,
-                counts: torch.Tensor | None = None,
-                active_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                counts: torch.Tensor | None = None, active_slots: torch.Tensor | None = None,
+                rerank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """One sparse decode step on explicit tensors: ``(output [b, 1, Hq, d], pages [b*h, W])``.
 
-    ``method`` is ``"locks"``, ``"quest"`` or ``"oracle"`` (see `score_pages` for the inputs), or
-    ``"full"``: dense attention over every written page (no scoring, no selection; ``W = 0``).
-    ``counts`` (int64, optional): ``counts[0]`` grows by the real tokens attended.
+    ``method`` is ``"locks"``, ``"quest"`` or ``"oracle"`` (see `score_pages` for the inputs),
+    ``"locks_rerank"`` (Locks scores shortlist ``rerank * k`` candidates, their exact page LSE picks;
+    see `rerank`), or ``"full"``: dense attention over every written page (no scoring, no selection;
+    ``W = 0``). ``counts`` (int64, optional): ``counts[0]`` grows by the real tokens attended.
     ``active_slots`` (``int32 [1]``, optional): the page slots ``k <= slots`` to select, read on the
     device (``slots`` then only sizes the page lists).
     """
@@ -43,11 +45,21 @@ def decode_step(method: str, query: torch.Tensor, *, key_buf: torch.Tensor, valu
         out = sparse_attention(query, key_buf, value_buf, None, n_pages=n_pages, slot_valid=slot_valid,
                                row_start=row_start, length=length, scale=scale, page_size=page_size, counts=counts)
         return out, row_start.new_empty((query.shape[0] * h, 0))
-    scores, partials = score_pages(method, query, slot_valid=slot_valid, row_start=row_start,
+    scan = SCAN_METHOD.get(method, method)
+    scores, partials = score_pages(scan, query, slot_valid=slot_valid, row_start=row_start,
                                    n_complete=n_complete, length=length, n_pages=n_pages, scale=scale,
                                    page_size=page_size, summary=summary, keys=key_buf, basis_bits=basis_bits)
-    pages = select_pages(scores, partials, slots=slots, per_head=method == "quest", row_start=row_start,
-                         length=length, heads=h, page_size=page_size, active_slots=active_slots)
+    common = dict(row_start=row_start, length=length, page_size=page_size)
+    if method == "locks_rerank":
+        # the short list: rerank * k candidates (+ the forced pages), at the budget in use
+        wide = None if active_slots is None else active_slots * rerank + 2
+        shortlist = select_pages(scores, partials, slots=rerank * slots + 2, per_head=False, heads=h,
+                                 active_slots=wide, **common)
+        pages = rerank_pages(query, key_buf, shortlist, scores, partials, slot_valid=slot_valid, scale=scale,
+                             slots=slots, active_slots=active_slots, **common)
+    else:
+        pages = select_pages(scores, partials, slots=slots, per_head=method == "quest", heads=h,
+                             active_slots=active_slots, **common)
     out = sparse_attention(query, key_buf, value_buf, pages, slot_valid=slot_valid, row_start=row_start,
                            length=length, scale=scale, page_size=page_size, counts=counts)
     return out, pages
@@ -56,8 +68,8 @@ def decode_step(method: str, query: torch.Tensor, *, key_buf: torch.Tensor, valu
 def implements(method: str, *, dtype: torch.dtype, head_dim: int, page_size: int,
                group_combine: str = "share_average", basis_bits: int = 4, coef_bits: int = 8,
                centroid_bits: int = 8) -> bool:
-    """Whether the kernels run scoring mode ``method`` (``"locks"``, ``"quest"``, ``"oracle"``,
-    ``"full"``) for keys of ``dtype`` and ``head_dim`` in pages of ``page_size`` tokens.
+    """Whether the kernels run scoring mode ``method`` (``"locks"``, ``"locks_rerank"``, ``"quest"``,
+    ``"oracle"``, ``"full"``) for keys of ``dtype`` and ``head_dim`` in pages of ``page_size`` tokens.
 
     Every mode but Quest (each query head selects its own pages) combines a GQA group's scores with
     ``share_average``; Locks summaries must be int4/int2/int8-packed bases with int8 coefficients
@@ -65,6 +77,7 @@ def implements(method: str, *, dtype: torch.dtype, head_dim: int, page_size: int
     """
     if method not in SUMMARY_NAMES:
         return False
+    method = SCAN_METHOD.get(method, method)
     if method != "quest" and group_combine != "share_average":
         return False
     if method == "locks" and (basis_bits not in _QUANTIZED or coef_bits != 8 or centroid_bits != 8):

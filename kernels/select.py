@@ -23,7 +23,7 @@ from ._common import BIG_PAGE, NO_KEY, SENTINEL_C as SENTINEL, as_length, next_p
 
 
 @triton.jit
-def _sink_and_lse(part_ptr, row, n_blk, last_page, GG: tl.constexpr, NBP: tl.constexpr, WITH_LSE: tl.constexpr):
+def sink_and_lse(part_ptr, row, n_blk, last_page, GG: tl.constexpr, NBP: tl.constexpr, WITH_LSE: tl.constexpr):
     """Fold the scoring partials of ``row``: the sink page and each head's LSE over the candidates."""
     gi = tl.arange(0, GG)
     a = tl.arange(0, NBP)
@@ -57,7 +57,7 @@ def _sink_and_lse(part_ptr, row, n_blk, last_page, GG: tl.constexpr, NBP: tl.con
 
 
 @triton.jit
-def _selected(k_ptr, K_MAX):
+def free_slots(k_ptr, K_MAX):
     """Pages to select besides the sink and the recent one: the budget's ``k - 2`` read on the device
     (so that a captured graph serves any budget), at most the ``K_MAX`` the lists were sized for."""
     return tl.minimum(tl.maximum(tl.load(k_ptr) - 2, 0), K_MAX)
@@ -70,7 +70,7 @@ def _select_chunk_kernel(score_ptr, part_ptr, n_blk, row_start_ptr, len_ptr, H, 
                          KP: tl.constexpr, NBP: tl.constexpr):
     chunk = tl.program_id(0)
     vrow = tl.program_id(1)
-    K = _selected(k_ptr, K_MAX)
+    K = free_slots(k_ptr, K_MAX)
     if PER_HEAD:
         row = vrow // G
         head = vrow % G
@@ -79,7 +79,7 @@ def _select_chunk_kernel(score_ptr, part_ptr, n_blk, row_start_ptr, len_ptr, H, 
         head = 0
     rs = tl.load(row_start_ptr + row // H)
     last_page = (tl.load(len_ptr) - 1 - rs) // B
-    sink, lse = _sink_and_lse(part_ptr, row, n_blk, last_page, GG, NBP, not PER_HEAD)
+    sink, lse = sink_and_lse(part_ptr, row, n_blk, last_page, GG, NBP, not PER_HEAD)
     if PER_HEAD:
         first_prog = (chunk == 0) & (head == 0)
     else:
@@ -119,7 +119,7 @@ def _select_merge_kernel(key_ptr, page_ptr, sink_ptr, row_start_ptr, len_ptr, H,
                          out_ptr, W, PER_HEAD: tl.constexpr, G: tl.constexpr, B: tl.constexpr,
                          KP: tl.constexpr, M: tl.constexpr):
     vrow = tl.program_id(0)
-    K = _selected(k_ptr, K_MAX)
+    K = free_slots(k_ptr, K_MAX)
     e = tl.arange(0, M)
     inb = e < n_chunk * KP
     key = tl.load(key_ptr + vrow * n_chunk * KP + e, mask=inb, other=NO_KEY)
@@ -132,17 +132,20 @@ def _select_merge_kernel(key_ptr, page_ptr, sink_ptr, row_start_ptr, len_ptr, H,
         w = tl.arange(0, KP)
         tl.store(out_ptr + vrow * KP + w, tl.full([KP], SENTINEL, tl.int32), mask=w >= n)
     else:
-        _write_page_list(out_ptr, vrow, W, page, keep, pos, n, sink_ptr, row_start_ptr, len_ptr, H, B, KP)
+        write_page_list(out_ptr, vrow, W, page, keep, pos, n, tl.load(sink_ptr + vrow),
+                        last_page_of(row_start_ptr, len_ptr, vrow, H, B), KP)
 
 
 @triton.jit
-def _write_page_list(out_ptr, row, W, pages, keep, pos, n, sink_ptr, row_start_ptr, len_ptr, H,
-                     B: tl.constexpr, N: tl.constexpr):
+def last_page_of(row_start_ptr, len_ptr, row, H, B: tl.constexpr):
+    """The most recent page of (row, KV head) ``row``: the one holding the newest token."""
+    return (tl.load(len_ptr) - 1 - tl.load(row_start_ptr + row // H)) // B
+
+
+@triton.jit
+def write_page_list(out_ptr, row, W, pages, keep, pos, n, sink, last_page, N: tl.constexpr):
     """Row ``row`` of the output: sink page, most recent page (``SENTINEL`` when it is the sink),
     the ``n`` kept ``pages`` (at ``pos``), then ``SENTINEL`` up to width ``W``."""
-    rs = tl.load(row_start_ptr + row // H)
-    last_page = (tl.load(len_ptr) - 1 - rs) // B
-    sink = tl.load(sink_ptr + row)
     base = out_ptr + row * W
     tl.store(base, sink)
     tl.store(base + 1, tl.where(last_page != sink, last_page, SENTINEL))
@@ -165,7 +168,8 @@ def _union_kernel(list_ptr, n_list, sink_ptr, row_start_ptr, len_ptr, H, out_ptr
     uniq = (x != BIG_PAGE) & ((e == 0) | (x != prev))
     n = tl.sum(uniq.to(tl.int32), axis=0)
     pos = tl.cumsum(uniq.to(tl.int32), axis=0) - 1
-    _write_page_list(out_ptr, row, W, x, uniq, pos, n, sink_ptr, row_start_ptr, len_ptr, H, B, N)
+    write_page_list(out_ptr, row, W, x, uniq, pos, n, tl.load(sink_ptr + row),
+                    last_page_of(row_start_ptr, len_ptr, row, H, B), N)
 
 
 def chunk_size(n_pages: int, kp: int, max_chunks: int = 16) -> int:
