@@ -207,3 +207,21 @@ def test_selector_declares_its_reads():
     assert sel.reads_candidate_keys and not sel.reads_keys
     assert sel.candidate_key_pages(1000) == 24 and sel.candidate_key_pages(5) == 5
     assert make_selector(LocksConfig()).candidate_key_pages(1000) == 0
+
+
+def test_decode_step_benchmark_takes_rerank_arms(tmp_path):
+    """scripts/bench_decode_step.py runs a re-ranking arm beside plain Locks (tiny shape, CPU) and reports
+    the bytes each step reads by the arm's rule: the short list's keys on top of Locks'."""
+    import json
+
+    from test_bench_scripts import _load
+
+    out = tmp_path / "step.json"
+    _load().main(["--shape", "tiny", "--device", "cpu", "--contexts", "512", "--budget", "64",
+                  "--arms", "r4i4,r4i4-rr2", "--steps", "2", "--warmup", "1", "--out", str(out)])
+    rows = {r["arm"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["r4i4"]["attended"] == rows["r4i4-rr2"]["attended"] < 0.5
+    layers, heads, d = 2, 2, 16  # the tiny shape, float32 on the CPU
+    assert rows["r4i4-rr2"]["read_bytes"] - rows["r4i4"]["read_bytes"] == layers * heads * 2 * 4 * B * d * 4
+    per_head = 512 // B * summary_bytes(d, B, 4) + 4 * B * 2 * d * 4
+    assert rows["r4i4"]["read_bytes"] == layers * heads * per_head
