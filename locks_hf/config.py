@@ -55,7 +55,7 @@ class LocksConfig:
     selector: str = "locks"
     group_combine: str = "share_average"
     min_context: int = 0
-    rerank: int = 4
+    rerank: int = 8
 
     def __post_init__(self) -> None:
         for name in _INT_FIELDS:  # 4.0 or True would pass the range checks and fail deep in a kernel
