@@ -128,8 +128,13 @@ class PageSelector(SelectionMethod, ABC):
         (also given to selectors that set `reads_candidate_keys`); ``page_complete [b, P]``."""
         from .selection import select_pages
 
-        P = valid.shape[2]
-        scores = self.page_scores(summary, keys, valid, query, scale)
-        scores = torch.nn.functional.pad(scores, (0, P - scores.shape[-1]), value=float("-inf"))
+        scores = self.all_page_scores(summary, keys, valid, query, scale)
         return select_pages(scores, valid[:, 0].any(-1), page_complete, self.config.page_slots,
                             self.config.group_combine, self.per_head)
+
+    def all_page_scores(self, summary: dict[str, torch.Tensor], keys: torch.Tensor | None, valid: torch.Tensor,
+                        query: torch.Tensor, scale: float) -> torch.Tensor:
+        """`page_scores` over every page of ``valid [b, 1, P, B]``: ``-inf`` for pages past the
+        summarized ones."""
+        scores = self.page_scores(summary, keys, valid, query, scale)
+        return torch.nn.functional.pad(scores, (0, valid.shape[2] - scores.shape[-1]), value=float("-inf"))

@@ -104,9 +104,6 @@ class LocksRerankSelector(LocksSelector):
         return min(self.candidates(), max(pages, 0))
 
     def choose_pages(self, summary, keys, valid, query, scale, page_complete):
-        P = valid.shape[2]
-        scores = self.page_scores(summary, None, valid, query, scale)
-        scores = torch.nn.functional.pad(scores, (0, P - scores.shape[-1]), value=float("-inf"))
         cfg = self.config
-        return rerank_pages(scores, keys, valid, query, scale, page_complete, cfg.page_slots, self.candidates(),
-                            cfg.group_combine)
+        return rerank_pages(self.all_page_scores(summary, None, valid, query, scale), keys, valid, query, scale,
+                            page_complete, cfg.page_slots, self.candidates(), cfg.group_combine)
