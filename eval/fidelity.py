@@ -95,7 +95,7 @@ def arm_selection(config, keys: torch.Tensor, valid: torch.Tensor, n_complete: i
     shared = selector.fit_sequence(keys[:, :, :nf], vh[:, :, :nf])
     summary = {**selector.summarize(keys[:, :, :n_complete], vh[:, :, :n_complete], shared), **shared}
     complete = (torch.arange(P, device=keys.device) < n_complete).expand(b, P)
-    return selector.choose_pages(summary, keys, valid, query, scale, complete), forced
+    return selector.choose_pages(summary, keys, valid, query, scale, complete, config), forced
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -87,7 +87,7 @@ def reference_decode(layer: PagedLayer, query: torch.Tensor, scale: float) -> to
         # 1-2. Score every page from its summary (the oracle reads the keys instead) and select: sink +
         # most recent + best k - 2 complete pages, one set per KV head.
         keys = layer.all_page_keys() if selector.reads_keys or selector.reads_candidate_keys else None
-        selected = selector.choose_pages(layer.summary_view(), keys, valid, q, scale, layer.complete_pages())
+        selected = selector.choose_pages(layer.summary_view(), keys, valid, q, scale, layer.complete_pages(), cfg)
         width = min(P, cfg.page_slots * (G if selector.per_head else 1))
 
     # 3. Attend the selected pages with the original K/V, softmax renormalised over them.

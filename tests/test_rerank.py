@@ -225,3 +225,19 @@ def test_decode_step_benchmark_takes_rerank_arms(tmp_path):
     assert rows["r4i4-rr2"]["read_bytes"] - rows["r4i4"]["read_bytes"] == layers * heads * 2 * 4 * B * d * 4
     per_head = 512 // B * summary_bytes(d, B, 4) + 4 * B * 2 * d * 4
     assert rows["r4i4"]["read_bytes"] == layers * heads * per_head
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_budget_switch_selects_at_the_new_budget(static):
+    """`set_budget` moves the page slots (and the short list) of the next step; the static layout keeps
+    its selector object, so the selection must read the layer's settings, not the selector's."""
+    model = tiny("llama")
+    cfg = LocksConfig(budget=64, selector="locks_rerank", rank=4, rerank=2)
+    cache = LocksStaticCache(model.config, max_cache_len=340, locks=cfg, max_budget=128) if static \
+        else LocksCache(model.config, cfg)
+    token = model(_ids(), past_key_values=cache).logits[:, -1:].argmax(-1)
+    for budget in (64, 128, 64):
+        cache.set_budget(budget)
+        token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+        for layer in cache.locks_layers:
+            assert (layer.last_selection.sum(-1) == budget // B).all()

@@ -122,15 +122,18 @@ class PageSelector(SelectionMethod, ABC):
         per-page tensors and the sequence-level ones of `fit_sequence`."""
 
     def choose_pages(self, summary: dict[str, torch.Tensor], keys: torch.Tensor | None, valid: torch.Tensor,
-                     query: torch.Tensor, scale: float, page_complete: torch.Tensor) -> torch.Tensor:
+                     query: torch.Tensor, scale: float, page_complete: torch.Tensor, config: LocksConfig
+                     ) -> torch.Tensor:
         """The page set ``[b, h, P]`` of a decode step: `page_scores`, then the shared rule
         (`selection.select_pages`: sink + most recent + best ``k - 2``). ``keys`` as for `page_scores`
-        (also given to selectors that set `reads_candidate_keys`); ``page_complete [b, P]``."""
+        (also given to selectors that set `reads_candidate_keys`); ``page_complete [b, P]``; ``config``
+        the layer's settings now (its budget may have moved since the selector was made:
+        `LocksCache.set_budget`)."""
         from .selection import select_pages
 
         scores = self.all_page_scores(summary, keys, valid, query, scale)
-        return select_pages(scores, valid[:, 0].any(-1), page_complete, self.config.page_slots,
-                            self.config.group_combine, self.per_head)
+        return select_pages(scores, valid[:, 0].any(-1), page_complete, config.page_slots, config.group_combine,
+                            self.per_head)
 
     def all_page_scores(self, summary: dict[str, torch.Tensor], keys: torch.Tensor | None, valid: torch.Tensor,
                         query: torch.Tensor, scale: float) -> torch.Tensor:

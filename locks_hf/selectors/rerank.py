@@ -96,14 +96,14 @@ class LocksRerankSelector(LocksSelector):
     def family_sort_key(cls, fields):
         return (*super().family_sort_key(fields), -fields.get("rerank", 0))
 
-    def candidates(self) -> int:
-        """Length ``m * k`` of the short list."""
-        return self.config.rerank * self.config.page_slots
+    def candidates(self, config=None) -> int:
+        """Length ``m * k`` of the short list (at the budget of ``config``, default the selector's)."""
+        config = config or self.config
+        return config.rerank * config.page_slots
 
     def candidate_key_pages(self, pages):
         return min(self.candidates(), max(pages, 0))
 
-    def choose_pages(self, summary, keys, valid, query, scale, page_complete):
-        cfg = self.config
+    def choose_pages(self, summary, keys, valid, query, scale, page_complete, config):
         return rerank_pages(self.all_page_scores(summary, None, valid, query, scale), keys, valid, query, scale,
-                            page_complete, cfg.page_slots, self.candidates(), cfg.group_combine)
+                            page_complete, config.page_slots, self.candidates(config), config.group_combine)
