@@ -34,7 +34,7 @@ def decode_step(method: str, query: torch.Tensor, *, key_buf: torch.Tensor, valu
 
     ``method`` is ``"locks"``, ``"quest"`` or ``"oracle"`` (see `score_pages` for the inputs),
     ``"locks_rerank"`` (Locks scores shortlist ``rerank * k`` candidates, their exact page LSE picks;
-    see `rerank`), or ``"full"``: dense attention over every written page (no scoring, no selection;
+    see `rerank.rerank_pages`), or ``"full"``: dense attention over every written page (no scoring, no selection;
     ``W = 0``). ``counts`` (int64, optional): ``counts[0]`` grows by the real tokens attended.
     ``active_slots`` (``int32 [1]``, optional): the page slots ``k <= slots`` to select, read on the
     device (``slots`` then only sizes the page lists).
@@ -51,6 +51,8 @@ def decode_step(method: str, query: torch.Tensor, *, key_buf: torch.Tensor, valu
                                    page_size=page_size, summary=summary, keys=key_buf, basis_bits=basis_bits)
     common = dict(row_start=row_start, length=length, page_size=page_size)
     if method == "locks_rerank":
+        if rerank < 1:
+            raise ValueError(f"decode_step('locks_rerank'): rerank (candidates per page slot) must be >= 1, got {rerank}")
         # the short list: rerank * k candidates (+ the forced pages), at the budget in use
         wide = None if active_slots is None else active_slots * rerank + 2
         shortlist = select_pages(scores, partials, slots=rerank * slots + 2, per_head=False, heads=h,
