@@ -291,7 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--threads", type=_positive_int, default=None, help="torch.set_num_threads (CPU)")
         sp.add_argument("--arms", default="full,oracle,locks-r8i4,locks-r4i4,locks-r2i4,quest",
                         help="comma-separated arm families: full, oracle, quest, locks-r<rank>i<bits> (or r8i4), "
-                        "locks-r<rank>bf16, shared_basis-r<rank>, shared_all-r<rank>, the baselines rocketkv, shadowkv, rkv, "
+                        "locks-r<rank>bf16, locks-r<rank>i<bits>-rr<m> (exact re-ranking of m*k candidate pages), "
+                        "shared_basis-r<rank>, shared_all-r<rank>, the baselines rocketkv, shadowkv, rkv, "
                         "triattention, lazy_eviction; each but full runs at every budget (an arm whose method does not "
                         "fit its budget is listed as not run)")
         sp.add_argument("--budgets", default="64,128,256,512,1024,2048", type=_positive_int_list,

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from locks_hf import LocksConfig, LocksStaticCache, backend
-from locks_hf.selectors import static_selector_names
+from locks_hf.selectors import make_selector, static_selector_names
 
 logger = logging.getLogger(__name__)
 
@@ -289,10 +289,13 @@ class PrefilledBatch:
         B = locks.page_size
         page_bytes = sum(t[0, 0, 0].numel() * t.element_size() for t in layers[0].summary.values())
         estimate = 0
-        if locks.selector != "full":
+        selector = make_selector(locks)
+        if selector is not None:
             for length in range(prompt + 1, prompt + steps + 1):  # tokens cached at each step
                 if length > locks.page_slots * B:
-                    estimate += h * (length * dk * size if locks.selector == "oracle" else length // B * page_bytes)
+                    pages = length // B
+                    estimate += h * (length * dk * size if selector.reads_keys else
+                                     pages * page_bytes + selector.candidate_key_pages(pages) * B * dk * size)
         head_steps = len(layers) * steps * h
         read = attended * (dk + layers[0].values.shape[-1]) * size + len(layers) * estimate
         return {"attended_tokens": attended / head_steps, "read_bytes": read / head_steps}

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from locks_hf.selectors import forced_pages, make_selector, select_pages
+from locks_hf.selectors import forced_pages, make_selector
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -94,11 +94,8 @@ def arm_selection(config, keys: torch.Tensor, valid: torch.Tensor, n_complete: i
     nf = n_complete if n_fit is None else min(n_fit, n_complete)
     shared = selector.fit_sequence(keys[:, :, :nf], vh[:, :, :nf])
     summary = {**selector.summarize(keys[:, :, :n_complete], vh[:, :, :n_complete], shared), **shared}
-    scores = selector.page_scores(summary, keys, valid, query, scale)
-    scores = torch.nn.functional.pad(scores, (0, P - scores.shape[-1]), value=float("-inf"))
-    complete = torch.arange(P, device=keys.device) < n_complete
-    sel = select_pages(scores, page_real, complete, config.page_slots, config.group_combine, selector.per_head)
-    return sel, forced
+    complete = (torch.arange(P, device=keys.device) < n_complete).expand(b, P)
+    return selector.choose_pages(summary, keys, valid, query, scale, complete, config), forced
 
 
 # ----------------------------------------------------------------------------------------------------

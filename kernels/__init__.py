@@ -2,6 +2,7 @@
 
 * `score_pages`  page scores from packed summaries (Locks), key min/max (Quest) or keys (oracle);
 * `select_pages` top-(k-2) pages + sink + recent, fixed width, no host sync;
+* `rerank_pages` exact page LSE of a short list of candidates, then its best k-2 (``"locks_rerank"``);
 * `sparse_attention` split-K flash-decoding over the selected pages;
 * `build_summary` batched GPU summary build (Gram matrix eigendecomposition + one quantize pass);
 * `update_completed_pages` a decode step's in-place summary of each row's just-completed page (one launch);
@@ -26,17 +27,18 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
 
 if HAVE_TRITON:
     from . import ops  # noqa: F401  (registers the torch.ops.locks_hf custom ops)
-    from ._common import SENTINEL, SUMMARY_NAMES, on_device
+    from ._common import SCAN_METHOD, SENTINEL, SUMMARY_NAMES, on_device
     from .attend import sparse_attention
     from .build import build_summary, fit_pages_eigh, quantize_summary
     from .decode import decode_step, implements
     from .page_update import update_completed_pages
+    from .rerank import rerank_pages
     from .score import score_pages
     from .select import select_pages
 
-__all__ = ["HAVE_TRITON", "SENTINEL", "SUMMARY_NAMES", "build_summary", "decode_step", "fit_pages_eigh",
-           "implements", "on_device", "quantize_summary", "score_pages", "select_pages", "sparse_attention",
-           "update_completed_pages"]
+__all__ = ["HAVE_TRITON", "SCAN_METHOD", "SENTINEL", "SUMMARY_NAMES", "build_summary", "decode_step",
+           "fit_pages_eigh", "implements", "on_device", "quantize_summary", "rerank_pages", "score_pages",
+           "select_pages", "sparse_attention", "update_completed_pages"]
 
 #: Layer-reading glue that moved to `locks_hf.backend` (old name here -> new name there).
 _MOVED_TO_BACKEND = {"sparse_decode": "kernel_decode", "summarize": "kernel_summary",

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from ._common import SUMMARY_NAMES, as_length
+from ._common import SCAN_METHOD, SUMMARY_NAMES, as_length
 from .attend import sparse_attention
+from .rerank import rerank_pages
 from .score import score_pages
 from .select import STATE_WIDTH, select_pages
 
@@ -35,13 +36,14 @@ def decode_step(method: str, query: torch.Tensor, *, key_buf: torch.Tensor, valu
                 summary: dict[str, torch.Tensor] | None = None, basis_bits: int = 4,
                 counts: torch.Tensor | None = None, active_slots: torch.Tensor | None = None,
                 workspace: torch.Tensor | None = None, row_counts: torch.Tensor | None = None,
-                pad: torch.Tensor | None = None, selection: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                pad: torch.Tensor | None = None, selection: torch.Tensor | None = None,
+                rerank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """One sparse decode step on explicit tensors: ``(output [b, 1, Hq, d], pages [b*h, W])``.
 
-    ``method`` is ``"locks"``, ``"quest"`` or ``"oracle"`` (see `score_pages` for the inputs), or
-    ``"full"``: dense attention over every written page (no scoring, no selection; ``W = 0``).
-    ``counts`` (int64, optional): ``counts[0]`` grows by the real tokens attended.
+    ``method`` is ``"locks"``, ``"quest"`` or ``"oracle"`` (see `score_pages` for the inputs),
+    ``"locks_rerank"`` (Locks scores shortlist ``rerank * k`` candidates, their exact page LSE picks;
+    see `rerank.rerank_pages`), or ``"full"``: dense attention over every written page (no scoring, no selection;
+    ``W = 0``). ``counts`` (int64, optional): ``counts[0]`` grows by the real tokens attended.
     ``active_slots`` (``int32 [1]``, optional): the page slots ``k <= slots`` to select, read on the
     device (``slots`` then only sizes the page lists).
 
@@ -68,22 +70,45 @@ def decode_step(method: str, query: torch.Tensor, *, key_buf: torch.Tensor, valu
         out = sparse_attention(query, key_buf, value_buf, None, n_pages=n_pages, slot_valid=slot_valid,
                                row_start=row_start, length=length, scale=scale, page_size=page_size, **stats)
         return out, row_start.new_empty((rows, 0))
-    scores, partials = score_pages(method, query, slot_valid=slot_valid, row_start=row_start,
+    scan = SCAN_METHOD.get(method, method)
+    scores, partials = score_pages(scan, query, slot_valid=slot_valid, row_start=row_start,
                                    n_complete=n_complete, length=length, n_pages=n_pages, scale=scale,
                                    page_size=page_size, summary=summary, keys=key_buf, basis_bits=basis_bits)
-    pages = select_pages(scores, partials, slots=slots, per_head=method == "quest", row_start=row_start,
-                         length=length, heads=h, page_size=page_size, active_slots=active_slots, state=state,
-                         mask_out=None if selection is None else selection.view(rows, -1))
+    common = dict(row_start=row_start, length=length, page_size=page_size, heads=h, state=state)
+    mask = None if selection is None else selection.view(rows, -1)
+    if method == "locks_rerank":
+        if rerank < 1:
+            raise ValueError(f"decode_step('locks_rerank'): rerank (candidates per page slot) must be >= 1, got {rerank}")
+        # the short list: rerank * k candidates (+ the forced pages), at the budget in use
+        wide = None if active_slots is None else active_slots * rerank + 2
+        shortlist = select_pages(scores, partials, slots=rerank * slots + 2, per_head=False,
+                                 active_slots=wide, **common)
+        common.pop("heads"), common.pop("state")
+        pages = rerank_pages(query, key_buf, shortlist, scores, partials, slot_valid=slot_valid, scale=scale,
+                             slots=slots, active_slots=active_slots, **common)
+        if mask is not None:  # the final pick, not the short list, is what was attended
+            _mark_attended(mask, pages)
+    else:
+        pages = select_pages(scores, partials, slots=slots, per_head=method == "quest",
+                             active_slots=active_slots, mask_out=mask, **common)
     out = sparse_attention(query, key_buf, value_buf, pages, slot_valid=slot_valid, row_start=row_start,
                            length=length, scale=scale, page_size=page_size, **stats)
     return out, pages
 
 
+def _mark_attended(mask: torch.Tensor, pages: torch.Tensor) -> None:
+    """Overwrite ``mask [rows, P]`` with the pages of the lists ``pages [rows, W]`` (``SENTINEL`` < 0 skipped)."""
+    n = mask.shape[1]
+    hit = torch.zeros((mask.shape[0], n + 1), dtype=torch.bool, device=mask.device)
+    hit.scatter_(1, torch.where(pages >= 0, pages, n).long(), True)
+    mask.copy_(hit[:, :n])
+
+
 def implements(method: str, *, dtype: torch.dtype, head_dim: int, page_size: int,
                group_combine: str = "share_average", basis_bits: int = 4, coef_bits: int = 8,
                centroid_bits: int = 8) -> bool:
-    """Whether the kernels run scoring mode ``method`` (``"locks"``, ``"quest"``, ``"oracle"``,
-    ``"full"``) for keys of ``dtype`` and ``head_dim`` in pages of ``page_size`` tokens.
+    """Whether the kernels run scoring mode ``method`` (``"locks"``, ``"locks_rerank"``, ``"quest"``,
+    ``"oracle"``, ``"full"``) for keys of ``dtype`` and ``head_dim`` in pages of ``page_size`` tokens.
 
     Every mode but Quest (each query head selects its own pages) combines a GQA group's scores with
     ``share_average``; Locks summaries must be int4/int2/int8-packed bases with int8 coefficients
@@ -91,6 +116,7 @@ def implements(method: str, *, dtype: torch.dtype, head_dim: int, page_size: int
     """
     if method not in SUMMARY_NAMES:
         return False
+    method = SCAN_METHOD.get(method, method)
     if method != "quest" and group_combine != "share_average":
         return False
     if method == "locks" and (basis_bits not in _QUANTIZED or coef_bits != 8 or centroid_bits != 8):

@@ -24,22 +24,24 @@ def decode_step_op(method: str, query: torch.Tensor, key_buf: torch.Tensor, valu
                    page_size: int, basis_bits: int, counts: torch.Tensor,
                    active_slots: torch.Tensor | None, workspace: torch.Tensor | None = None,
                    row_counts: torch.Tensor | None = None, pad: torch.Tensor | None = None,
-                   selection: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   selection: torch.Tensor | None = None, rerank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """`decode.decode_step` with the summary passed as the list ``SUMMARY_NAMES[method]``; ``counts[0]``
     (int64) grows by the tokens attended. ``slots`` sizes the page lists; ``active_slots`` (``int32 [1]``
     or ``None`` for ``slots``) is the budget selected with, read on the device. ``workspace``,
-    ``row_counts``, ``pad`` and ``selection``: a static layer's buffers (see `decode.decode_step`)."""
+    ``row_counts``, ``pad`` and ``selection``: a static layer's buffers (see `decode.decode_step`);
+    ``rerank`` the candidate multiple of ``"locks_rerank"``."""
     named = dict(zip(SUMMARY_NAMES[method], summary))
     return decode_step(method, query, key_buf=key_buf, value_buf=value_buf, slot_valid=slot_valid,
                        row_start=row_start, n_complete=n_complete, length=length, n_pages=n_pages, slots=slots,
                        scale=scale, page_size=page_size, summary=named, basis_bits=basis_bits, counts=counts,
                        active_slots=active_slots, workspace=workspace, row_counts=row_counts, pad=pad,
-                       selection=selection)
+                       selection=selection, rerank=rerank)
 
 
 @decode_step_op.register_fake
 def _(method, query, key_buf, value_buf, slot_valid, row_start, n_complete, length, summary, n_pages, slots,
-      scale, page_size, basis_bits, counts, active_slots, workspace=None, row_counts=None, pad=None, selection=None):
+      scale, page_size, basis_bits, counts, active_slots, workspace=None, row_counts=None, pad=None, selection=None,
+      rerank=0):
     b, hq, d = query.shape[0], query.shape[1], query.shape[-1]
     h = key_buf.shape[1]
     width = 0 if method == "full" else page_list_width(method, slots, hq // h)

@@ -34,7 +34,7 @@ from ._common import (
 
 
 @triton.jit
-def _sink_and_lse(part_ptr, row, n_blk, last_page, GG: tl.constexpr, NBP: tl.constexpr, WITH_LSE: tl.constexpr):
+def sink_and_lse(part_ptr, row, n_blk, last_page, GG: tl.constexpr, NBP: tl.constexpr, WITH_LSE: tl.constexpr):
     """Fold the scoring partials of ``row``: the sink page and each head's LSE over the candidates."""
     gi = tl.arange(0, GG)
     a = tl.arange(0, NBP)
@@ -68,7 +68,7 @@ def _sink_and_lse(part_ptr, row, n_blk, last_page, GG: tl.constexpr, NBP: tl.con
 
 
 @triton.jit
-def _selected(k_ptr, K_MAX):
+def free_slots(k_ptr, K_MAX):
     """Pages to select besides the sink and the recent one: the budget's ``k - 2`` read on the device
     (so that a captured graph serves any budget), at most the ``K_MAX`` the lists were sized for."""
     return tl.minimum(tl.maximum(tl.load(k_ptr) - 2, 0), K_MAX)
@@ -89,7 +89,7 @@ def _row_keys(score_ptr, part_ptr, n_blk, row_start_ptr, len_ptr, H, P, p, sink_
         head = 0
     rs = tl.load(row_start_ptr + row // H)
     last_page = (tl.load(len_ptr) - 1 - rs) // B
-    sink, lse = _sink_and_lse(part_ptr, row, n_blk, last_page, GG, NBP, not PER_HEAD)
+    sink, lse = sink_and_lse(part_ptr, row, n_blk, last_page, GG, NBP, not PER_HEAD)
     if first_prog:
         tl.store(sink_ptr + row, sink)
     srow = score_ptr + row * G * P
@@ -132,7 +132,7 @@ def _select_chunk_kernel(score_ptr, part_ptr, n_blk, row_start_ptr, len_ptr, H, 
                          KP: tl.constexpr, NBP: tl.constexpr):
     chunk, vrow, p, key = _chunk_keys(score_ptr, part_ptr, n_blk, row_start_ptr, len_ptr, H, P, sink_ptr,
                                       PER_HEAD, G, GG, B, CH, NBP)
-    K = _selected(k_ptr, K_MAX)
+    K = free_slots(k_ptr, K_MAX)
     keep = top_keys(key, K)
 
     n = tl.sum(keep.to(tl.int32), axis=0)
@@ -207,7 +207,7 @@ def _radix_gather_kernel(state_ptr, key_ptr, key_stride, P, k_ptr, K_MAX, n_chun
     the ties, writes the row's output in page order and leaves the histogram and counters zero."""
     chunk = tl.program_id(0)
     vrow = tl.program_id(1)
-    K = _selected(k_ptr, K_MAX)
+    K = free_slots(k_ptr, K_MAX)
     hist_ptr = state_ptr + vrow * (NB + N_COUNTERS)
     cnt_ptr = hist_ptr + NB
     b, n_above, n_tie = _threshold_bin(hist_ptr, K)
@@ -250,8 +250,8 @@ def _radix_gather_kernel(state_ptr, key_ptr, key_stride, P, k_ptr, K_MAX, n_chun
         if PER_HEAD:  # the union kernel sorts
             tl.store(out_ptr + vrow * KP + e, tl.where(keep, pages, SENTINEL))
         else:  # page order: the positions reserved by the atomics vary from run to run
-            _write_page_list(out_ptr, vrow, W, tl.sort(pages), keep, e, n, sink_ptr, row_start_ptr, len_ptr, H,
-                             B, KP)
+            write_page_list(out_ptr, vrow, W, tl.sort(pages), keep, e, n, tl.load(sink_ptr + vrow),
+                            last_page_of(row_start_ptr, len_ptr, vrow, H, B), KP)
         bins = tl.arange(0, NB)
         tl.store(hist_ptr + bins, tl.zeros([NB], dtype=tl.int32))
         c = tl.arange(0, N_COUNTERS)
@@ -262,7 +262,7 @@ def _radix_gather_kernel(state_ptr, key_ptr, key_stride, P, k_ptr, K_MAX, n_chun
 def _mark_pages(mask_ptr, row, P, pages, keep, sink_ptr, row_start_ptr, len_ptr, H, B: tl.constexpr):
     """Set the row's page mask (``int8 [rows, P]``) at the kept ``pages``, the sink and the recent page."""
     tl.store(mask_ptr + row * P + pages, tl.full(pages.shape, 1, tl.int8), mask=keep & (pages < P))
-    last_page = (tl.load(len_ptr) - 1 - tl.load(row_start_ptr + row // H)) // B
+    last_page = last_page_of(row_start_ptr, len_ptr, row, H, B)
     two = tl.arange(0, 2)
     forced = tl.where(two == 0, tl.load(sink_ptr + row), last_page)
     tl.store(mask_ptr + row * P + forced, tl.full([2], 1, tl.int8), mask=(forced >= 0) & (forced < P))
@@ -333,7 +333,7 @@ def _select_merge_kernel(key_ptr, page_ptr, sink_ptr, row_start_ptr, len_ptr, H,
                          out_ptr, W, PER_HEAD: tl.constexpr, G: tl.constexpr, B: tl.constexpr,
                          KP: tl.constexpr, M: tl.constexpr):
     vrow = tl.program_id(0)
-    K = _selected(k_ptr, K_MAX)
+    K = free_slots(k_ptr, K_MAX)
     e = tl.arange(0, M)
     inb = e < n_chunk * KP
     key = tl.load(key_ptr + vrow * n_chunk * KP + e, mask=inb, other=NO_KEY)
@@ -346,17 +346,20 @@ def _select_merge_kernel(key_ptr, page_ptr, sink_ptr, row_start_ptr, len_ptr, H,
         w = tl.arange(0, KP)
         tl.store(out_ptr + vrow * KP + w, tl.full([KP], SENTINEL, tl.int32), mask=w >= n)
     else:
-        _write_page_list(out_ptr, vrow, W, page, keep, pos, n, sink_ptr, row_start_ptr, len_ptr, H, B, KP)
+        write_page_list(out_ptr, vrow, W, page, keep, pos, n, tl.load(sink_ptr + vrow),
+                        last_page_of(row_start_ptr, len_ptr, vrow, H, B), KP)
 
 
 @triton.jit
-def _write_page_list(out_ptr, row, W, pages, keep, pos, n, sink_ptr, row_start_ptr, len_ptr, H,
-                     B: tl.constexpr, N: tl.constexpr):
+def last_page_of(row_start_ptr, len_ptr, row, H, B: tl.constexpr):
+    """The most recent page of (row, KV head) ``row``: the one holding the newest token."""
+    return (tl.load(len_ptr) - 1 - tl.load(row_start_ptr + row // H)) // B
+
+
+@triton.jit
+def write_page_list(out_ptr, row, W, pages, keep, pos, n, sink, last_page, N: tl.constexpr):
     """Row ``row`` of the output: sink page, most recent page (``SENTINEL`` when it is the sink),
     the ``n`` kept ``pages`` (at ``pos``), then ``SENTINEL`` up to width ``W``."""
-    rs = tl.load(row_start_ptr + row // H)
-    last_page = (tl.load(len_ptr) - 1 - rs) // B
-    sink = tl.load(sink_ptr + row)
     base = out_ptr + row * W
     tl.store(base, sink)
     tl.store(base + 1, tl.where(last_page != sink, last_page, SENTINEL))
@@ -379,7 +382,8 @@ def _union_kernel(list_ptr, n_list, sink_ptr, row_start_ptr, len_ptr, H, out_ptr
     uniq = (x != BIG_PAGE) & ((e == 0) | (x != prev))
     n = tl.sum(uniq.to(tl.int32), axis=0)
     pos = tl.cumsum(uniq.to(tl.int32), axis=0) - 1
-    _write_page_list(out_ptr, row, W, x, uniq, pos, n, sink_ptr, row_start_ptr, len_ptr, H, B, N)
+    write_page_list(out_ptr, row, W, x, uniq, pos, n, tl.load(sink_ptr + row),
+                    last_page_of(row_start_ptr, len_ptr, row, H, B), N)
 
 
 def radix_state(vrows: int, device) -> torch.Tensor:

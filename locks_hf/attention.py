@@ -22,7 +22,6 @@ from . import backend
 from .cache import take_handoff
 from .models_support import ATTENTION_NAME, REFUSED_GENERATION, UnsupportedModelError, check_attention_dispatch
 from .paged import PagedLayer
-from .selectors import select_pages
 from .token_policy import policy_decode
 
 logger = logging.get_logger(__name__)
@@ -85,14 +84,10 @@ def reference_decode(layer: PagedLayer, query: torch.Tensor, scale: float) -> to
         selected = valid[:, 0].any(-1)[:, None].expand(b, h, P)
         width = P
     else:
-        # 1. Score every page from its summary (the oracle reads the keys instead).
-        keys = layer.all_page_keys() if selector.reads_keys else None
-        scores = selector.page_scores(layer.summary_view(), keys, valid, q, scale)
-        scores = torch.nn.functional.pad(scores, (0, P - scores.shape[-1]), value=float("-inf"))
-
-        # 2. Select: sink + most recent + best k - 2 complete pages, one set per KV head.
-        selected = select_pages(scores, valid[:, 0].any(-1), layer.complete_pages(), cfg.page_slots,
-                                cfg.group_combine, selector.per_head)  # [b, h, P]
+        # 1-2. Score every page from its summary (the oracle reads the keys instead) and select: sink +
+        # most recent + best k - 2 complete pages, one set per KV head.
+        keys = layer.all_page_keys() if selector.reads_keys or selector.reads_candidate_keys else None
+        selected = selector.choose_pages(layer.summary_view(), keys, valid, q, scale, layer.complete_pages(), cfg)
         width = min(P, cfg.page_slots * (G if selector.per_head else 1))
 
     # 3. Attend the selected pages with the original K/V, softmax renormalised over them.

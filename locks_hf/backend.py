@@ -122,7 +122,7 @@ def kernel_decode(layer, query: torch.Tensor, scale: float) -> torch.Tensor:
         out, pages = torch.ops.locks_hf.decode_step(
             method, query, keys, layer.value_buffer(), layer.slot_valid, row_start, n_complete,
             layer.length_tensor(), _summary_list(layer), layer.num_pages, width, float(scale),
-            cfg.page_size, cfg.basis_bits, layer.count_buffer(), active, **extra)
+            cfg.page_size, cfg.basis_bits, layer.count_buffer(), active, rerank=cfg.rerank, **extra)
     if bufs is not None:
         return out
     if pages.shape[1]:  # dense ("full") selects no list: every page
@@ -145,12 +145,14 @@ def kernel_update_newest_page(layer) -> None:
 
 def kernel_summary(layer, keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor] | None:
     """GPU summary build for ``keys [b, h, n, B, d]``; ``None`` when the reference must run (the kernels
-    build the Locks summary only)."""
+    build the Locks summary only, which re-ranking keeps too)."""
     method = kernel_method(layer.config.selector)
-    if not keys.is_cuda or method != "locks" or not layer_supported(layer):
+    if not keys.is_cuda or not layer_supported(layer):
         return None
     from . import kernels
 
+    if kernels.SCAN_METHOD.get(method, method) != "locks":
+        return None
     cfg = layer.config
     with kernels.on_device(keys.device):
         parts = torch.ops.locks_hf.build_summary(keys, valid, cfg.rank, cfg.basis_bits)

@@ -117,13 +117,17 @@ class LocksLayer(DynamicLayer, PagedLayer):
 
     def selection_read_bytes(self) -> int:
         """Bytes a page selector reads per decode step to score pages, over rows and KV heads: the
-        summaries of the scored pages and any sequence-level state (the oracle reads every key)."""
+        summaries of the scored pages and any sequence-level state, plus the keys of a re-ranked short
+        list (the oracle reads every key)."""
         if self.selector is None:
             return 0
+        b, h, _, d = self._kbuf.shape
+        key_bytes = b * h * d * self._kbuf.element_size()  # one token's keys over rows and heads
         if self.selector.reads_keys:  # every written slot's key (no host sync for the padding count)
-            b, h, _, d = self._kbuf.shape
-            return self.length * b * h * d * self._kbuf.element_size()
-        return sum(t.numel() * t.element_size() for t in self.summary_view().values())
+            return self.length * key_bytes
+        shortlist = self.selector.candidate_key_pages(max(self.n_summarized, default=0))
+        return (sum(t.numel() * t.element_size() for t in self.summary_view().values())
+                + shortlist * self.config.page_size * key_bytes)
 
     def record_selection_traffic(self) -> None:
         self.record_estimate(self.selection_read_bytes())

@@ -11,7 +11,8 @@ BASIS_BITS = (2, 4, 8, 16)  # 16 = unquantized (stored in the K/V dtype)
 VALUE_BITS = (8, 16)  # for coefficients and centroids
 #: Largest page: selection at a coarser grain than this reads most of a 128K context anyway.
 MAX_PAGE_SIZE = 1024
-_INT_FIELDS = ("page_size", "rank", "basis_bits", "coef_bits", "centroid_bits", "budget", "min_context")
+_INT_FIELDS = ("page_size", "rank", "basis_bits", "coef_bits", "centroid_bits", "budget", "min_context",
+               "rerank")
 
 
 
@@ -43,6 +44,8 @@ class LocksConfig:
         min_context: decode steps with fewer cached tokens run dense (0 = always select).
         lazy_alpha: LazyEviction's attention threshold (``selector="lazy_eviction"`` only); ``None``:
             the published value of the model's family (`locks_hf.baselines.lazy_eviction.family_alpha`).
+        rerank: ``"locks_rerank"`` only: the short list re-ranked by exact page LSE holds
+            ``rerank * k`` candidate pages.
     """
 
     page_size: int = 16
@@ -55,6 +58,7 @@ class LocksConfig:
     group_combine: str = "share_average"
     min_context: int = 0
     lazy_alpha: float | None = None
+    rerank: int = 8
 
     def __post_init__(self) -> None:
         for name in _INT_FIELDS:  # 4.0 or True would pass the range checks and fail deep in a kernel
@@ -93,6 +97,9 @@ class LocksConfig:
             if self.selector != "lazy_eviction":
                 raise LocksConfigError(f"lazy_alpha is LazyEviction's threshold; selector {self.selector!r} has none")
             object.__setattr__(self, "lazy_alpha", float(self.lazy_alpha))
+        if self.rerank < 1:
+            raise LocksConfigError(f"rerank (candidate pages per page slot) must be a positive int, e.g. 4, "
+                                   f"got {self.rerank!r}")
         selector.validate(self)  # last: selector-specific checks see validated generic fields
 
     @property

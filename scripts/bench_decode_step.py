@@ -4,7 +4,9 @@
 Builds a random-weight model with a real shape (default Llama-3.1-8B: 32 layers, 32 query heads, 8 KV
 heads, d=128, bf16), fills the cache with a synthetic prefill of N tokens per layer (structured random
 keys: a per-page offset plus per-token noise; summaries built as after a real prefill), then times
-one-token forwards for each arm: dense (``full``) and Locks / Quest at budget b.
+one-token forwards for each arm: dense (``full``) and Locks / Quest at budget b (Locks with exact
+re-ranking: ``r4i4-rr4``, ...). Each row also gives the bytes the step reads from the cache by the
+arm's rule (summaries, re-ranked keys, attended K/V), so that time and traffic can be set side by side.
 
 ``--graphs`` picks how the step runs:
 
@@ -34,7 +36,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
 from locks_hf import LocksCache, LocksConfig, LocksStaticCache
-from locks_hf.selectors import config_for_family
+from locks_hf.selectors import config_for_family, make_selector
 
 SHAPES = {
     "llama3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -82,6 +84,28 @@ HF_STATIC = "hf-static"  # transformers' own StaticCache (dense, masked SDPA ove
 def make_arm(name: str, budget: int) -> LocksConfig:
     # any registered arm family: r4i4 / locks-r8i4, full, quest, oracle, the baselines (eager: --graphs none)
     return config_for_family("full" if name == HF_STATIC else name, budget=budget)
+
+
+def read_bytes_per_step(locks: LocksConfig, config, context: int, dtype: torch.dtype) -> int | None:
+    """Bytes one decode step reads from the cache over all layers and KV heads, from the arm's rule
+    (``None`` for the token-level baselines): dense K/V; or the scored pages' summaries (the oracle:
+    every key), the keys of a re-ranked short list and the K/V of the ``k`` attended pages."""
+    h, d, n = config.num_key_value_heads, config.head_dim, config.num_hidden_layers
+    token = d * torch.finfo(dtype).bits // 8  # one token's key (or value)
+    selector = make_selector(locks)
+    if selector is None:
+        return n * h * context * 2 * token
+    if selector.token_level:
+        return None
+    B = locks.page_size
+    pages = context // B
+    if selector.reads_keys:
+        estimate = context * token
+    else:
+        probe = selector.summarize(torch.zeros(1, 1, 1, B, d, dtype=dtype), torch.ones(1, 1, 1, B, dtype=torch.bool))
+        estimate = pages * sum(t.numel() * t.element_size() for t in probe.values())
+        estimate += selector.candidate_key_pages(pages) * B * token
+    return n * h * (estimate + locks.page_slots * B * 2 * token)
 
 
 def make_cache(graphs: str, config, name: str, locks: LocksConfig, capacity: int):
@@ -233,7 +257,7 @@ def main(argv=None) -> None:
                 med = statistics.median(times)
                 attended = cache.attended_fraction() if hasattr(cache, "attended_fraction") else 1.0
                 rows.append({"context": ctx, "arm": name, "median_ms": med, "tokens_per_s": 1e3 / med,
-                             "attended": attended, "replay_vs_eager_max_abs": diff, "all_ms": times})
+                             "attended": attended, "read_bytes": read_bytes_per_step(locks, config, ctx, dtype), "replay_vs_eager_max_abs": diff, "all_ms": times})
                 print(rows[-1]["context"], name, f"{med:.2f} ms", f"replay diff {diff}", flush=True)
                 if args.profile and device.type == "cuda":
                     rows[-1]["profile"] = profile_step(stepper, args.profile)
@@ -250,16 +274,18 @@ def main(argv=None) -> None:
     mode = {"none": "eager", "cuda": "CUDA graph", "compile": "torch.compile reduce-overhead"}[args.graphs]
     print(f"\nComplete decode step, {args.shape} random weights, {dtype}, batch 1, b={args.budget}, {mode}, "
           f"median of {args.steps} steps ({where})\n")
-    print(f"| context | arm | ms/step | tokens/s | vs dense (full) | vs {HF_STATIC} | tokens attended | replay vs eager |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"| context | arm | ms/step | tokens/s | vs dense (full) | vs {HF_STATIC} | tokens attended | MB read/step "
+          "| replay vs eager |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratios = []
         for base in ("full", HF_STATIC):
             ms = next((x["median_ms"] for x in rows if x["context"] == r["context"] and x["arm"] == base), None)
             ratios.append(f"{ms / r['median_ms']:.2f}x" if ms else "-")
         diff = "-" if r["replay_vs_eager_max_abs"] is None else f"{r['replay_vs_eager_max_abs']:.2g}"
+        mb = "-" if r["read_bytes"] is None else f"{r['read_bytes'] / 2**20:.1f}"
         print(f"| {r['context'] // 1024}K | {r['arm']} | {r['median_ms']:.2f} | {r['tokens_per_s']:.1f} | "
-              f"{ratios[0]} | {ratios[1]} | {r['attended']:.4f} | {diff} |")
+              f"{ratios[0]} | {ratios[1]} | {r['attended']:.4f} | {mb} | {diff} |")
     with open(args.out, "w") as f:
         json.dump({"shape": args.shape, "budget": args.budget, "graphs": args.graphs, "rows": rows}, f, indent=1)
 

@@ -22,7 +22,7 @@ from locks_hf.models import TINY_ARCHS, tiny_model
 
 #: Test files whose tests run Triton kernels (interpreted on a CPU machine): marked ``interpret``.
 INTERPRETER_TEST_FILES = frozenset({"test_kernels.py", "test_page_update.py", "test_eigh.py",
-                                    "test_score_variants.py"})
+                                    "test_score_variants.py", "test_rerank_kernels.py"})
 
 
 def pytest_collection_modifyitems(config, items):

@@ -54,7 +54,8 @@ VALID_FIELDS = st.fixed_dictionaries({}, optional={
     "basis_bits": st.sampled_from([2, 4, 8, 16]),
     "coef_bits": st.sampled_from([8, 16]),
     "centroid_bits": st.sampled_from([8, 16]),
-    "selector": st.sampled_from(["locks", "oracle", "quest", "full", "shared_basis", "shared_all"]),
+    "selector": st.sampled_from(["locks", "locks_rerank", "oracle", "quest", "full", "shared_basis", "shared_all"]),
+    "rerank": st.sampled_from([1, 2, 8]),
     "group_combine": st.sampled_from(["share_average", "group_max", "group_mass"]),
     "min_context": st.sampled_from([0, 0, 0, 64]),
 })
@@ -62,7 +63,7 @@ VALID_FIELDS = st.fixed_dictionaries({}, optional={
 BAD_FIELD = st.one_of(st.none(), st.none(), st.sampled_from([
     ("page_size", 3), ("page_size", 0), ("page_size", 2**40), ("page_size", 16.0), ("rank", 0), ("rank", 32),
     ("rank", True), ("basis_bits", 3), ("basis_bits", 4.0), ("coef_bits", 4), ("selector", "topk"),
-    ("group_combine", "vote"), ("min_context", -1)]))
+    ("group_combine", "vote"), ("min_context", -1), ("rerank", 0)]))
 
 
 @settings(max_examples=40, deadline=None, derandomize=True,

@@ -122,7 +122,7 @@ class Summaries:
 
 
 def check_partials(part, summ, want_scores):
-    """Partials -> (sink, per-head LSE) as `kernels.select._sink_and_lse` folds them = the reference's."""
+    """Partials -> (sink, per-head LSE) as `kernels.select.sink_and_lse` folds them = the reference's."""
     p = part.double().cpu()
     rows, G = p.shape[0], summ.G
     sink_want, lse_want = summ.folded(want_scores)

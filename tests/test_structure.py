@@ -31,10 +31,11 @@ from locks_hf.static_cache import LocksStaticLayer
 # -- the selector registry -------------------------------------------------------------------------------
 def test_registry_declares_the_builtin_selectors():
     baselines = ("kvzip", "lazy_eviction", "rkv", "rocketkv", "shadowkv", "triattention")
-    assert selector_names() == ("locks", "oracle", "quest", "full", "shared_basis", "shared_all", *baselines)
-    assert static_selector_names() == ("locks", "oracle", "quest", "full")
+    assert selector_names() == ("locks", "locks_rerank", "oracle", "quest", "full", "shared_basis", "shared_all",
+                                *baselines)
+    assert static_selector_names() == ("locks", "locks_rerank", "oracle", "quest", "full")
     assert {n: selector_class(n).kernel_method for n in selector_names()} == {
-        "locks": "locks", "oracle": "oracle", "quest": "quest", "full": "full",
+        "locks": "locks", "locks_rerank": "locks_rerank", "oracle": "oracle", "quest": "quest", "full": "full",
         "shared_basis": None, "shared_all": None, **dict.fromkeys(baselines)}
     assert [n for n in selector_names() if selector_class(n).token_level] == list(baselines)
     assert make_selector(LocksConfig(selector="full")) is None

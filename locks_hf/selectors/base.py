@@ -38,6 +38,9 @@ class SelectionMethod:
     per_head: ClassVar[bool] = False
     #: Scoring reads every cached key (the exact oracle) rather than summaries only.
     reads_keys: ClassVar[bool] = False
+    #: Selection reads the keys of a short list of candidate pages (exact re-ranking): `choose_pages`
+    #: is given the keys, and the step's traffic counts `candidate_key_pages` pages of them.
+    reads_candidate_keys: ClassVar[bool] = False
     #: Usable by `LocksStaticCache`: per-page state only, no state fitted on the whole sequence.
     static_cache: ClassVar[bool] = True
     #: The kernels' scoring mode (``locks_hf.kernels.implements``) or ``None``: reference path only.
@@ -45,6 +48,9 @@ class SelectionMethod:
     #: `LocksConfig` fields (besides ``page_size``) that define the summary layout: a cache fork
     #: rebuilds its summaries when one of them changes.
     summary_fields: ClassVar[tuple[str, ...]] = ()
+    #: The selector whose summaries this one keeps (``None``: its own): equal layouts are shared by forks,
+    #: and the kernels build them as that selector's.
+    summary_of: ClassVar[str | None] = None
     #: The selector has a rank ``r`` (``LocksConfig.rank``), which must fit the model's head_dim.
     uses_rank: ClassVar[bool] = False
     #: Dense attention, no selection (``"full"``): `make_selector` gives ``None`` and arms take no budget.
@@ -86,6 +92,11 @@ class SelectionMethod:
         """Order of this selector's families in reports (larger summaries first)."""
         return (-fields.get("rank", 0), -fields.get("basis_bits", 0))
 
+    def candidate_key_pages(self, pages: int) -> int:
+        """Pages whose keys a decode step reads to choose its pages, besides those it attends, with
+        ``pages`` complete pages cached (per row and KV head; the oracle's whole-cache read is counted
+        apart, through `reads_keys`)."""
+        return 0
 
 
 class PageSelector(SelectionMethod, ABC):
@@ -109,3 +120,24 @@ class PageSelector(SelectionMethod, ABC):
                     query: torch.Tensor, scale: float) -> torch.Tensor:
         """Scores ``[b, h, G, P]``; larger means the page should be kept. ``summary`` holds the
         per-page tensors and the sequence-level ones of `fit_sequence`."""
+
+    def choose_pages(self, summary: dict[str, torch.Tensor], keys: torch.Tensor | None, valid: torch.Tensor,
+                     query: torch.Tensor, scale: float, page_complete: torch.Tensor, config: LocksConfig
+                     ) -> torch.Tensor:
+        """The page set ``[b, h, P]`` of a decode step: `page_scores`, then the shared rule
+        (`selection.select_pages`: sink + most recent + best ``k - 2``). ``keys`` as for `page_scores`
+        (also given to selectors that set `reads_candidate_keys`); ``page_complete [b, P]``; ``config``
+        the layer's settings now (its budget may have moved since the selector was made:
+        `LocksCache.set_budget`)."""
+        from .selection import select_pages
+
+        scores = self.all_page_scores(summary, keys, valid, query, scale)
+        return select_pages(scores, valid[:, 0].any(-1), page_complete, config.page_slots, config.group_combine,
+                            self.per_head)
+
+    def all_page_scores(self, summary: dict[str, torch.Tensor], keys: torch.Tensor | None, valid: torch.Tensor,
+                        query: torch.Tensor, scale: float) -> torch.Tensor:
+        """`page_scores` over every page of ``valid [b, 1, P, B]``: ``-inf`` for pages past the
+        summarized ones."""
+        scores = self.page_scores(summary, keys, valid, query, scale)
+        return torch.nn.functional.pad(scores, (0, valid.shape[2] - scores.shape[-1]), value=float("-inf"))

@@ -62,7 +62,7 @@ def make_selector(config: LocksConfig) -> PageSelector | None:
 def summary_layout(config: LocksConfig) -> tuple:
     """What a cache's summaries depend on: equal layouts share summaries (`LocksCache.fork`)."""
     cls = selector_class(config.selector)
-    return (config.selector, config.page_size, *(getattr(config, f) for f in cls.summary_fields))
+    return (cls.summary_of or config.selector, config.page_size, *(getattr(config, f) for f in cls.summary_fields))
 
 
 # -- arm labels ----------------------------------------------------------------------------------------

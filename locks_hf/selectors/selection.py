@@ -54,14 +54,16 @@ def forced_pages(page_real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def select_pages(scores: torch.Tensor, page_real: torch.Tensor, page_complete: torch.Tensor,
-                 slots: int, rule: str, per_head: bool) -> torch.Tensor:
+                 slots: int, rule: str, per_head: bool, eligible: torch.Tensor | None = None) -> torch.Tensor:
     """Boolean page set ``[b, h, P]`` (the paper's §4).
 
     ``scores [b, h, G, P]``; ``page_real [b, P]`` pages holding a real token; ``page_complete``
     ``[b, P]`` or ``[P]`` pages whose last slot is written.
     The sink and the most recent page are always kept; the other ``slots - 2`` slots
     take the best remaining complete pages. With ``per_head`` every query head selects on its own
-    and the group attends the union.
+    and the group attends the union. ``eligible`` (``[b, h, P]``, optional) restricts the pages that
+    may take a free slot without changing the group's softmax, which still runs over every
+    candidate (exact re-ranking chooses among its short list this way).
     """
     P = scores.shape[-1]
     sink, recent = forced_pages(page_real)
@@ -70,10 +72,11 @@ def select_pages(scores: torch.Tensor, page_real: torch.Tensor, page_complete: t
     # NaN / +Inf scores come from pages whose keys are not finite: they are taken first, as dense
     # attention would attend them (and propagate the NaN); they take no part in the group's softmax.
     poisoned = torch.isnan(scores) | torch.isposinf(scores)
+    pool = candidates if eligible is None else candidates & eligible  # [b, 1 | h, P]
     if per_head:
-        chosen = _top_pages(scores.masked_fill(poisoned, float("inf")), candidates.unsqueeze(2), slots - 2).any(2)
+        chosen = _top_pages(scores.masked_fill(poisoned, float("inf")), pool.unsqueeze(2), slots - 2).any(2)
     else:
         combined = combine_group(scores.masked_fill(poisoned, NEG_INF), candidates.expand(-1, scores.shape[1], -1),
                                  rule)
-        chosen = _top_pages(combined.masked_fill(poisoned.any(2), float("inf")), candidates, slots - 2)
+        chosen = _top_pages(combined.masked_fill(poisoned.any(2), float("inf")), pool, slots - 2)
     return (chosen | forced).expand(scores.shape[0], scores.shape[1], P)
