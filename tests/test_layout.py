@@ -241,7 +241,12 @@ def _cuda_model():
 def test_one_liner_compiles_once_across_budgets_on_cuda():
     """The README one-liner takes the static layout by itself; generate() compiles its decode step
     (inductor + CUDA graphs) once; budgets up to ``max_budget`` switch without a recompile; the tokens
-    equal the dynamic layout's at every budget; memory stays flat however many tokens are decoded."""
+    equal the same layout's uncompiled decode at every budget, and the dynamic layout's over 40
+    tokens; memory stays flat however many tokens are decoded.
+
+    Over 150 tokens the dynamic layout may part from the static one (scripts/check_layouts_gpu.py):
+    its pages are summarized by the batched build, the static layout's in place by the per-step
+    update, and a last-bit difference in a basis can move an int4 code and flip a near-tie page."""
     import torch._dynamo
 
     model = _cuda_model()
@@ -253,8 +258,13 @@ def test_one_liner_compiles_once_across_budgets_on_cuda():
     model.generate(ids, max_new_tokens=8, do_sample=False, past_key_values=cache)  # compiles
     allocated = []
     for budget, new in ((64, 40), (96, 40), (128, 150)):
-        want = model.generate(ids, max_new_tokens=new, do_sample=False,
-                              past_key_values=LocksCache(model.config, budget=budget, layout="dynamic"))
+        eager = LocksCache(model.config, budget=budget, max_budget=128, max_cache_len=800)
+        want = model.generate(ids, max_new_tokens=new, do_sample=False, disable_compile=True, past_key_values=eager)
+        if new <= 40:
+            dynamic = model.generate(ids, max_new_tokens=new, do_sample=False,
+                                     past_key_values=LocksCache(model.config, budget=budget, layout="dynamic"))
+            assert torch.equal(dynamic, want), budget
+        del eager
         cache.reset()
         cache.set_budget(budget)
         with torch._dynamo.config.patch(error_on_recompile=True):
