@@ -47,9 +47,10 @@ def decode_step(method: str, query: torch.Tensor, *, key_buf: torch.Tensor, valu
     ``active_slots`` (``int32 [1]``, optional): the page slots ``k <= slots`` to select, read on the
     device (``slots`` then only sizes the page lists).
 
-    The rest lets a static cache's layer step be these launches alone: ``workspace`` (int32, zeros,
-    `workspace_size` entries; the kernels leave it zero) saves the per-call memsets of the selection
-    state and merge counters (Quest selects per query head and keeps its own); ``row_counts`` (int64
+    The rest lets a static cache's layer keep its bookkeeping in the step: ``workspace`` (int32,
+    zeros, `workspace_size` entries; the kernels leave it zero) holds the radix selection's state and
+    the fused merge's counters where those run (`select.select_pages`, `attend.sparse_attention`:
+    neither is the default); ``row_counts`` (int64
     ``[b, 2]``) and ``pad`` (int32 ``[b]``): the per-row statistics (see `sparse_attention`; ``counts``
     needed); ``selection`` (bool ``[b, h, P]``): overwritten with the pages attended (not for
     ``"full"``).
@@ -86,11 +87,11 @@ def decode_step(method: str, query: torch.Tensor, *, key_buf: torch.Tensor, valu
         common.pop("heads"), common.pop("state")
         pages = rerank_pages(query, key_buf, shortlist, scores, partials, slot_valid=slot_valid, scale=scale,
                              slots=slots, active_slots=active_slots, **common)
-        if mask is not None:  # the final pick, not the short list, is what was attended
-            _mark_attended(mask, pages)
     else:
         pages = select_pages(scores, partials, slots=slots, per_head=method == "quest",
-                             active_slots=active_slots, mask_out=mask, **common)
+                             active_slots=active_slots, **common)
+    if mask is not None:  # the chunked selection (the default) keeps no mask of its own
+        _mark_attended(mask, pages)
     out = sparse_attention(query, key_buf, value_buf, pages, slot_valid=slot_valid, row_start=row_start,
                            length=length, scale=scale, page_size=page_size, **stats)
     return out, pages

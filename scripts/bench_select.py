@@ -149,16 +149,16 @@ def kernel_config(model: str, ctx: int, batch: int, budget: int, reps: int, swee
     W = pages[0].shape[1]
     osp = old_splits(rows, W)
     ref = att(0, splits=osp, fused_combine=False).float()
-    new = att(0, semaphore=ws[0][-rows:]).float()
+    new = att(0, semaphore=ws[0][-rows:], fused_combine=True).float()
     row["attend_rel_diff"] = float((new - ref).norm() / ref.norm())
     log(f"  fused vs separate merge: rel diff {row['attend_rel_diff']:.2e}")
     sem = [w[-rows:] for w in ws]
     t["attend_old"] = timed([functools.partial(att, i, splits=osp, fused_combine=False) for i in range(nbuf)], reps)
-    t["attend_fused"] = timed([functools.partial(att, i, semaphore=sem[i]) for i in range(nbuf)], reps)
+    t["attend_fused"] = timed([functools.partial(att, i, semaphore=sem[i], fused_combine=True) for i in range(nbuf)], reps)
     if sweep:
         for splits, tp, nw in [(8, 4, 4), (16, 4, 4), (32, 4, 4), (8, 8, 4), (16, 8, 4), (16, 8, 8), (4, 8, 4)]:
             t[f"attend_fused_s{splits}_tp{tp}_w{nw}"] = timed(
-                [functools.partial(att, i, semaphore=sem[i], splits=splits, tile_pages=tp, num_warps=nw)
+                [functools.partial(att, i, semaphore=sem[i], splits=splits, tile_pages=tp, num_warps=nw, fused_combine=True)
                  for i in range(nbuf)], reps)
 
     t["score"] = timed([functools.partial(score, s) for s in sets], reps)

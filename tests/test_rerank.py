@@ -191,7 +191,8 @@ def test_decode_traffic_counts_the_short_lists_keys():
     steps = 6
     traffic = {}
     for selector in ("locks", "locks_rerank"):
-        cache = LocksCache(model.config, LocksConfig(budget=64, selector=selector, rank=4, rerank=2))
+        # the dynamic layout counts its reads on the host (a static one, auto-chosen where CUDA is, does not)
+        cache = LocksCache(model.config, LocksConfig(budget=64, selector=selector, rank=4, rerank=2), layout="dynamic")
         model.generate(ids, max_new_tokens=steps + 1, do_sample=False, past_key_values=cache)
         traffic[selector] = cache.decode_traffic()
     d = model.config.head_dim

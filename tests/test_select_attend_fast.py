@@ -104,6 +104,7 @@ class Rows:
 
 
 def _select(c, scores, k, per_head=False, span=8, **kw):
+    kw.setdefault("algorithm", "radix")  # the file's subject; "chunks" is the default and the comparison
     return kernels.select_pages(scores.to(DEV), c.partials(scores, span).to(DEV), slots=k, per_head=per_head,
                                 row_start=c.row_start.to(DEV), length=c.length, heads=c.h, page_size=c.B, **kw)
 
