@@ -4,8 +4,8 @@
 time: each K/V page is loaded once for all G query heads of the KV head (the group is the M side of
 the tensor-core products, padded to 16), online softmax in float32, padding slots and ``SENTINEL``
 entries masked. With one split it writes the output; otherwise each split writes its normalised
-partial output and base-2 LSE, and the row's last split to finish merges them (`_combine_row`;
-a counter per row, in a second launch, ``_combine_kernel``, without ``fused_combine``). ``DENSE`` walks every page up to
+partial output and base-2 LSE, merged by ``_combine_kernel`` in a second launch (the default), or,
+with ``fused_combine``, by the row's last split to finish (`_combine_row`, a counter per row). ``DENSE`` walks every page up to
 the cache's length instead of a list: dense decode for the static cache's ``"full"`` selector, so
 that its baseline reads K/V at flash-decoding speed, not through a capacity-wide SDPA mask.
 """

@@ -10,7 +10,9 @@ Two launches, no host sync, fixed-width outputs padded with ``SENTINEL``:
    and writes ``[sink, recent, winners..., SENTINEL...]``; for Quest it writes each head's list and
    ``_union_kernel`` merges the G lists of a KV head (sort, drop duplicates).
 
-Ties break towards the earlier page, as in the reference (a stable descending sort).
+``algorithm="radix"`` replaces steps 1-2 by ``_radix_keys_kernel`` and ``_radix_gather_kernel``
+(see `select_pages`); both give the same pages. Ties break towards the earlier page, as in the
+reference (a stable descending sort).
 """
 
 from __future__ import annotations
