@@ -218,11 +218,10 @@ def sparse_attention(query: torch.Tensor, key_buf: torch.Tensor, value_buf: torc
     else:
         part_o = part_l = o3
     fused = fused_combine and splits > 1
-    if fused:
-        if semaphore is None:
-            semaphore = torch.zeros((rows,), dtype=torch.int32, device=dev)
-        elif semaphore.dtype != torch.int32 or semaphore.numel() < rows:
-            raise ValueError(f"sparse_attention: semaphore must be int32 with >= {rows} entries")
+    if semaphore is not None and (semaphore.dtype != torch.int32 or semaphore.numel() < rows):
+        raise ValueError(f"sparse_attention: semaphore must be int32 with >= {rows} entries")
+    if fused and semaphore is None:
+        semaphore = torch.zeros((rows,), dtype=torch.int32, device=dev)
     SB = 4 if G * d < 2048 else 2
     _sparse_attn_kernel[(rows, splits)](
         q, q.stride(0), q.stride(1), key_buf, key_buf.stride(0), key_buf.stride(1), key_buf.stride(2),
