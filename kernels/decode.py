@@ -75,23 +75,21 @@ def decode_step(method: str, query: torch.Tensor, *, key_buf: torch.Tensor, valu
     scores, partials = score_pages(scan, query, slot_valid=slot_valid, row_start=row_start,
                                    n_complete=n_complete, length=length, n_pages=n_pages, scale=scale,
                                    page_size=page_size, summary=summary, keys=key_buf, basis_bits=basis_bits)
-    common = dict(row_start=row_start, length=length, page_size=page_size, heads=h, state=state)
-    mask = None if selection is None else selection.view(rows, -1)
+    where = dict(row_start=row_start, length=length, page_size=page_size)
     if method == "locks_rerank":
         if rerank < 1:
             raise ValueError(f"decode_step('locks_rerank'): rerank (candidates per page slot) must be >= 1, got {rerank}")
         # the short list: rerank * k candidates (+ the forced pages), at the budget in use
         wide = None if active_slots is None else active_slots * rerank + 2
-        shortlist = select_pages(scores, partials, slots=rerank * slots + 2, per_head=False,
-                                 active_slots=wide, **common)
-        common.pop("heads"), common.pop("state")
+        shortlist = select_pages(scores, partials, slots=rerank * slots + 2, per_head=False, heads=h, state=state,
+                                 active_slots=wide, **where)
         pages = rerank_pages(query, key_buf, shortlist, scores, partials, slot_valid=slot_valid, scale=scale,
-                             slots=slots, active_slots=active_slots, **common)
+                             slots=slots, active_slots=active_slots, **where)
     else:
-        pages = select_pages(scores, partials, slots=slots, per_head=method == "quest",
-                             active_slots=active_slots, **common)
-    if mask is not None:  # the chunked selection (the default) keeps no mask of its own
-        _mark_attended(mask, pages)
+        pages = select_pages(scores, partials, slots=slots, per_head=method == "quest", heads=h, state=state,
+                             active_slots=active_slots, **where)
+    if selection is not None:  # the chunked selection (the default) keeps no mask of its own
+        _mark_attended(selection.view(rows, -1), pages)
     out = sparse_attention(query, key_buf, value_buf, pages, slot_valid=slot_valid, row_start=row_start,
                            length=length, scale=scale, page_size=page_size, **stats)
     return out, pages

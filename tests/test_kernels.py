@@ -406,6 +406,15 @@ def test_static_per_step_page_summary_glue(monkeypatch, selector):
 @pytest.mark.parametrize("selector", ["locks", "quest", "oracle"])
 def test_generate_on_gpu_matches_reference_path(monkeypatch, selector):
     """A left-padded batch through generate(): kernels and the PyTorch reference give the same tokens."""
+    from locks_hf.config import LocksConfig
+
+    kernel_out, reference_out = generate_both_paths(monkeypatch, LocksConfig(selector=selector, rank=4, budget=6 * B))
+    assert torch.equal(kernel_out, reference_out)
+
+
+def generate_both_paths(monkeypatch, cfg):
+    """Greedy tokens of a left-padded batch of a tiny GQA Llama on ``DEV`` with ``cfg``: through the
+    kernels, then through the PyTorch reference (``LOCKS_HF_KERNELS``)."""
     from locks_hf import LocksCache
     from locks_hf.models import tiny_model
 
@@ -415,14 +424,12 @@ def test_generate_on_gpu_matches_reference_path(monkeypatch, selector):
     ids = torch.randint(3, 256, (2, 700), generator=g).to(DEV)
     mask = torch.ones_like(ids)
     mask[1, :37] = 0
-    cfg = LocksConfig(selector=selector, rank=4, budget=6 * B)
     outs = []
     for flag in ("1", "0"):
         monkeypatch.setenv("LOCKS_HF_KERNELS", flag)
-        cache = LocksCache(model.config, cfg)
         outs.append(model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
-                                   past_key_values=cache, pad_token_id=0))
-    assert torch.equal(outs[0], outs[1])
+                                   past_key_values=LocksCache(model.config, cfg), pad_token_id=0))
+    return outs
 
 
 @pytest.mark.parametrize("rank,bits,G", [(4, 4, 4), (8, 4, 4), (2, 4, 16), (4, 2, 4), (4, 8, 3), (4, 4, 16)])

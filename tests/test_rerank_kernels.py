@@ -6,7 +6,7 @@ import torch
 from conftest import page_lists_as_mask
 
 # test_kernels chooses the interpreter before Triton is imported (or skips without Triton): first.
-from test_kernels import DEV, B, Cache, _ref_attention
+from test_kernels import DEV, B, Cache, _ref_attention, generate_both_paths
 
 from locks_hf import kernels
 from locks_hf.config import LocksConfig
@@ -138,20 +138,6 @@ def test_kernels_build_and_update_the_locks_summaries(monkeypatch):
 def test_generate_on_gpu_matches_reference_path(monkeypatch, rerank):
     """A left-padded batch through generate() (on the GPU: the static layout, compiled decode):
     kernels and the PyTorch reference give the same tokens."""
-    from locks_hf import LocksCache
-    from locks_hf.models import tiny_model
-
-    model = tiny_model("llama", head_dim=64, num_attention_heads=8, num_key_value_heads=2,
-                       hidden_size=512).to(DEV)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 256, (2, 700), generator=g).to(DEV)
-    mask = torch.ones_like(ids)
-    mask[1, :37] = 0
     cfg = LocksConfig(selector="locks_rerank", rank=4, budget=4 * B, rerank=rerank)
-    outs = []
-    for flag in ("1", "0"):
-        monkeypatch.setenv("LOCKS_HF_KERNELS", flag)
-        cache = LocksCache(model.config, cfg)
-        outs.append(model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
-                                   past_key_values=cache, pad_token_id=0))
-    assert torch.equal(outs[0], outs[1])
+    kernel_out, reference_out = generate_both_paths(monkeypatch, cfg)
+    assert torch.equal(kernel_out, reference_out)

@@ -13,17 +13,10 @@ included.
 
 import math
 import os
-import sys
 
 import pytest
+import test_kernels  # noqa: E402,F401  (chooses the interpreter before Triton is imported, or skips)
 import torch
-
-if not torch.cuda.is_available():
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no CUDA and Triton was imported before TRITON_INTERPRET=1 was set: run the tests with "
-                    "TRITON_INTERPRET=1 in the environment", allow_module_level=True)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
 
 from locks_hf import kernels  # noqa: E402
 from locks_hf.kernels.score_tiles import fma_supported, mma_supported  # noqa: E402
