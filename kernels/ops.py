@@ -22,14 +22,17 @@ def decode_step_op(method: str, query: torch.Tensor, key_buf: torch.Tensor, valu
                    slot_valid: torch.Tensor, row_start: torch.Tensor, n_complete: torch.Tensor,
                    length: torch.Tensor, summary: list[torch.Tensor], n_pages: int, slots: int, scale: float,
                    page_size: int, basis_bits: int, counts: torch.Tensor,
-                   active_slots: torch.Tensor | None, workspace: torch.Tensor | None = None,
-                   row_counts: torch.Tensor | None = None, pad: torch.Tensor | None = None,
-                   selection: torch.Tensor | None = None, rerank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                   active_slots: torch.Tensor | None, workspace: torch.Tensor | None,
+                   row_counts: torch.Tensor | None, pad: torch.Tensor | None,
+                   selection: torch.Tensor | None, rerank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """`decode.decode_step` with the summary passed as the list ``SUMMARY_NAMES[method]``; ``counts[0]``
     (int64) grows by the tokens attended. ``slots`` sizes the page lists; ``active_slots`` (``int32 [1]``
     or ``None`` for ``slots``) is the budget selected with, read on the device. ``workspace``,
     ``row_counts``, ``pad`` and ``selection``: a static layer's buffers (see `decode.decode_step`);
-    ``rerank`` the candidate multiple of ``"locks_rerank"``."""
+    ``rerank`` the candidate multiple of ``"locks_rerank"``.
+
+    The mutated arguments have no defaults on purpose: torch before 2.12 drops trailing arguments equal
+    to their default before its in-place version bump, which then indexes past the end of ``args``."""
     named = dict(zip(SUMMARY_NAMES[method], summary))
     return decode_step(method, query, key_buf=key_buf, value_buf=value_buf, slot_valid=slot_valid,
                        row_start=row_start, n_complete=n_complete, length=length, n_pages=n_pages, slots=slots,
@@ -40,8 +43,7 @@ def decode_step_op(method: str, query: torch.Tensor, key_buf: torch.Tensor, valu
 
 @decode_step_op.register_fake
 def _(method, query, key_buf, value_buf, slot_valid, row_start, n_complete, length, summary, n_pages, slots,
-      scale, page_size, basis_bits, counts, active_slots, workspace=None, row_counts=None, pad=None, selection=None,
-      rerank=0):
+      scale, page_size, basis_bits, counts, active_slots, workspace, row_counts, pad, selection, rerank=0):
     b, hq, d = query.shape[0], query.shape[1], query.shape[-1]
     h = key_buf.shape[1]
     width = 0 if method == "full" else page_list_width(method, slots, hq // h)
@@ -64,13 +66,13 @@ def _(keys, valid, rank, basis_bits):
 @torch.library.custom_op("locks_hf::update_completed_pages", mutates_args=("summary", "n_complete"))
 def update_completed_pages_op(method: str, key_buf: torch.Tensor, slot_valid: torch.Tensor, row_start: torch.Tensor,
                               length: torch.Tensor, summary: list[torch.Tensor], page_size: int, rank: int,
-                              basis_bits: int, n_complete: torch.Tensor | None = None) -> None:
+                              basis_bits: int, n_complete: torch.Tensor | None) -> None:
     """`page_update.update_completed_pages`: the summary (``SUMMARY_NAMES[method]``) written in place,
-    and ``n_complete`` when given."""
+    and ``n_complete`` unless it is ``None`` (required, for the reason `decode_step_op` gives)."""
     update_completed_pages(method, key_buf, slot_valid, row_start, length, summary, page_size=page_size, rank=rank,
                            basis_bits=basis_bits, n_complete=n_complete)
 
 
 @update_completed_pages_op.register_fake
-def _(method, key_buf, slot_valid, row_start, length, summary, page_size, rank, basis_bits, n_complete=None):
+def _(method, key_buf, slot_valid, row_start, length, summary, page_size, rank, basis_bits, n_complete):
     return None

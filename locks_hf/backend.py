@@ -115,7 +115,7 @@ def kernel_decode(layer, query: torch.Tensor, scale: float) -> torch.Tensor:
                      selection=None if method == "full" else bufs["selection"])
     else:
         row_start, n_complete = layer.row_tensors()
-        extra = {}
+        extra = dict(workspace=None, row_counts=None, pad=None, selection=None)
     # Triton launches on the *current* device; with a model split over GPUs (device_map) this layer's
     # tensors may live on another one. The kernels count the tokens they attend into the statistics.
     with kernels.on_device(query.device):

@@ -56,7 +56,7 @@ class Paged:
         args = (self.method, self.keys.to(DEV), self.slot_valid.to(DEV), self.row_start.to(DEV),
                 torch.tensor([length], dtype=torch.int32, device=DEV), summary)
         if op:
-            torch.ops.locks_hf.update_completed_pages(*args, self.B, self.rank, self.bits)
+            torch.ops.locks_hf.update_completed_pages(*args, self.B, self.rank, self.bits, None)
         else:
             kernels.update_completed_pages(*args, page_size=self.B, rank=self.rank, basis_bits=self.bits)
         return [t.cpu() for t in summary]
@@ -174,7 +174,7 @@ def test_custom_op_matches_launcher(method):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     if method == "quest":  # schema, fake tensor and functionalization (the mutated summary list)
         args = (method, c.keys.to(DEV), c.slot_valid.to(DEV), c.row_start.to(DEV),
-                torch.tensor([32], dtype=torch.int32, device=DEV), [t.to(DEV) for t in c.sentinel], 16, 8, 4)
+                torch.tensor([32], dtype=torch.int32, device=DEV), [t.to(DEV) for t in c.sentinel], 16, 8, 4, None)
         torch.library.opcheck(torch.ops.locks_hf.update_completed_pages.default, args)
 
 
@@ -183,7 +183,7 @@ def test_oracle_and_bad_arguments():
     args = (c.keys.to(DEV), c.slot_valid.to(DEV), c.row_start.to(DEV),
             torch.tensor([32], dtype=torch.int32, device=DEV))
     kernels.update_completed_pages("oracle", *args, [], page_size=16, rank=4, basis_bits=4)  # nothing to build
-    torch.ops.locks_hf.update_completed_pages("oracle", *args, [], 16, 4, 4)
+    torch.ops.locks_hf.update_completed_pages("oracle", *args, [], 16, 4, 4, None)
     summary = [t.to(DEV) for t in c.sentinel]
     with pytest.raises(ValueError, match="page_size"):
         kernels.update_completed_pages("locks", *args, summary, page_size=12, rank=4, basis_bits=4)
