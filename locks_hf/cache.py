@@ -15,11 +15,11 @@ from collections.abc import Callable
 
 import torch
 from transformers import PretrainedConfig
-from transformers.cache_utils import DynamicCache, DynamicLayer, StaticLayer, get_layer_types_and_kwargs
-from transformers.masking_utils import find_first_full_attention_index
+from transformers.cache_utils import DynamicCache, DynamicLayer, StaticLayer
 from transformers.utils import is_torchdynamo_compiling
 
 from .backend import build_summary as compute_summary  # noqa: F401  (the former name here)
+from .compat import find_first_full_attention_index, get_layer_types_and_kwargs
 from .config import LocksConfig, LocksConfigError
 from .layout import (
     CapacityPlan,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import transformers
 from transformers import PretrainedConfig
-from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from .compat import get_layer_types_and_kwargs
 from .config import LocksConfig, LocksConfigError
 from .selectors import selector_class
 

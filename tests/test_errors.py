@@ -8,6 +8,9 @@ from transformers import Gemma2Config, LlamaConfig, MistralConfig
 from locks_hf import LocksCache, LocksConfig, LocksConfigError, UnsupportedModelError
 from locks_hf.attention import locks_attention_forward
 
+#: cache API, generate() with padding, beams and sampling, layouts, fork: checked on every supported version.
+pytestmark = pytest.mark.compat
+
 
 @pytest.mark.parametrize("kwargs,needle", [
     (dict(rank=0), "rank must be a positive int"),

@@ -65,6 +65,7 @@ def test_looping_stop_rule():
     assert loop_cut(": 1. 2. 3. 4. 5. 6. 7. 8.") == ": 1. 2. 3. 4. 5. 6."
 
 
+@pytest.mark.compat  # the sweep smoke run of the compatibility subset
 def test_end_to_end_resume_and_shards(model, tmp_path, monkeypatch):
     single = tmp_path / "single"
     _run(model, single)

@@ -8,6 +8,9 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 from locks_hf import LocksCache, LocksConfig, LocksLayer
 from locks_hf.attention import sparse_decode
 
+#: cache API, generate() with padding, beams and sampling, layouts, fork: checked on every supported version.
+pytestmark = pytest.mark.compat
+
 PROMPT = 300
 
 

@@ -16,6 +16,9 @@ from transformers.cache_utils import DynamicSlidingWindowLayer, StaticSlidingWin
 from locks_hf import LocksCache, LocksConfig, LocksConfigError, LocksLayer, LocksStaticCache, layout
 from locks_hf.static_cache import LocksStaticLayer
 
+#: cache API, generate() with padding, beams and sampling, layouts, fork: checked on every supported version.
+pytestmark = pytest.mark.compat
+
 
 def _ids(n=300, b=1, seed=1):
     return torch.randint(3, 256, (b, n), generator=torch.Generator().manual_seed(seed))

@@ -7,6 +7,9 @@ from transformers import CompileConfig
 
 from locks_hf import LocksCache, LocksConfig, LocksConfigError, LocksStaticCache
 
+#: cache API, generate() with padding, beams and sampling, layouts, fork: checked on every supported version.
+pytestmark = pytest.mark.compat
+
 PROMPT = 300
 
 

@@ -1,0 +1,73 @@
+"""The wheel users install holds every module and data file of the source tree, and declares the
+tested version ranges (an editable install hides a package left out of the wheel)."""
+
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+#: source folder -> where it lands in the wheel (pyproject's package-dir).
+SOURCES = {"locks_hf": "locks_hf", "kernels": "locks_hf/kernels", "eval": "locks_hf/eval"}
+
+
+def _source_files() -> set[str]:
+    """Wheel paths of every module and packaged data file of the source tree."""
+    want = set()
+    for folder, target in SOURCES.items():
+        base = ROOT / folder
+        for path in base.rglob("*"):
+            rel = path.relative_to(base)
+            # A dev tree may link locks_hf/kernels -> ../kernels; those files are counted under kernels/.
+            if folder == "locks_hf" and rel.parts[0] in ("kernels", "eval"):
+                continue
+            if "__pycache__" in rel.parts or not path.is_file():
+                continue
+            if path.suffix == ".py" or (folder == "locks_hf" and rel.parts[0] == "data"):
+                want.add(f"{target}/{rel.as_posix()}")
+    return want
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> zipfile.ZipFile:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
+                    str(ROOT)], check=True, capture_output=True, text=True)
+    (path,) = out.glob("locks_hf-*.whl")
+    return zipfile.ZipFile(path)
+
+
+def test_every_package_is_listed_in_pyproject():
+    # (a regex, not tomllib: the compatibility checks collect this file on Python 3.10 too)
+    line = re.search(r"^packages = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    listed = set(re.findall(r'"([\w.]+)"', line))
+    found = set()
+    for folder, target in SOURCES.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder)
+            if folder == "locks_hf" and rel.parts and rel.parts[0] in ("kernels", "eval"):
+                continue
+            found.add(".".join((target.replace("/", "."), *rel.parts)))
+    assert found == listed, f"pyproject.toml [tool.setuptools] packages: add {sorted(found - listed)}, " \
+                            f"remove {sorted(listed - found)}"
+
+
+def test_wheel_holds_every_module_and_data_file(wheel):
+    names = set(wheel.namelist())
+    missing = sorted(_source_files() - names)
+    assert not missing, f"the wheel lacks {missing}"
+    assert "locks_hf/baselines/rocketkv.py" in names  # the package whose absence broke `import locks_hf`
+
+
+def test_wheel_declares_the_tested_ranges(wheel):
+    (meta,) = [n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")]
+    text = wheel.read(meta).decode()
+    requires = dict(re.findall(r"^Requires-Dist: ([A-Za-z0-9_.-]+)\s*\(?([^;\n]*?)\)?$", text, re.M))
+    assert requires["transformers"].replace(" ", "") in (">=5.17,<5.25", "<5.25,>=5.17")
+    assert requires["torch"].replace(" ", "").startswith(">=")
+    assert re.search(r"^Requires-Python: >=3\.10", text, re.M)
+    versions = re.findall(r"^Classifier: Programming Language :: Python :: (3\.\d+)$", text, re.M)
+    assert versions == ["3.10", "3.11", "3.12", "3.13"]
