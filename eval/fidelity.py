@@ -31,6 +31,8 @@ import torch
 
 from locks_hf.selectors import forced_pages, make_selector
 
+from .jsonl import InputFileError, end_last_line, read_jsonl, resolve
+
 
 # ----------------------------------------------------------------------------------------------------
 # metrics on tensors
@@ -202,13 +204,9 @@ def run_fidelity(model, prompts: list[tuple], arms, out_dir, steps: int = 8, pag
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     raw_path = out_dir / "fidelity_raw.jsonl"
-    done = set()
-    if raw_path.exists():
-        for line in raw_path.read_text().splitlines():
-            try:
-                done.add(json.loads(line)["prompt"])
-            except (json.JSONDecodeError, KeyError):
-                pass
+    # prompts already measured (resume); a line torn by a kill is dropped and cut off before appending
+    done = {r["prompt"] for r in _raw_rows(raw_path)} if raw_path.exists() else set()
+    end_last_line(raw_path)
     with open(raw_path, "a") as f:
         for item in tqdm(prompts, desc="fidelity", disable=not progress):
             name, ids = item[0], item[1]
@@ -228,9 +226,18 @@ def run_fidelity(model, prompts: list[tuple], arms, out_dir, steps: int = 8, pag
     return out_dir
 
 
+def _raw_rows(path: Path) -> list[dict]:
+    """The measurements of ``fidelity_raw.jsonl``, which the harness appends to (`read_jsonl` ``appended``)."""
+    return read_jsonl(path, required=("prompt", "layer", "arm"), appended=True,
+                      fix="remove that line (a prompt's measurements are redone on resume), or use another --out folder")
+
+
 def summarize_fidelity(out_dir, arms=None) -> list[dict]:
     out_dir = Path(out_dir)
-    rows = [json.loads(l) for l in (out_dir / "fidelity_raw.jsonl").read_text().splitlines() if l.strip()]
+    rows = _raw_rows(out_dir / "fidelity_raw.jsonl")
+    if not rows:
+        raise InputFileError(f"{resolve(out_dir / 'fidelity_raw.jsonl')}: no measurements in it; run "
+                             "`locks-hf-eval fidelity` into that folder (with at least one prompt) first")
     order = {a.name: i for i, a in enumerate(arms or [])}
     groups: dict[tuple, list] = defaultdict(list)
     for r in rows:

@@ -9,7 +9,6 @@ locally (`regenerate`) to a target token length with the model's tokenizer.
 
 from __future__ import annotations
 
-import json
 import random
 import re
 import uuid
@@ -17,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .benchmarks import STOP_EOS, Benchmark, encode_text
-from .jsonl import iter_jsonl, resolve
+from .jsonl import InputFileError, InputPathMissing, read_json, read_jsonl, resolve
 from .metrics import infinitebench_score_one
 from .paths import data_file
 
@@ -26,7 +25,7 @@ HF_DATASET = "xinrongzhang2022/InfiniteBench"
 
 
 def load_spec(data_dir=None) -> dict:
-    return json.loads(data_file("infinitebench/infinitebench_tasks.json", "infinitebench_tasks.json", data_dir).read_text())
+    return read_json(data_file("infinitebench/infinitebench_tasks.json", "infinitebench_tasks.json", data_dir))
 
 
 # -------------------------------------------------------------------------------------------------
@@ -129,17 +128,27 @@ def regenerate(task: str, tokenizer, length: int, num_samples: int, seed: int = 
 # scoring published prediction files
 def score_prediction_file(task: str, path, model_name: str = "") -> tuple[float, int]:
     """Mean score x100 of a ``preds_<task>.jsonl`` or ``.jsonl.gz`` (fields prediction/pred and ground_truth/label)."""
-    rows = list(iter_jsonl(path))
+    fix = "each line must be a JSON object with prediction (or pred) and ground_truth (or label); fix the file"
+    rows = read_jsonl(path, fix=fix)
+    if not rows:
+        raise InputFileError(f"{resolve(path)}: no predictions in it (an empty file): remove it, or write its "
+                             "predictions again")
     scores = []
-    for r in rows:
+    for number, r in enumerate(rows, 1):
         pred = r.get("prediction", r.get("pred"))
         label = r.get("ground_truth", r.get("label"))
+        if pred is None or label is None:
+            raise InputFileError(f"{resolve(path)}: row {number} has no {'prediction' if pred is None else 'ground_truth'}: {fix}")
         scores.append(infinitebench_score_one(task, pred, label, model_name))
     return 100 * sum(scores) / len(scores), len(scores)
 
 
 def score_prediction_dir(folder, data_dir=None, model_name: str | None = None) -> list[dict]:
+    """One row per task whose ``preds_<task>.jsonl[.gz]`` is in ``folder``: score, n and the README's figure.
+    A folder without any is an error (a misspelled folder would otherwise print an empty table)."""
     folder = Path(folder)
+    if not folder.is_dir():
+        raise InputPathMissing(f"--predictions {folder}: no such folder; check the path")
     model_name = model_name if model_name is not None else folder.name
     spec = load_spec(data_dir)
     readme_names = {"yi-34b-200k": "Yi-34B-200K", "gpt4": "GPT-4", "yarn-mistral": "YaRN-Mistral-7B"}
@@ -151,6 +160,9 @@ def score_prediction_dir(folder, data_dir=None, model_name: str | None = None) -
             continue
         score, n = score_prediction_file(task, path, model_name)
         table.append({"task": task, "n": n, "score": score, "reported": reported.get(task)})
+    if not table:
+        raise InputPathMissing(f"--predictions {folder}: no preds_<task>.jsonl[.gz] of any InfiniteBench task in it "
+                               f"(tasks: {', '.join(spec['tasks'])}); name the folder that holds them")
     return table
 
 
@@ -176,6 +188,9 @@ class InfiniteBenchBenchmark(Benchmark):
     name: str = "infinitebench"
 
     def __post_init__(self):
+        if self.records_dir and not Path(self.records_dir).is_dir():
+            raise InputPathMissing(f"--records-dir {self.records_dir}: no such folder; check the path, or leave "
+                                   "--records-dir out for the HF Hub")
         self.spec = load_spec(self.data_dir)
 
     def records(self):
@@ -191,8 +206,12 @@ class InfiniteBenchBenchmark(Benchmark):
         return out
 
     def _load(self, task):
-        if self.records_dir:
-            return list(iter_jsonl(Path(self.records_dir) / self.spec["tasks"][task]["file"]))
+        if self.records_dir:  # a folder the user named: its file or an error, never the Hub instead
+            path = Path(self.records_dir) / self.spec["tasks"][task]["file"]
+            if not resolve(path).exists():
+                raise InputPathMissing(f"--records-dir {self.records_dir}: no {path.name} (InfiniteBench {task}) in "
+                                       "it; name the folder that holds it, or leave --records-dir out for the HF Hub")
+            return read_jsonl(path, fix="fix or remove that line, or download the file again")
         try:  # pragma: no cover - needs network
             from datasets import load_dataset
 

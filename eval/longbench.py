@@ -1,20 +1,20 @@
 """LongBench-v1: official prompts, max new tokens, middle truncation (pred.py), chat-template rule, metrics.
 
-Records: from the HF Hub by name (``datasets.load_dataset("THUDM/LongBench", task, split="test")``)
-when online, or a local folder of ``<task>.jsonl`` files in the official layout (``--records-dir``;
-default: ``shared/data/longbench/records``); the packaged 2-record multi_news sample only with
-``LOCKS_HF_DATA=none``.
+Records: a local folder of ``<task>.jsonl`` files in the official layout (``--records-dir``; else the
+data folder's ``longbench/records``), or the HF Hub by name (``datasets.load_dataset("THUDM/LongBench",
+task, split="test")``); the packaged 2-record multi_news sample only with ``LOCKS_HF_DATA=none``. A
+``--records-dir`` that does not exist, or lacks the task's file, is an error, never another source.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from .benchmarks import STOP_EOS, STOP_NEWLINE, Benchmark, encode_text
+from .jsonl import InputPathMissing, read_json, read_jsonl
 from .metrics import longbench_sample_score
 from .paths import data_file, package_data, shared_data_dir
 
@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 
 def load_spec(data_dir=None) -> dict:
-    return json.loads(data_file("longbench/longbench_tasks.json", "longbench_tasks.json", data_dir).read_text())
+    return read_json(data_file("longbench/longbench_tasks.json", "longbench_tasks.json", data_dir))
 
 
 def build_prompt(task: str, rec: dict, spec: dict) -> str:
@@ -53,18 +53,28 @@ def samples_only() -> bool:
 
 
 def _record_candidates(task: str, records_dir=None, data_dir=None) -> list[Path]:
-    candidates = []
+    """Where ``<task>.jsonl`` may be: only ``records_dir`` when the user named one (which must exist),
+    else the data folder's ``longbench/records``."""
     if records_dir:
-        candidates.append(Path(records_dir) / f"{task}.jsonl")
+        if not Path(records_dir).is_dir():
+            raise InputPathMissing(f"--records-dir {records_dir}: no such folder; check the path, or leave "
+                                   "--records-dir out for the data folder's records or the HF Hub")
+        return [Path(records_dir) / f"{task}.jsonl"]
     root = shared_data_dir(data_dir)
-    if root is not None:
-        candidates.append(root / "longbench" / "records" / f"{task}.jsonl")
-    return candidates
+    return [] if root is None else [root / "longbench" / "records" / f"{task}.jsonl"]
 
 
 def local_records_file(task: str, records_dir=None, data_dir=None) -> Path | None:
-    """The local ``<task>.jsonl`` the records are read from (``records_dir`` first), or ``None``."""
-    return next((p for p in _record_candidates(task, records_dir, data_dir) if p.exists()), None)
+    """The local ``<task>.jsonl`` the records are read from, or ``None`` (the HF Hub's); a named
+    ``records_dir`` without the task's file is an error (it would otherwise fall through to the Hub)."""
+    found = next((p for p in _record_candidates(task, records_dir, data_dir) if p.exists()), None)
+    if found is None and records_dir:
+        raise InputPathMissing(f"--records-dir {records_dir}: no {task}.jsonl (LongBench {task}) in it; name the "
+                               "folder that holds it, or leave --records-dir out for the HF Hub")
+    return found
+
+
+FIX = "fix or remove that line, or download the file again"
 
 
 def load_records(task: str, records_dir=None, data_dir=None) -> list[dict]:
@@ -75,14 +85,14 @@ def load_records(task: str, records_dir=None, data_dir=None) -> list[dict]:
     """
     local = local_records_file(task, records_dir, data_dir)
     if local is not None:
-        return [json.loads(l) for l in local.read_text().splitlines() if l.strip()]
+        return read_jsonl(local, fix=FIX)
     candidates = _record_candidates(task, records_dir, data_dir)
     sample = package_data(f"longbench_{task}_sample2.jsonl")
     if samples_only():
         if not sample.exists():
             raise FileNotFoundError(f"LongBench {task}: no packaged sample ({sample.name}); unset LOCKS_HF_DATA=none")
         logger.warning("LongBench %s: the packaged %s (LOCKS_HF_DATA=none), not the dataset", task, sample.name)
-        return [json.loads(l) for l in sample.read_text().splitlines() if l.strip()]
+        return read_jsonl(sample, fix=FIX)
     try:
         return _hub_records(task)
     except Exception as err:
@@ -108,6 +118,8 @@ class LongBenchBenchmark(Benchmark):
         bad = [t for t in self.tasks if t not in self.spec["tasks"]]
         if bad:
             raise ValueError(f"unknown LongBench tasks {bad}")
+        for task in self.tasks if self.records_dir else ():  # a named folder: checked before any model work
+            local_records_file(task, self.records_dir, self.data_dir)
 
     def records(self):
         out = []

@@ -15,6 +15,8 @@ import platform
 import subprocess
 from pathlib import Path
 
+from .jsonl import read_json
+
 logger = logging.getLogger(__name__)
 
 #: Manifest keys whose change makes a resumed run inconsistent.
@@ -76,7 +78,8 @@ def check_or_write(run_dir: Path, manifest: dict, *, allow_change: bool = False,
     if not path.exists():
         write(path, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
         return
-    old = json.loads(path.read_text())
+    old = read_json(path, fix="the run folder's manifest is damaged: use another --out folder, or delete "
+                    "manifest.json to record the current setup afresh (resuming is then not checked against the old one)")
     changed = differences(old, manifest)
     if not changed:
         return

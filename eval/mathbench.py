@@ -8,10 +8,10 @@ are shared across arms (sample s of a problem starts from the same random stream
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from .benchmarks import STOP_EOS, Benchmark
+from .jsonl import read_jsonl
 from .paths import data_file
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -27,7 +27,7 @@ def load_problems(name: str, data_dir=None) -> list[dict]:
         raise ValueError(f"unknown math dataset {name!r}; known: {', '.join(DATASETS)}")
     rel, sample = DATASETS[name]
     path = data_file(rel, sample, data_dir)
-    rows = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+    rows = read_jsonl(path, required=("problem", "answer"), fix="fix or remove that line, or download the file again")
     out = []
     for i, r in enumerate(rows):
         rid = r.get("unique_id") or r.get("id") or str(i)

@@ -11,8 +11,11 @@ from pathlib import Path
 
 from locks_hf.selectors import family_sort_key
 
-from .jsonl import read_jsonl, resolve
-from .runner import TRAFFIC, merge
+from .jsonl import read_json, read_jsonl, resolve
+
+#: What to do about a damaged file of a run folder given to `report`.
+RUN_FIX = ("name a run folder that `locks-hf-eval sweep` wrote (config.json + results.jsonl); a damaged one: "
+           "run `locks-hf-eval merge --out <run>` again where predictions/ is, else restore the file from a copy")
 
 # Arm families are ordered by selector (each declares its `report_order`), larger summaries first.
 _fam_key = family_sort_key
@@ -24,11 +27,13 @@ def load_cells(run_dir: Path, complete_only: bool = True) -> list[dict]:
     ``complete_only``: only records that every arm of the run has finished enter (a partial or
     in-progress run then compares all arms on the same records).
     """
+    from .runner import PREDICTION_KEYS, TRAFFIC, merge
+
     if (run_dir / "predictions").is_dir():  # a sweep's folder; a published one holds only the merged files
         merge(run_dir)
-    cfg = json.loads((run_dir / "config.json").read_text())
+    cfg = read_json(run_dir / "config.json", fix=RUN_FIX)
     arms = [a["name"] for a in cfg.get("arms", [])]
-    rows = read_jsonl(run_dir / "results.jsonl")  # or results.jsonl.gz
+    rows = read_jsonl(run_dir / "results.jsonl", required=PREDICTION_KEYS, fix=RUN_FIX)  # or results.jsonl.gz
     by_id = defaultdict(set)
     for r in rows:
         by_id[r["id"]].add(r["arm"])
@@ -276,11 +281,13 @@ def plot_fidelity(rows: list[dict], path: Path) -> Path | None:
 def agreement_markdown(run_dir: Path) -> str:
     """Share of records (x100) whose prediction is identical to the full-attention arm's, per arm family
     and budget (records finished by every arm only)."""
-    cfg = json.loads((run_dir / "config.json").read_text())
+    from .runner import PREDICTION_KEYS
+
+    cfg = read_json(run_dir / "config.json", fix=RUN_FIX)
     arms = [a["name"] for a in cfg.get("arms", [])]
     if "full" not in arms:
         return ""
-    rows = read_jsonl(run_dir / "results.jsonl")  # or results.jsonl.gz
+    rows = read_jsonl(run_dir / "results.jsonl", required=PREDICTION_KEYS + ("pred",), fix=RUN_FIX)
     preds = defaultdict(dict)
     meta = {}
     for r in rows:
@@ -338,11 +345,11 @@ def write_report(run_dirs: list[Path], out_dir: Path, title: str = "Locks sweep"
     if notes:
         parts.append(notes.strip() + "\n")
     run_cells = {run: load_cells(run) for run in run_dirs}
-    first = json.loads((run_dirs[0] / "config.json").read_text()) if run_dirs else {}
+    first = read_json(run_dirs[0] / "config.json", fix=RUN_FIX) if run_dirs else {}
     label = f"{first.get('benchmark', {}).get('name', '')} {first.get('model', '')}".strip()
     parts.append(summary_markdown(list(run_cells.values()), out_dir / f"{name}.png", label))
     for run in run_dirs:
-        cfg = json.loads((run / "config.json").read_text())
+        cfg = read_json(run / "config.json", fix=RUN_FIX)
         cells = run_cells[run]
         timing = (run / "timing.csv").read_text() if (run / "timing.csv").exists() else ""
         md, _ = tables_markdown(cells)
@@ -372,7 +379,9 @@ def write_report(run_dirs: list[Path], out_dir: Path, title: str = "Locks sweep"
         with open(csv_path) as f:
             rows = list(csv.DictReader(f))
         parts.append(f"## Selection fidelity ({fd.name})\n")
-        raw = read_jsonl(raw_path)
+        from .fidelity import _raw_rows
+
+        raw = _raw_rows(raw_path)
         prompts = sorted({r["prompt"] for r in raw})
         parts.append(f"{len(prompts)} prompts ({', '.join(prompts)}), {len(raw)} (step, layer, arm) measurements; "
                      "means over decode steps, layers (full-attention layers only) and KV heads.\n")

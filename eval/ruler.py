@@ -15,7 +15,6 @@ below ~64K tokens (the wonderwords vocabulary is large enough).
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import re
@@ -25,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .jsonl import read_json, read_jsonl, read_text
 from .paths import data_file
 
 TASKS = (
@@ -36,7 +36,7 @@ DEPTHS = [round(x) for x in [i * 100 / 39 for i in range(40)]]  # round(linspace
 
 
 def load_spec(data_dir=None) -> dict:
-    return json.loads(data_file("ruler/ruler_tasks.json", "ruler_tasks.json", data_dir).read_text())
+    return read_json(data_file("ruler/ruler_tasks.json", "ruler_tasks.json", data_dir))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -80,7 +80,8 @@ def _base_key(spec: dict, task: str) -> str:
 # data sources
 @dataclass
 class RulerSources:
-    """Text sources RULER draws from. Defaults: ``shared/data`` when present, else packaged samples."""
+    """Text sources RULER draws from: the files named here, else the data folder's (``--data-dir`` /
+    ``$LOCKS_HF_DATA``), else the packaged samples."""
 
     haystack_path: str | None = None
     wordlist_dir: str | None = None
@@ -117,7 +118,7 @@ class RulerSources:
     def essay_words(self) -> list[str]:
         if "essay" not in self._cache:
             path = self.haystack_file()
-            self._cache["essay"] = re.sub(r"\s+", " ", path.read_text()).strip().split(" ")
+            self._cache["essay"] = re.sub(r"\s+", " ", read_text(path)).strip().split(" ")
             self._cache["essay_path"] = str(path)
         return self._cache["essay"]
 
@@ -125,7 +126,7 @@ class RulerSources:
         key = f"w_{kind}"
         if key not in self._cache:
             path = self.wordlist_file(kind)
-            self._cache[key] = [w for w in path.read_text().split("\n") if w.strip()]
+            self._cache[key] = [w for w in read_text(path).split("\n") if w.strip()]
         return self._cache[key]
 
     def needle_pair(self, rng: random.Random) -> str:
@@ -144,7 +145,7 @@ class RulerSources:
     def squad(self):
         if "squad" not in self._cache:
             path = self.squad_file()
-            rows = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+            rows = read_jsonl(path, required=("context", "question"), fix="fix or remove that line, or use another --data-dir")
             docs = sorted({r["context"] for r in rows})
             index = {d: i for i, d in enumerate(docs)}
             qas = [{"query": r["question"], "outputs": list(dict.fromkeys(r["answers"])),
@@ -156,7 +157,7 @@ class RulerSources:
     def hotpotqa(self):
         if "hotpot" not in self._cache:
             path = self.hotpotqa_file()
-            data = json.loads(path.read_text())
+            data = read_json(path, fix="restore the file, or use another --data-dir")
             doc_of = lambda c: f"{c[0]}\n{''.join(c[1])}"
             docs = sorted({doc_of(c) for r in data for c in r["context"]})
             index = {d: i for i, d in enumerate(docs)}
@@ -373,7 +374,7 @@ class RulerGenerator:
     def __init__(self, tokenizer, sources: RulerSources | None = None, seed: int | None = None, spec: dict | None = None,
                  data_dir=None):
         self.spec_path = None if spec else data_file("ruler/ruler_tasks.json", "ruler_tasks.json", data_dir)
-        self.spec = spec or json.loads(self.spec_path.read_text())
+        self.spec = spec or read_json(self.spec_path)
         self.count = make_token_counter(tokenizer)
         self.src = sources or RulerSources(data_dir=data_dir)
         self.seed = self.spec["global"]["random_seed"] if seed is None else seed

@@ -39,9 +39,13 @@ import torch
 
 from .arms import Arm
 from .benchmarks import STOP_NEWLINE, STOP_SENTENCE, Benchmark
+from .jsonl import end_last_line, read_json, read_jsonl
 from .manifest import build_manifest, check_or_write
 
 logger = logging.getLogger(__name__)
+
+#: What to do about a damaged config.json of a run folder (it is written atomically: a tool or a copy broke it).
+CONFIG_FIX = "restore the run folder's config.json from a copy, or use another --out folder"
 
 VOLATILE = ("seconds", "prefill_seconds", "host", "shard")
 ENGINES = ("eager", "static")  # see SweepRunner
@@ -149,24 +153,15 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", str(name))
 
 
-def _jsonl(path: Path, required: tuple[str, ...] = ("id",)) -> list[dict]:
-    """The rows of a JSON-lines file this harness wrote. A line cut by a kill (invalid JSON, or
-    bytes cut inside a multi-byte UTF-8 character) is skipped: that work is redone. A complete row
-    that is not an object or lacks a ``required`` key was not written here: a ValueError names it."""
+def _rows(path: Path, required: tuple[str, ...] = ("id",), appended: bool = False) -> list[dict]:
+    """The rows of a JSON-lines file of the run folder (none when it is not there yet), read by the
+    harness's one reader (`read_jsonl`: a torn last line of a file appended to is dropped, anything
+    else that does not parse is an error naming file:line)."""
     if not path.exists():
         return []
-    out = []
-    for number, raw in enumerate(path.read_bytes().split(b"\n"), 1):
-        try:
-            row = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            continue  # blank, or torn by a kill
-        missing = [k for k in required if k not in row] if isinstance(row, dict) else list(required)
-        if missing:
-            raise ValueError(f"{path}:{number}: a row without {missing} (not written by locks-hf-eval): "
-                             "remove that line, or use another --out folder")
-        out.append(row)
-    return out
+    fix = ("remove that line (a prediction's work is redone on resume), or use another --out folder" if appended else
+           "that file was not written whole by locks-hf-eval: delete it (it is made again) or use another --out folder")
+    return read_jsonl(path, required=required, appended=appended, fix=fix)
 
 
 #: Keys every prediction row has (`merge` reads them all).
@@ -191,7 +186,7 @@ def load_or_make_records(run_dir: Path, bench: Benchmark, keys=None) -> list[dic
         out = {}
         for group, gkeys in by_task.items():
             path = rdir / f"{_safe(group)}.jsonl"
-            cached = {r["id"]: r for r in _jsonl(path)}
+            cached = {r["id"]: r for r in _rows(path)}
             recs = []
             for k in gkeys:
                 rid = f"{k[0]}-{k[1]}-{k[2]}"
@@ -273,7 +268,7 @@ class SweepRunner:
         path = self.run_dir / "config.json"
         cfg = self.config()
         if path.exists():
-            old = json.loads(path.read_text())
+            old = read_json(path, fix=CONFIG_FIX)
             if old.get("model") != cfg["model"] or old.get("protocol") != cfg["protocol"]:
                 raise ValueError(f"{path} holds a run of model={old.get('model')} protocol={old.get('protocol')}; "
                                  "use another --out folder")
@@ -290,7 +285,7 @@ class SweepRunner:
     def done_keys(self) -> set[tuple]:
         done = set()
         for path in (self.run_dir / "predictions").glob("shard-*.jsonl"):
-            for r in _jsonl(path, PREDICTION_KEYS):
+            for r in _rows(path, PREDICTION_KEYS, appended=True):
                 done.add((r["id"], r["arm"], r.get("sample", 0)))
         return done
 
@@ -327,9 +322,7 @@ class SweepRunner:
                    disable=not self.progress, dynamic_ncols=True, file=sys.stderr)
         if skipped:
             bar.write(f"resume: {skipped} of {len(mine)} records already done in {self.run_dir}")
-        if out_path.exists() and out_path.stat().st_size and not out_path.read_bytes().endswith(b"\n"):
-            with open(out_path, "a") as f:  # a line torn by a kill: end it so the next one parses
-                f.write("\n")
+        end_last_line(out_path)  # a line torn by a kill is cut off: only a file's last line can be torn
         if self.engine == "static":
             from itertools import chain
 
@@ -532,12 +525,12 @@ def merge(run_dir) -> dict:
     run_dir = Path(run_dir)
     if not (run_dir / "predictions").is_dir():
         raise FileNotFoundError(f"{run_dir} is not a sweep run folder (no predictions/ in it): check --out")
-    cfg = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else {}
+    cfg = read_json(run_dir / "config.json", fix=CONFIG_FIX) if (run_dir / "config.json").exists() else {}
     arm_order = {a["name"]: i for i, a in enumerate(cfg.get("arms", []))}
     rows: dict[tuple, dict] = {}
     timing: dict[str, list] = defaultdict(lambda: [0.0, 0])
     for path in sorted((run_dir / "predictions").glob("shard-*.jsonl")):
-        for r in _jsonl(path, PREDICTION_KEYS):
+        for r in _rows(path, PREDICTION_KEYS, appended=True):
             key = (r["id"], r["arm"], r.get("sample", 0))
             if key not in rows:
                 rows[key] = r
@@ -583,7 +576,7 @@ def merge(run_dir) -> dict:
 def _record_order(run_dir: Path) -> list[str]:
     ids = []
     for path in sorted((run_dir / "records").glob("*.jsonl")):
-        ids += [r["id"] for r in _jsonl(path)]
+        ids += [r["id"] for r in _rows(path)]
     return ids
 
 

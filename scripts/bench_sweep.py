@@ -54,6 +54,7 @@ SHAPES, parse_tokens, synthetic_prefill = _step_bench.SHAPES, _step_bench.parse_
 from locks_hf.eval.arms import parse_arms  # noqa: E402
 from locks_hf.eval.benchmarks import STOP_EOS, Benchmark  # noqa: E402
 from locks_hf.eval.engine import Row, StaticEngine  # noqa: E402
+from locks_hf.eval.jsonl import read_jsonl  # noqa: E402
 from locks_hf.eval.runner import SweepRunner  # noqa: E402
 
 
@@ -124,8 +125,7 @@ def run_engine(model, bench, arms, engine: str, args, keep_runs: bool = False, *
         if device.type == "cuda":
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-        rows = [json.loads(line) for p in sorted(Path(tmp, "predictions").glob("*.jsonl"))
-                for line in p.read_text().splitlines()]
+        rows = [r for p in sorted(Path(tmp, "predictions").glob("*.jsonl")) for r in read_jsonl(p, appended=True)]
     tokens = sum(r["new_tokens"] for r in rows)
     if engine == "static":
         prefill = sum({a["batch"]: a["prefill_seconds"] for a in runner.arm_runs}.values())

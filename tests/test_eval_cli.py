@@ -11,6 +11,9 @@ def test_cli_sweep_report(tmp_path, capsys):
     out = tmp_path / "run"
     main(["sweep", "--model", "tiny-gemma3", "--tasks", "niah_single_1", "--lengths", "1024", "--num-samples", "2",
           "--arms", "full,locks-r4i4", "--budgets", "64", "--max-new-tokens", "3", "--out", str(out), "--threads", "1"])
+    plan = capsys.readouterr().err  # said before it ran
+    assert "records: 2 records = 1 task(s) (niah_single_1) x 1 length(s) (1024) x 2 records" in plan
+    assert "arms: 2 = 2 families (full, locks-r4i4) x 1 budget(s) (64)" in plan and "total: 4 generations" in plan
     rows = [json.loads(l) for l in (out / "results.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and {r["arm"] for r in rows} == {"full", "locks-r4i4-b64"}
     main(["sweep", "--model", "tiny-gemma3", "--tasks", "niah_single_1", "--lengths", "1024", "--num-samples", "2",

@@ -38,8 +38,8 @@ def test_yi_34b_200k_shipped_predictions_reproduce_readme():
     _check_reproduces_readme(table)
 
 
-@pytest.mark.skipif(_yi_dir() is None, reason="shared evaluation data not found (set $LOCKS_HF_DATA or put "
-                    "shared/data beside the repository): needs infinitebench/reference_predictions/yi-34b-200k")
+@pytest.mark.skipif(_yi_dir() is None, reason="full evaluation data not found (set $LOCKS_HF_DATA; "
+                    "tests/conftest.py sets the team's copy beside the clone): needs infinitebench/reference_predictions/yi-34b-200k")
 def test_yi_34b_200k_all_twelve_tasks_reproduce_readme():
     table = score_prediction_dir(_yi_dir())
     assert len(table) == 12
