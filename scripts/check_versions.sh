@@ -27,9 +27,16 @@ while [ $# -gt 0 ]; do
     esac
 done
 case "$SUITE" in smoke|compat|full) ;; *) echo "check_versions.sh: --suite is smoke, compat or full, got '$SUITE'" >&2; exit 2 ;; esac
+# The Python that runs this script builds the wheel (pyenv's selection below must not change it).
+BUILD_PY="$(python -c 'import sys; print(sys.executable)')"
+[ -n "$TORCH" ] || TORCH="$("$BUILD_PY" -c 'import torch; print(torch.__version__.split("+")[0])')"
 PY="python${PYVER}"
-command -v "$PY" >/dev/null || { echo "check_versions.sh: no '$PY' on PATH (install that Python or drop --python)" >&2; exit 2; }
-[ -n "$TORCH" ] || TORCH="$(python -c 'import torch; print(torch.__version__.split("+")[0])')"
+if [ -n "$PYVER" ] && ! "$PY" -c "" 2>/dev/null && command -v pyenv >/dev/null; then
+    # pyenv's shims answer only for the selected versions: select the newest installed $PYVER.x
+    PYENV_VERSION="$(pyenv versions --bare | grep -E "^${PYVER//./\\.}\.[0-9]+$" | sort -V | tail -1)"
+    export PYENV_VERSION
+fi
+"$PY" -c "" 2>/dev/null || { echo "check_versions.sh: no working '$PY' (install Python $PYVER or drop --python)" >&2; exit 2; }
 # A machine-wide pip constraint file (some CI images cap torch) would make a newer torch unresolvable:
 # this check asks for exact versions, so it replaces it with an empty one.
 export PIP_CONSTRAINT=/dev/null PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -41,12 +48,14 @@ TMP="${TMPDIR:-/tmp}"
 VENVS="${LOCKS_HF_VENVS:-$TMP/locks-hf-venvs}"
 NAME="py$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')-torch$TORCH-transformers${TF:-newest}"
 VENV="$VENVS/$NAME"
-WHEELS="$VENVS/wheel"
 mkdir -p "$VENVS"
+TMP_DIRS=()
+trap 'rm -rf "${TMP_DIRS[@]}"' EXIT
+WHEELS="$(mktemp -d "$TMP/locks-hf-wheel.XXXXXX")"  # per run: checks of several versions may run at once
+TMP_DIRS+=("$WHEELS")
 
 say "building the locks-hf wheel from $ROOT"
-rm -rf "$WHEELS" && mkdir -p "$WHEELS"
-python -m pip wheel $PIP_Q --no-deps --no-build-isolation -w "$WHEELS" "$ROOT" >/dev/null
+"$BUILD_PY" -m pip wheel $PIP_Q --no-deps --no-build-isolation -w "$WHEELS" "$ROOT" >/dev/null
 WHEEL="$(ls "$WHEELS"/locks_hf-*.whl)"
 
 if [ ! -x "$VENV/bin/python" ]; then
@@ -65,7 +74,7 @@ say "installed: $VERSIONS"
 
 # Everything below runs from a folder outside the source tree, so `import locks_hf` can only find the wheel.
 WORK="$(mktemp -d "$TMP/locks-hf-check.XXXXXX")"
-trap 'rm -rf "$WORK"' EXIT
+TMP_DIRS+=("$WORK")
 # The tests, scripts, docs and pytest settings travel; the package's sources (locks_hf/, kernels/, eval/) do not.
 tar -C "$ROOT" --exclude=./.git --exclude=./locks_hf --exclude=./kernels --exclude=./eval --exclude='*/__pycache__' \
     -cf - . | tar -C "$WORK" -xf -

@@ -10,7 +10,7 @@ START=$SECONDS
 step() { echo "[setup $((SECONDS - START))s] $*"; }
 
 # The supported ranges are pyproject.toml's (torch >= TORCH_FLOOR); scripts/check_versions.sh checks others.
-TORCH_FLOOR=2.10
+TORCH_FLOOR=2.7
 step "checking for torch (importing it takes a while on a busy machine)"
 if python -c "import sys, torch; v = tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(v < tuple(int(x) for x in '$TORCH_FLOOR'.split('.')))" 2>/dev/null; then
     step "torch $(python -c 'import torch; print(torch.__version__)') already installed"
