@@ -495,3 +495,24 @@ def test_refusals_name_the_option():
     assert cache.get_seq_length() == 97
     with pytest.raises(ValueError, match="quantized groups cannot be reopened"):
         cache.crop(-50)
+
+
+def test_report_has_the_papers_table_4_shape():
+    from locks_hf.eval.report import tables_markdown
+
+    scores = {"locks-r8i4": 73.1, "locks-r8i4+kv4-post": 72.8, "locks-r8i4+kv4-pre": 73.0,
+              "locks-r8i4+kv2-post": 68.0, "locks-r8i4+kv2-pre": 67.6}
+    cells = [{"task": "niah", "length": 32768, "arm": f"{f}-b{b}", "family": f, "budget": b, "selector": "locks",
+              "n": 1, "score": s + (b == 256) * 10, "read_bytes": 1000.0 if "kv" in f else 3000.0}
+             for f, s in scores.items() for b in (64, 256)]
+    cells += [{"task": "niah", "length": 32768, "arm": f, "family": f, "budget": None, "selector": "full", "n": 1,
+               "score": s, "read_bytes": 2000.0} for f, s in (("full", 90.0), ("full+kv4", 89.5))]
+    md, averages = tables_markdown(cells)
+    assert averages[(32768, "full+kv4", 64)] == (89.5, 1)  # a dense family shown at every budget
+    table = md.split("locks-r8i4 on quantized KV (KIVI), score x100\n\n")[1].split("\n\n")[0]
+    assert table.splitlines() == ["| KV | b=64 | b=256 |", "|---|---|---|",
+                                  "| KV bf16 | 73.1 | 83.1 |", "| 4-bit post | 72.8 | 82.8 |",
+                                  "| 4-bit pre | 73.0 | 83.0 |", "| 2-bit post | 68.0 | 78.0 |",
+                                  "| 2-bit pre | 67.6 | 77.6 |"]
+    assert "| full+kv4 | 89.5 | 89.5 |" in md
+    assert "| 4-bit | 89.5 | 89.5 |" in md.split("full on quantized KV")[1]
