@@ -321,14 +321,14 @@ def agreement_markdown(run_dir: Path) -> str:
         return ""
     lengths = sorted({k[2] for k in done}, key=lambda x: (x is None, x))
     fams = sorted({meta[a][0] for a in arms if a != "full"}, key=_fam_key)
-    budgets = sorted({meta[a][1] for a in arms if a != "full"})
+    budgets = sorted({meta[a][1] for a in arms if meta[a][1] is not None})  # dense arms (full+kv4) at every one
     md = []
     for L in lengths:
         recs = [v for k, v in done.items() if k[2] == L]
         md.append(f"#### {'length ' + str(L) if L else 'all records'}: prediction identical to full attention (% of {len(recs)} records)\n")
 
         def same_share(f, b, recs=recs):
-            arm = next((a for a in arms if meta.get(a) == (f, b)), None)
+            arm = next((a for a in arms if meta.get(a) in ((f, b), (f, None))), None)
             return "" if arm is None else f"{100 * sum(v[arm] == v['full'] for v in recs) / len(recs):.0f}"
 
         md += _arm_budget_table(fams, budgets, same_share)

@@ -6,6 +6,8 @@ bytes, the two summary orders, the sparse path against the dense one over the sa
 generate() for every registered selector, the arm labels and the refusals.
 """
 
+import json
+
 import pytest
 import torch
 from conftest import tiny
@@ -516,3 +518,39 @@ def test_report_has_the_papers_table_4_shape():
                                   "| 2-bit pre | 67.6 | 77.6 |"]
     assert "| full+kv4 | 89.5 | 89.5 |" in md
     assert "| 4-bit | 89.5 | 89.5 |" in md.split("full on quantized KV")[1]
+
+
+def test_fidelity_refuses_quantized_arms():
+    from locks_hf.eval.arms import parse_arms
+    from locks_hf.eval.fidelity import run_fidelity
+
+    with pytest.raises(ValueError, match=r"arms \['locks-r8i4\+kv4-post-b64'\] set kv_bits"):
+        run_fidelity(None, [], parse_arms(["locks-r8i4", "locks-r8i4+kv4-post"], [64]), "/nonexistent/out")
+
+
+def test_sweep_runs_quantized_arms_and_reports_them(tmp_path):
+    """`locks-hf-eval sweep` arms end to end (one dense bf16 prefill per record, each arm a fork)."""
+    from locks_hf.eval.arms import parse_arms
+    from locks_hf.eval.benchmarks import RulerBenchmark
+    from locks_hf.eval.report import write_report
+    from locks_hf.eval.runner import SweepRunner, merge
+    from locks_hf.eval.testing import ByteTokenizer
+    from locks_hf.models import tiny_model
+
+    tok = ByteTokenizer()
+    model = tiny_model("gemma3", vocab_size=256, max_position_embeddings=8192, head_dim=32)
+    arms = parse_arms(["full", "full+kv4", "locks-r4i4", "locks-r4i4+kv4-post", "locks-r4i4+kv4-pre",
+                       "locks-r4i4+kv2-post"], [64])
+    out = tmp_path / "kv"
+    bench = RulerBenchmark(tok, ["niah_single_1"], [1024], num_samples=1)
+    SweepRunner(model, tok, bench, arms, out, model_name="tiny-gemma3", progress=False, max_new_tokens=4,
+                limit=1).run()
+    merge(out)
+    rows = {r["arm"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    assert set(rows) == {a.name for a in arms}
+    # the few attended pages include the full-precision tail; a dense read is mostly packed
+    assert rows["locks-r4i4+kv4-post-b64"]["read_bytes"] < rows["locks-r4i4-b64"]["read_bytes"]
+    assert rows["full+kv4"]["read_bytes"] < 0.5 * rows["full"]["read_bytes"]
+    text = write_report([out], tmp_path / "docs", title="tiny").read_text()
+    assert "locks-r4i4 on quantized KV (KIVI)" in text and "| 4-bit pre |" in text and "| 2-bit post |" in text
+
