@@ -554,3 +554,22 @@ def test_sweep_runs_quantized_arms_and_reports_them(tmp_path):
     text = write_report([out], tmp_path / "docs", title="tiny").read_text()
     assert "locks-r4i4 on quantized KV (KIVI)" in text and "| 4-bit pre |" in text and "| 2-bit post |" in text
 
+
+
+def test_a_static_cache_forks_into_a_quantized_dynamic_one(caplog):
+    """The static layout stores no quantized KV: its fork for a quantized arm converts (logged) and decodes
+    as a fork of a dynamic prefill does."""
+    model = tiny("llama", head_dim=32)
+    ids = _ids(170)
+    static = LocksStaticCache(model.config, 512, LocksConfig(selector="full"))
+    dynamic = LocksCache(model.config, LocksConfig(selector="full"))
+    cfg = LocksConfig(rank=4, budget=64, kv_bits=4, kv_residual=64)
+    with torch.no_grad():
+        first = model(ids, past_key_values=static).logits[:, -1:].argmax(-1)
+        model(ids, past_key_values=dynamic)
+        forks = static.fork(cfg), dynamic.fork(cfg)
+        outs = [model.generate(torch.cat([ids, first], 1), max_new_tokens=10, do_sample=False, past_key_values=f)
+                for f in forks]
+    assert not forks[0].is_static and all(isinstance(layer, QuantizedLocksLayer) for layer in forks[0].locks_layers)
+    assert "kv_bits=4: quantized KV is stored by the dynamic layout only" in caplog.text
+    assert torch.equal(outs[0], outs[1])
