@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from locks_hf import LocksConfig, LocksStaticCache, backend
+from locks_hf.kv_quant import kv_token_bytes
 from locks_hf.selectors import make_selector, static_selector_names
 
 logger = logging.getLogger(__name__)
@@ -146,15 +147,16 @@ def sweep_cache(config, capacity: int, locks: LocksConfig, max_budget: int | Non
 
 def runs_static(config: LocksConfig) -> bool:
     """Whether the static engine decodes an arm with these settings (per-page selectors, no dense
-    switch on the length); the runner sends the others to its eager path."""
-    return config.selector in static_selector_names() and not config.min_context
+    switch on the length, K/V in their dtype: quantized KV is dynamic-only); the runner sends the
+    others to its eager path."""
+    return config.selector in static_selector_names() and not config.min_context and config.kv_bits == 16
 
 
 def check_arms(arms) -> None:
     bad = [a.name for a in arms if not runs_static(a.config)]
     if bad:
-        raise ValueError(f"the static engine decodes selectors {static_selector_names()} with min_context=0; arms {bad} "
-                         "need the eager path")
+        raise ValueError(f"the static engine decodes selectors {static_selector_names()} with min_context=0 and "
+                         f"kv_bits=16; arms {bad} need the eager path")
 
 
 def step_key(config: LocksConfig) -> LocksConfig:
@@ -285,7 +287,8 @@ class PrefilledBatch:
         budget; it attends densely below)."""
         layers = self.cache.locks_layers
         _, h, _, dk = layers[0].keys.shape
-        size = layers[0].keys.element_size()
+        # per token and KV head, at the stored size (packed codes and their scales under quantized KV)
+        key_bytes, value_bytes = kv_token_bytes(locks, dk, layers[0].values.shape[-1], layers[0].keys.element_size())
         B = locks.page_size
         page_bytes = sum(t[0, 0, 0].numel() * t.element_size() for t in layers[0].summary.values())
         estimate = 0
@@ -294,10 +297,10 @@ class PrefilledBatch:
             for length in range(prompt + 1, prompt + steps + 1):  # tokens cached at each step
                 if length > locks.page_slots * B:
                     pages = length // B
-                    estimate += h * (length * dk * size if selector.reads_keys else
-                                     pages * page_bytes + selector.candidate_key_pages(pages) * B * dk * size)
+                    estimate += h * (length * key_bytes if selector.reads_keys else
+                                     pages * page_bytes + selector.candidate_key_pages(pages) * B * key_bytes)
         head_steps = len(layers) * steps * h
-        read = attended * (dk + layers[0].values.shape[-1]) * size + len(layers) * estimate
+        read = attended * (key_bytes + value_bytes) + len(layers) * estimate
         return {"attended_tokens": attended / head_steps, "read_bytes": read / head_steps}
 
     def _check(self, host: list[list[int]], pre, checked, results) -> bool:

@@ -201,6 +201,10 @@ def run_fidelity(model, prompts: list[tuple], arms, out_dir, steps: int = 8, pag
     """
     from tqdm.auto import tqdm
 
+    quantized = [arm.name for arm in arms if arm.config.kv_bits != 16]
+    if quantized:  # the captured keys are full precision: such arms would be scored as if unquantized
+        raise ValueError(f"fidelity scores selection on captured full-precision K/V; arms {quantized} set kv_bits "
+                         "(quantized KV): run them with `locks-hf-eval sweep`")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     raw_path = out_dir / "fidelity_raw.jsonl"

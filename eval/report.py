@@ -84,7 +84,8 @@ def tables_markdown(cells: list[dict]) -> tuple[str, dict]:
         tasks = list(dict.fromkeys(c["task"] for c in cs))
         fams = sorted({c["family"] for c in cs}, key=_fam_key)
         budgets = sorted({c["budget"] for c in cs if c["budget"] is not None})
-        full = {c["task"]: c for c in cs if c["family"] == "full"}
+        # dense families (full attention, on bf16 or quantized KV) have one cell per task, shown at every budget
+        dense = [f for f in fams if all(c["budget"] is None for c in cs if c["family"] == f)]
         cell = {(c["task"], c["family"], c["budget"]): c for c in cs}
         # only tasks finished by every arm enter the averages (so partial runs compare like with like);
         # the arms are the (family, budget) pairs the run has (ShadowKV, e.g., only where it fits)
@@ -93,21 +94,22 @@ def tables_markdown(cells: list[dict]) -> tuple[str, dict]:
             (t, f, b) in cell and cell[(t, f, b)]["n"] == max(cell[(t, ff, bb)]["n"] for (tt, ff, bb) in cell if tt == t)
             for f, b in arm_cells)]
         title = f"length {L}" if L else "all records"
-        sparse = [f for f in fams if f != "full"]
+        sparse = [f for f in fams if f not in dense]
         md.append(f"### {title}: average over tasks (score x100)\n")
         md.append(f"Tasks in the average: {', '.join(complete_tasks) or 'none complete yet'}.\n")
-        if "full" in fams and complete_tasks:
-            v = sum(full[t]["score"] for t in complete_tasks) / len(complete_tasks)
+        for f in dense if complete_tasks else ():
+            v = sum(cell[(t, f, None)]["score"] for t in complete_tasks) / len(complete_tasks)
             for b in budgets:
-                averages[(L, "full", b)] = (v, len(complete_tasks))
+                averages[(L, f, b)] = (v, len(complete_tasks))
         for f in sparse:
             for b in budgets:
                 got = [cell[(t, f, b)]["score"] for t in complete_tasks if (t, f, b) in cell]
                 if got and len(got) == len(complete_tasks):
                     averages[(L, f, b)] = (sum(got) / len(got), len(got))
-        shown = (["full"] if "full" in fams and complete_tasks else []) + sparse
+        shown = (dense if complete_tasks else []) + sparse
         md += _arm_budget_table(shown, budgets, lambda f, b: _fmt(averages.get((L, f, b), (None,))[0]))
         md.append("")
+        md += kv_quant_tables(averages, L, shown, budgets, title)
         for b in budgets:
             md.append(f"#### {title}, budget b={b} (tokens per layer and KV head)\n")
             md.append("| task | n | " + " | ".join(fams) + " |")
@@ -115,13 +117,40 @@ def tables_markdown(cells: list[dict]) -> tuple[str, dict]:
             for t in tasks:
                 row = []
                 for f in fams:
-                    c = cell.get((t, f, None if f == "full" else b))
+                    c = cell.get((t, f, None if f in dense else b))
                     row.append(_fmt(c["score"]) if c else "")
                 n = max((cell[k]["n"] for k in cell if k[0] == t), default=0)
                 md.append(f"| {t} | {n} | " + " | ".join(row) + " |")
             md.append("")
         md += _traffic_tables(cs, title, fams, budgets)
     return "\n".join(md), averages
+
+
+def kv_quant_tables(averages: dict, length, fams: list[str], budgets: list, title: str) -> list[str]:
+    """The paper's Table 4 shape, one table per family run on quantized KV (``locks-r8i4+kv4-post`` ...):
+    rows KV bf16 / 4-bit post / 4-bit pre / 2-bit post / 2-bit pre (those run), columns the budgets."""
+    from locks_hf.kv_quant import split_kv_label
+
+    variants = defaultdict(dict)  # base family -> {row label: family}
+    for f in fams:
+        base, kv = split_kv_label(f)
+        if kv:
+            extra = "".join(f" {k[3]}{kv[k]}" for k in ("kv_group", "kv_residual") if k in kv)
+            order = f" {kv['summary_from']}" if "summary_from" in kv else ""
+            variants[base][f"{kv['kv_bits']}-bit{extra}{order}"] = f
+    md = []
+    for base, rows in variants.items():
+        if base in fams:
+            rows = {"KV bf16": base, **rows}
+        order = sorted(rows, key=lambda r: (r != "KV bf16", -int(r.split("-")[0]) if r[0].isdigit() else 0,
+                                            r.endswith("pre"), r))
+        md.append(f"#### {title}: {base} on quantized KV (KIVI), score x100\n")
+        md.append("| KV | " + " | ".join(f"b={b}" for b in budgets) + " |")
+        md.append("|---|" + "---|" * len(budgets))
+        md += [f"| {r} | " + " | ".join(_fmt(averages.get((length, rows[r], b), (None,))[0]) for b in budgets) + " |"
+               for r in order]
+        md.append("")
+    return md
 
 
 #: The decode-traffic tables: (cell key, heading, formatter, full attention shown).
@@ -137,15 +166,16 @@ def _traffic_tables(cs: list[dict], title: str, fams: list[str], budgets: list) 
     """Markdown lines of the decode-traffic tables (means over tasks) of one length's cells: a budget
     column per budget, full attention's value (no budget) in each column."""
     md = []
+    dense = {f for f in fams if all(c["budget"] is None for c in cs if c["family"] == f)}  # full (+kv)
     for key, heading, shown, with_full in _TRAFFIC_TABLES:
         got = [c for c in cs if c.get(key) is not None]
-        rows = [f for f in fams if (with_full or f != "full") and any(c["family"] == f for c in got)]
+        rows = [f for f in fams if (with_full or f not in dense) and any(c["family"] == f for c in got)]
         if not rows:
             continue
         md.append(f"#### {title}: {heading} (mean over tasks)\n")
 
         def mean(f, b, key=key, got=got, shown=shown):
-            vals = [float(c[key]) for c in got if c["family"] == f and (f == "full" or c["budget"] == b)]
+            vals = [float(c[key]) for c in got if c["family"] == f and (f in dense or c["budget"] == b)]
             return shown(sum(vals) / len(vals)) if vals else ""
 
         md += _arm_budget_table(rows, budgets, mean)
@@ -298,14 +328,14 @@ def agreement_markdown(run_dir: Path) -> str:
         return ""
     lengths = sorted({k[2] for k in done}, key=lambda x: (x is None, x))
     fams = sorted({meta[a][0] for a in arms if a != "full"}, key=_fam_key)
-    budgets = sorted({meta[a][1] for a in arms if a != "full"})
+    budgets = sorted({meta[a][1] for a in arms if meta[a][1] is not None})  # dense arms (full+kv4) at every one
     md = []
     for L in lengths:
         recs = [v for k, v in done.items() if k[2] == L]
         md.append(f"#### {'length ' + str(L) if L else 'all records'}: prediction identical to full attention (% of {len(recs)} records)\n")
 
         def same_share(f, b, recs=recs):
-            arm = next((a for a in arms if meta.get(a) == (f, b)), None)
+            arm = next((a for a in arms if meta.get(a) in ((f, b), (f, None))), None)
             return "" if arm is None else f"{100 * sum(v[arm] == v['full'] for v in recs) / len(recs):.0f}"
 
         md += _arm_budget_table(fams, budgets, same_share)

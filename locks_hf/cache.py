@@ -21,6 +21,7 @@ from transformers.utils import is_torchdynamo_compiling
 from .backend import build_summary as compute_summary  # noqa: F401  (the former name here)
 from .compat import find_first_full_attention_index, get_layer_types_and_kwargs
 from .config import LocksConfig, LocksConfigError
+from .kv_quant import check_same_kv, full_precision
 from .layout import (
     CapacityPlan,
     build_static_layers,
@@ -78,6 +79,15 @@ class LocksLayer(DynamicLayer, PagedLayer):
     valid for the first ``n_summarized[b]`` (complete) pages of each row.
     """
 
+    def __new__(cls, config: LocksConfig | None = None, *args, **kwargs):
+        # Quantized KV settings make the layer the one that stores them (`locks_hf.kv_cache`), so that
+        # every place that builds a layer from a config honours kv_bits.
+        if cls is LocksLayer and config is not None and config.kv_bits != 16:
+            from .kv_cache import QuantizedLocksLayer
+
+            cls = QuantizedLocksLayer
+        return super().__new__(cls)
+
     def __init__(self, config: LocksConfig, selector: PageSelector | None = None) -> None:
         super().__init__()
         self.config = config
@@ -121,13 +131,17 @@ class LocksLayer(DynamicLayer, PagedLayer):
         list (the oracle reads every key)."""
         if self.selector is None:
             return 0
-        b, h, _, d = self._kbuf.shape
-        key_bytes = b * h * d * self._kbuf.element_size()  # one token's keys over rows and heads
         if self.selector.reads_keys:  # every written slot's key (no host sync for the padding count)
-            return self.length * key_bytes
+            return self.key_read_bytes(self.length, every=True)
         shortlist = self.selector.candidate_key_pages(max(self.n_summarized, default=0))
         return (sum(t.numel() * t.element_size() for t in self.summary_view().values())
-                + shortlist * self.config.page_size * key_bytes)
+                + self.key_read_bytes(shortlist * self.config.page_size))
+
+    def key_read_bytes(self, tokens: int, every: bool = False) -> int:
+        """Bytes of ``tokens`` stored keys per row and KV head, summed over rows and heads (``every``:
+        the ``tokens`` are every written slot)."""
+        b, h, _, d = self._kbuf.shape
+        return tokens * b * h * d * self._kbuf.element_size()
 
     def record_selection_traffic(self) -> None:
         self.record_estimate(self.selection_read_bytes())
@@ -179,11 +193,22 @@ class LocksLayer(DynamicLayer, PagedLayer):
         new_cap = max(needed + _MIN_HEADROOM, self.capacity + self.capacity // 4)
         new_cap = math.ceil(new_cap / B) * B
         T = self.length
-        self._kbuf = _resized(self._kbuf, 2, new_cap, T)
-        self._vbuf = _resized(self._vbuf, 2, new_cap, T)
+        self._resize_kv(new_cap, T)
         self.slot_valid = _resized(self.slot_valid, 1, new_cap, T, fill=True)
         kept = max(self.n_summarized, default=0)
         self.summary = {n: _resized(t, 2, new_cap // B + 1, kept) for n, t in self.summary.items()}
+
+    def _resize_kv(self, capacity: int, length: int) -> None:
+        """Re-allocate the K/V storage to ``capacity`` slots, keeping the first ``length``."""
+        self._kbuf = _resized(self._kbuf, 2, capacity, length)
+        self._vbuf = _resized(self._vbuf, 2, capacity, length)
+
+    def _check_batch(self, key_states: torch.Tensor) -> None:
+        if key_states.shape[0] != self.slot_valid.shape[0]:
+            raise ValueError(
+                f"LocksCache holds batch size {self.slot_valid.shape[0]} but got {key_states.shape[0]}: for "
+                "beam search or num_return_sequences > 1 pass a fresh (empty) LocksCache"
+            )
 
     def _refresh_views(self) -> None:
         self.keys = self._kbuf[:, :, : self.length]
@@ -193,11 +218,7 @@ class LocksLayer(DynamicLayer, PagedLayer):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if key_states.shape[0] != self._kbuf.shape[0]:
-            raise ValueError(
-                f"LocksCache holds batch size {self._kbuf.shape[0]} but got {key_states.shape[0]}: for "
-                "beam search or num_return_sequences > 1 pass a fresh (empty) LocksCache"
-            )
+        self._check_batch(key_states)
         T, t = self.length, key_states.shape[2]
         if T + t > self.capacity:
             self._grow(T + t)
@@ -256,9 +277,13 @@ class LocksLayer(DynamicLayer, PagedLayer):
     def prepare(self, attention_mask: torch.Tensor | None, query_len: int) -> None:
         """Before attention: read padding off the mask of a multi-token forward, then summarize
         every page completed since the last call."""
+        self.mark_padding(attention_mask, query_len)
+        self.summarize_completed()
+
+    def mark_padding(self, attention_mask: torch.Tensor | None, query_len: int) -> None:
+        """Read the padding of a multi-token forward's new slots off its attention mask."""
         if attention_mask is not None and query_len > 1:
             self.mark_new_slots(slot_validity(attention_mask, query_len, len(self.row_start), self.device))
-        self.summarize_completed()
 
     def attends_densely(self, query_len: int) -> bool:
         """Dense for multi-token forwards, the ``"full"`` selector, contexts under ``min_context``
@@ -288,7 +313,7 @@ class LocksLayer(DynamicLayer, PagedLayer):
         hi = max(target)
         if hi <= lo or all(n >= t for n, t in zip(self.n_summarized, target)):
             return
-        b, h = self._kbuf.shape[:2]
+        b, h = self.keys.shape[:2]
         keys, valid = self.page_inputs(torch.arange(lo, hi, device=self.device).expand(b, h, -1))
         if not self.shared:  # the first pass (after prefill) fits any sequence-level state, frozen after
             self.shared = self.selector.fit_sequence(keys, valid)
@@ -308,7 +333,9 @@ class LocksLayer(DynamicLayer, PagedLayer):
         return {**{name: t[:, :, :n] for name, t in self.summary.items()}, **self.shared}
 
     def set_config(self, config: LocksConfig) -> None:
-        """Switch selector settings; summaries are rebuilt (lazily) when their layout changes."""
+        """Switch selector settings; summaries are rebuilt (lazily) when their layout changes. The KV
+        storage settings (``kv_bits`` ...) cannot change: `LocksCache.fork` converts between them."""
+        check_same_kv(self.config, config)
         if config.summary_layout != self.config.summary_layout:
             self.summary, self.shared, self.n_summarized = {}, {}, [0] * len(self.row_start)
         self.config = config
@@ -319,6 +346,10 @@ class LocksLayer(DynamicLayer, PagedLayer):
     def from_paged(cls, layer: PagedLayer, config: LocksConfig, length: int) -> LocksLayer:
         """A dynamic layer holding a copy of the first ``length`` slots of another Locks layer (e.g. a
         static one); its summaries are rebuilt, in one batched pass, at the next forward."""
+        if config.kv_bits != 16:  # a full-precision copy, then quantized as `LocksCache.fork` does
+            from .kv_cache import to_quantized
+
+            return to_quantized(cls.from_paged(layer, full_precision(config), length), config)
         keys, values = layer.kv_buffers()
         new = cls(config)
         new.lazy_initialization(keys, values)
@@ -336,7 +367,9 @@ class LocksLayer(DynamicLayer, PagedLayer):
         """Apply a batch-dim transform to every stored tensor; ``rows`` says where each new row came from."""
         if not self.is_initialized:
             return
-        self._kbuf, self._vbuf, self.slot_valid = fn(self._kbuf), fn(self._vbuf), fn(self.slot_valid)
+        if self._kbuf is not None:  # (a quantized layer keeps its K/V in other tensors)
+            self._kbuf, self._vbuf = fn(self._kbuf), fn(self._vbuf)
+        self.slot_valid = fn(self.slot_valid)
         self.summary = {n: fn(t) for n, t in self.summary.items()}
         self.shared = {n: fn(t) for n, t in self.shared.items()}
         if self.prompt_queries is not None:
@@ -606,12 +639,11 @@ class LocksCache(LocksCacheMixin, DynamicCache):
         for layer in self.locks_layers:
             if not layer.decode_steps or layer.counts is None:
                 continue
-            keys, values = layer.kv_buffers()
-            b, h, _, dk = keys.shape
+            b, h = layer.keys.shape[:2]
             tokens = int(layer.counts[0])
             head_steps += layer.decode_steps * b * h
             attended += tokens
-            read += tokens * (dk + values.shape[-1]) * keys.element_size() + layer.estimate_bytes
+            read += layer.attended_kv_bytes() + layer.estimate_bytes
         if not head_steps:
             return None
         return {"attended_tokens": attended / head_steps, "read_bytes": read / head_steps}
@@ -629,7 +661,7 @@ class LocksCache(LocksCacheMixin, DynamicCache):
         if locks is not None:
             for layer in self.locks_layers:
                 if layer.is_initialized:
-                    check_head_dim(locks, layer.key_buffer().shape[-1])
+                    check_head_dim(locks, layer.keys.shape[-1])
         clone.locks_config = locks or self.locks_config
         refusal = None if self._plan is None else config_refusal(clone.locks_config, self._layer_types)
         if self._plan is not None and refusal is None:
@@ -664,9 +696,9 @@ def _copied_layer(layer, locks: LocksConfig | None, width: int | None):
     if isinstance(layer, LocksLayer):
         new = copy.copy(layer)
         new._apply(lambda t: t.clone(), list(range(len(layer.row_start))))
-        if locks is not None:
-            new.set_config(locks)
-        return new
+        from .kv_cache import adopt_config  # (it subclasses LocksLayer)
+
+        return new if locks is None else adopt_config(new, locks)
     if isinstance(layer, PagedLayer):  # a static Locks layer
         return layer.fork(locks, width)
     if isinstance(layer, StaticLayer):

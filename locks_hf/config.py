@@ -6,13 +6,15 @@ import math
 import numbers
 from dataclasses import dataclass, fields as dataclass_fields, replace
 
+from .kv_quant import validate_kv
+
 GROUP_COMBINES = ("share_average", "group_max", "group_mass")
 BASIS_BITS = (2, 4, 8, 16)  # 16 = unquantized (stored in the K/V dtype)
 VALUE_BITS = (8, 16)  # for coefficients and centroids
 #: Largest page: selection at a coarser grain than this reads most of a 128K context anyway.
 MAX_PAGE_SIZE = 1024
 _INT_FIELDS = ("page_size", "rank", "basis_bits", "coef_bits", "centroid_bits", "budget", "min_context",
-               "rerank")
+               "rerank", "kv_bits", "kv_group", "kv_residual")
 
 
 
@@ -46,6 +48,14 @@ class LocksConfig:
             the published value of the model's family (`locks_hf.baselines.lazy_eviction.family_alpha`).
         rerank: ``"locks_rerank"`` only: the short list re-ranked by exact page LSE holds
             ``rerank * k`` candidate pages.
+        kv_bits: KIVI quantization of the cached K/V (`locks_hf.kv_quant`): 4 or 2 bits, or 16 (default:
+            the K/V dtype). Dynamic layout (the reference path) only, so far.
+        kv_group: KIVI group: tokens per key scale (per channel), channels per value scale (per token).
+        kv_residual: most recent tokens kept in full precision (KIVI's residual; a multiple of
+            ``kv_group`` and of ``page_size``).
+        summary_from: ``"post"`` builds each page's summary from the full-precision keys before they
+            are quantized, ``"pre"`` from the dequantized keys (the paper's §5.4); both attend the
+            quantized K/V.
     """
 
     page_size: int = 16
@@ -59,6 +69,10 @@ class LocksConfig:
     min_context: int = 0
     lazy_alpha: float | None = None
     rerank: int = 8
+    kv_bits: int = 16
+    kv_group: int = 32
+    kv_residual: int = 128
+    summary_from: str = "post"
 
     def __post_init__(self) -> None:
         for name in _INT_FIELDS:  # 4.0 or True would pass the range checks and fail deep in a kernel
@@ -66,7 +80,7 @@ class LocksConfig:
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise LocksConfigError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
             object.__setattr__(self, name, int(value))  # numpy ints become plain ints
-        for name in ("selector", "group_combine"):
+        for name in ("selector", "group_combine", "summary_from"):
             if not isinstance(getattr(self, name), str):
                 raise LocksConfigError(f"{name} must be a str, got {getattr(self, name)!r}")
         B = self.page_size
@@ -100,6 +114,7 @@ class LocksConfig:
         if self.rerank < 1:
             raise LocksConfigError(f"rerank (candidate pages per page slot) must be a positive int, e.g. 4, "
                                    f"got {self.rerank!r}")
+        validate_kv(self)
         selector.validate(self)  # last: selector-specific checks see validated generic fields
 
     @property
@@ -118,9 +133,10 @@ class LocksConfig:
     @property
     def label(self) -> str:
         """Short name of the arm, e.g. ``locks-r8i4-b128`` or ``quest-b128`` (``full``: no budget)."""
-        cls = _selector_class(self.selector)
-        family = cls.family(self)
-        return family if cls.dense else f"{family}-b{self.budget}"
+        from .selectors import family_of
+
+        family = family_of(self)
+        return family if _selector_class(self.selector).dense else f"{family}-b{self.budget}"
 
     @classmethod
     def from_label(cls, label: str, **overrides) -> LocksConfig:

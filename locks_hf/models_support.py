@@ -9,6 +9,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from .compat import get_layer_types_and_kwargs
 from .config import LocksConfig, LocksConfigError
+from .kv_quant import check_kv_head_dim
 from .selectors import selector_class
 
 ATTENTION_NAME = "locks"
@@ -79,6 +80,7 @@ def check_attention_dispatch(config: PretrainedConfig) -> None:
 def check_head_dim(locks: LocksConfig, head_dim: int) -> None:
     """Raise `LocksConfigError` when ``locks`` cannot summarize keys of ``head_dim``."""
     selector_class(locks.selector).validate(locks, head_dim=head_dim)
+    check_kv_head_dim(locks, head_dim)
     if locks.basis_bits in (2, 4) and (head_dim * locks.basis_bits) % 8:
         raise LocksConfigError(f"head_dim={head_dim} cannot be packed at {locks.basis_bits} bits per entry")
 

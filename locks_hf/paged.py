@@ -147,6 +147,11 @@ class PagedLayer(ABC):
             counts[0] += attended
         counts[1] += context
 
+    def attended_kv_bytes(self) -> int:
+        """Bytes of the K/V the decode steps attended since the last ``reset_stats``, at their stored size."""
+        keys, values = self.kv_buffers()
+        return int(self.attended) * (keys.shape[-1] + values.shape[-1]) * keys.element_size()
+
     def observe_prompt_queries(self, query: torch.Tensor, scale: float) -> None:
         """Prefill hook (``query [b, Hq, t, d]``, t > 1): layers that keep prompt queries override it."""
 
@@ -183,7 +188,7 @@ class PagedLayer(ABC):
 
     def page_validity(self) -> torch.Tensor:
         """``[b, 1, P, B]``: which slots of each row's pages hold real tokens."""
-        pages = torch.arange(self.num_pages, device=self.device).expand(self.key_buffer().shape[0], -1)
+        pages = torch.arange(self.num_pages, device=self.device).expand(self.slot_valid.shape[0], -1)
         return self._slot_ok(self._page_slots(pages)).unsqueeze(1)
 
     def page_validity_of(self, pages: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,7 @@ from transformers.utils import is_torchdynamo_compiling
 from . import backend
 from .cache import LocksCache
 from .config import LocksConfig, LocksConfigError
+from .kv_quant import refuse_quantized
 from .layout import mark_static, resized
 from .paged import PagedLayer, pages_to_mask, slot_validity
 from .selectors import make_selector, static_selector_names
@@ -56,6 +57,7 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
     """One full-attention layer of `LocksStaticCache`: K/V of ``max_cache_len`` slots plus page summaries."""
 
     def __init__(self, max_cache_len: int, config: LocksConfig, max_slots: int | None = None, **kwargs) -> None:
+        refuse_quantized(config, "LocksStaticCache")
         B = config.page_size
         super().__init__(max_cache_len=-(-max_cache_len // B) * B)
         self.config = config
@@ -405,6 +407,7 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
             raise LocksConfigError(
                 f"set_config: page_size {config.page_size} differs from the cache's {self.config.page_size}; "
                 "the page grid is fixed at creation")
+        refuse_quantized(config, "LocksStaticCache")
         if config.selector not in static_selector_names() or config.min_context:
             raise LocksConfigError(f"set_config: LocksStaticCache supports selector in {static_selector_names()} with "
                                    f"min_context=0, got selector={config.selector!r} min_context={config.min_context}")

@@ -41,9 +41,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
 
 
-def tiny(arch: str, attn: str = "locks", dtype=torch.float64, seed: int = 0):
-    """A seeded random tiny model; ``tiny(a, "sdpa")`` and ``tiny(a, "locks")`` share weights."""
-    model = tiny_model(arch, attn_implementation=attn, seed=seed).to(dtype)
+def tiny(arch: str, attn: str = "locks", dtype=torch.float64, seed: int = 0, **overrides):
+    """A seeded random tiny model; ``tiny(a, "sdpa")`` and ``tiny(a, "locks")`` share weights.
+    ``overrides`` change config fields (e.g. ``head_dim=32``)."""
+    model = tiny_model(arch, attn_implementation=attn, seed=seed, **overrides).to(dtype)
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None  # random models: always generate max_new_tokens
     return model

@@ -67,17 +67,24 @@ def summary_layout(config: LocksConfig) -> tuple:
 
 # -- arm labels ----------------------------------------------------------------------------------------
 def parse_family(family: str) -> tuple[type[PageSelector], dict]:
-    """The selector and `LocksConfig` fields of an arm family label (``"locks-r8i4"``, ``"quest"``)."""
+    """The selector and `LocksConfig` fields of an arm family label (``"locks-r8i4"``, ``"quest"``,
+    with quantized KV ``"locks-r8i4+kv4-post"``, ``"full+kv2"``)."""
+    from ..kv_quant import split_kv_label
+
+    base, kv_fields = split_kv_label(family)
     for cls in _REGISTRY.values():
-        fields = cls.parse_family(family)
+        fields = cls.parse_family(base)
         if fields is not None:
-            return cls, fields
+            return cls, {**fields, **kv_fields}
     raise ValueError(f"unknown arm {family!r}: use {family_help()}")
 
 
 def family_help() -> str:
     """The arm labels every registered selector accepts, in words."""
-    return ", ".join(cls.family_grammar or cls.name for cls in _REGISTRY.values())
+    from ..kv_quant import LABEL_GRAMMAR
+
+    labels = ", ".join(cls.family_grammar or cls.name for cls in _REGISTRY.values())
+    return f"{labels}; each optionally followed by {LABEL_GRAMMAR}"
 
 
 def config_for_family(family: str, budget: int = 128, page_size: int = 16, **extra) -> LocksConfig:
@@ -92,7 +99,10 @@ def config_for_family(family: str, budget: int = 128, page_size: int = 16, **ext
 
 def family_of(config: LocksConfig) -> str:
     """The arm family label of ``config`` (`parse_family`'s inverse)."""
-    return selector_class(config.selector).family(config)
+    from ..kv_quant import kv_label
+
+    cls = selector_class(config.selector)
+    return cls.family(config) + kv_label(config, cls)
 
 
 def family_sort_key(family: str) -> tuple:
