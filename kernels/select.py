@@ -390,18 +390,21 @@ def _union_kernel(list_ptr, n_list, sink_ptr, row_start_ptr, len_ptr, H, out_ptr
 
 @triton.jit
 def _list_mask_kernel(list_ptr, W, mask_ptr, P, BLOCK: tl.constexpr, WB: tl.constexpr):
-    """``mask[row, p] = p in list[row]`` for ``BLOCK`` pages of one row (entries < 0 or >= P match none)."""
+    """Pages ``[BLOCK * j, BLOCK * (j + 1))`` of row ``i`` of the mask: zeros, then (after a barrier, so
+    that the program's own zeros land first) a one at each listed page of the block."""
     row = tl.program_id(0).to(tl.int64)
-    p = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    hit = tl.zeros([BLOCK], dtype=tl.int32)
+    p0 = tl.program_id(1) * BLOCK
+    p = p0 + tl.arange(0, BLOCK)
+    tl.store(mask_ptr + row * P + p, tl.zeros([BLOCK], dtype=tl.int8), mask=p < P)
+    tl.debug_barrier()
     for w0 in range(0, W, WB):
         w = w0 + tl.arange(0, WB)
         pg = tl.load(list_ptr + row * W + w, mask=w < W, other=SENTINEL)
-        hit = tl.maximum(hit, tl.max((pg[None, :] == p[:, None]).to(tl.int32), axis=1))
-    tl.store(mask_ptr + row * P + p, hit.to(tl.int8), mask=p < P)
+        mine = (pg >= p0) & (pg < p0 + BLOCK) & (pg < P)
+        tl.store(mask_ptr + row * P + pg, tl.full([WB], 1, tl.int8), mask=mine)
 
 
-def mark_lists(mask: torch.Tensor, pages: torch.Tensor, block: int = 512) -> torch.Tensor:
+def mark_lists(mask: torch.Tensor, pages: torch.Tensor, block: int = 4096) -> torch.Tensor:
     """Overwrite ``mask`` (contiguous bool or int8 ``[rows, P]``) with the pages of the lists ``pages
     [rows, W]`` (int32; ``SENTINEL`` and pages ``>= P`` mark nothing): one launch, no scratch, what
     ``locks_hf.paged.pages_to_mask`` gives."""
@@ -414,7 +417,7 @@ def mark_lists(mask: torch.Tensor, pages: torch.Tensor, block: int = 512) -> tor
     W = pages.shape[1]
     if rows and P:
         _list_mask_kernel[(rows, triton.cdiv(P, block))](pages, W, mask.view(torch.int8), P, BLOCK=block,
-                                                         WB=16, num_warps=4)
+                                                         WB=128, num_warps=4)
     return mask
 
 
