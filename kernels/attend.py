@@ -4,8 +4,9 @@
 time: each K/V page is loaded once for all G query heads of the KV head (the group is the M side of
 the tensor-core products, padded to 16), online softmax in float32, padding slots and ``SENTINEL``
 entries masked. With one split it writes the output; otherwise each split writes its normalised
-partial output and base-2 LSE, merged by ``_combine_kernel`` in a second launch (the default), or,
-with ``fused_combine``, by the row's last split to finish (`_combine_row`, a counter per row). ``DENSE`` walks every page up to
+partial output and base-2 LSE, merged by ``_combine_kernel`` in a second launch (the default: one
+program per query head), or, with ``fused_combine``, by the row's last split to finish (`_combine_row`,
+a counter per row). ``DENSE`` walks every page up to
 the cache's length instead of a list: dense decode for the static cache's ``"full"`` selector, so
 that its baseline reads K/V at flash-decoding speed, not through a capacity-wide SDPA mask.
 """
@@ -143,10 +144,37 @@ def _combine_row(part_o_ptr, part_l_ptr, row, n_split, out_ptr, out_sh, G: tl.co
 
 @triton.jit
 def _combine_kernel(part_o_ptr, part_l_ptr, out_ptr, out_sb, out_sh, H, n_split,
-                    G: tl.constexpr, GG: tl.constexpr, D: tl.constexpr, SB: tl.constexpr):
-    row = tl.program_id(0)
-    _combine_row(part_o_ptr, part_l_ptr, row, n_split, out_ptr + (row // H) * out_sb + (row % H) * G * out_sh, out_sh,
-                 G, GG, D, SB)
+                    G: tl.constexpr, D: tl.constexpr, SBLK: tl.constexpr):
+    """The separate merge: one program per (row, query head), ``SBLK`` splits per load (the LSEs'
+    max and sum, then the weighted partials as ``[SBLK, D]`` tiles). Per head, not per row: the
+    per-row merge (`_combine_row`) walks its few programs through every split serially and took
+    28-41 us a layer at 32 splits on the H200."""
+    pid = tl.program_id(0)
+    row = pid // G
+    g = pid % G
+    c = tl.arange(0, D)
+    base = row * n_split
+    m = tl.full([], float("-inf"), tl.float32)
+    l = tl.zeros([], dtype=tl.float32)
+    for s0 in range(0, n_split, SBLK):
+        sb = s0 + tl.arange(0, SBLK)
+        lse = tl.load(part_l_ptr + (base + sb) * G + g, mask=sb < n_split, other=float("-inf"), cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
+        safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l = l * tl.exp2(m - safe) + tl.sum(tl.exp2(lse - safe), axis=0)
+        m = m_new
+    safe = tl.where(m == float("-inf"), 0.0, m)
+    acc = tl.zeros([D], dtype=tl.float32)
+    for s0 in range(0, n_split, SBLK):
+        sb = s0 + tl.arange(0, SBLK)
+        ok = sb < n_split
+        w = tl.exp2(tl.load(part_l_ptr + (base + sb) * G + g, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                    - safe)
+        o = tl.load(part_o_ptr + ((base + sb) * G + g)[:, None] * D + c[None, :], mask=ok[:, None], other=0.0,
+                    cache_modifier=".cg")
+        acc += tl.sum(w[:, None] * o, axis=0)
+    o = acc / tl.where(l > 0, l, 1.0)
+    tl.store(out_ptr + (row // H) * out_sb + ((row % H) * G + g) * out_sh + c, o.to(out_ptr.dtype.element_ty))
 
 
 #: Most splits per row.
@@ -184,10 +212,10 @@ def sparse_attention(query: torch.Tensor, key_buf: torch.Tensor, value_buf: torc
 
     With several splits per row, ``fused_combine`` merges the partials in the row's last split to
     finish (one launch; ``semaphore``, int32 ``[>= b*h]`` zeros that the launch leaves zero, saves a
-    memset), else in a second launch (the default: on the H200 the fused merge's registers cost the
-    split loop more than the launch it saves; complete Llama-3.1-8B-shape step at 512K, 32 layers:
-    27.9 ms of dense attention fused against 16.6 + 2.8 ms separate in one run; sparse attention at
-    b = 2048 took 2.4 ms fused, against 0.26 ms separate in an earlier profile).
+    memset), else in a second launch with one program per query head (the default). On the H200
+    (2026-12-02, b = 2048, 32 splits, 512K) the row's last split walks every split itself: 50 us
+    (Llama-3.1-8B shape) and 32 us (GLM-4-9B) of attention a layer fused, against 5.3 / 3.8 us for the
+    split loop alone; the per-head merge keeps the second launch under 5 us a layer.
     """
     b, hq, d = query.shape[0], query.shape[1], query.shape[-1]
     q = query.reshape(b, hq, d)
@@ -235,6 +263,6 @@ def sparse_attention(query: torch.Tensor, key_buf: torch.Tensor, value_buf: torc
         DENSE=dense, COUNT=counts is not None, ROW_COUNT=row_counts is not None, CONTEXT=pad is not None,
         FUSED=fused, SB=SB, num_warps=num_warps, num_stages=num_stages)
     if splits > 1 and not fused:
-        _combine_kernel[(rows,)](part_o, part_l, o3, o3.stride(0), o3.stride(1), h, splits, G=G, GG=GP, D=d,
-                                 SB=SB, num_warps=4)
+        _combine_kernel[(rows * G,)](part_o, part_l, o3, o3.stride(0), o3.stride(1), h, splits, G=G, D=d,
+                                     SBLK=min(32, max(16, next_pow2(splits))), num_warps=4)
     return out

@@ -13,7 +13,7 @@ from ._common import SCAN_METHOD, SUMMARY_NAMES, as_length
 from .attend import sparse_attention
 from .rerank import rerank_pages
 from .score import score_pages
-from .select import STATE_WIDTH, select_pages
+from .select import STATE_WIDTH, mark_lists, select_pages
 
 __all__ = ["SUMMARY_NAMES", "decode_step", "implements", "workspace_size"]
 
@@ -96,7 +96,11 @@ def decode_step(method: str, query: torch.Tensor, *, key_buf: torch.Tensor, valu
 
 
 def _mark_attended(mask: torch.Tensor, pages: torch.Tensor) -> None:
-    """Overwrite ``mask [rows, P]`` with the pages of the lists ``pages [rows, W]`` (``SENTINEL`` < 0 skipped)."""
+    """Overwrite ``mask [rows, P]`` with the pages of the lists ``pages [rows, W]`` (``SENTINEL`` < 0
+    skipped): one launch (`select.mark_lists`), not a memset, scatter and copy through a scratch mask."""
+    if mask.is_contiguous() and pages.is_contiguous() and pages.dtype == torch.int32:
+        mark_lists(mask, pages)
+        return
     n = mask.shape[1]
     hit = torch.zeros((mask.shape[0], n + 1), dtype=torch.bool, device=mask.device)
     hit.scatter_(1, torch.where(pages >= 0, pages, n).long(), True)

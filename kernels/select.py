@@ -388,6 +388,39 @@ def _union_kernel(list_ptr, n_list, sink_ptr, row_start_ptr, len_ptr, H, out_ptr
                     last_page_of(row_start_ptr, len_ptr, row, H, B), N)
 
 
+@triton.jit
+def _list_mask_kernel(list_ptr, W, mask_ptr, P, BLOCK: tl.constexpr, WB: tl.constexpr):
+    """Pages ``[BLOCK * j, BLOCK * (j + 1))`` of row ``i`` of the mask: zeros, then (after a barrier, so
+    that the program's own zeros land first) a one at each listed page of the block."""
+    row = tl.program_id(0).to(tl.int64)
+    p0 = tl.program_id(1) * BLOCK
+    p = p0 + tl.arange(0, BLOCK)
+    tl.store(mask_ptr + row * P + p, tl.zeros([BLOCK], dtype=tl.int8), mask=p < P)
+    tl.debug_barrier()
+    for w0 in range(0, W, WB):
+        w = w0 + tl.arange(0, WB)
+        pg = tl.load(list_ptr + row * W + w, mask=w < W, other=SENTINEL)
+        mine = (pg >= p0) & (pg < p0 + BLOCK) & (pg < P)
+        tl.store(mask_ptr + row * P + pg, tl.full([WB], 1, tl.int8), mask=mine)
+
+
+def mark_lists(mask: torch.Tensor, pages: torch.Tensor, block: int = 4096) -> torch.Tensor:
+    """Overwrite ``mask`` (contiguous bool or int8 ``[rows, P]``) with the pages of the lists ``pages
+    [rows, W]`` (int32; ``SENTINEL`` and pages ``>= P`` mark nothing): one launch, no scratch, what
+    ``locks_hf.paged.pages_to_mask`` gives."""
+    rows, P = mask.shape
+    if mask.dtype not in (torch.bool, torch.int8) or not mask.is_contiguous():
+        raise ValueError(f"mark_lists: mask must be a contiguous bool/int8 [rows, P] tensor, got {mask.dtype}")
+    if pages.dim() != 2 or pages.shape[0] != rows or pages.dtype != torch.int32 or not pages.is_contiguous():
+        raise ValueError(f"mark_lists: pages must be contiguous int32 [{rows}, W], got {pages.dtype} "
+                         f"{tuple(pages.shape)}")
+    W = pages.shape[1]
+    if rows and P:
+        _list_mask_kernel[(rows, triton.cdiv(P, block))](pages, W, mask.view(torch.int8), P, BLOCK=block,
+                                                         WB=128, num_warps=4)
+    return mask
+
+
 def radix_state(vrows: int, device) -> torch.Tensor:
     """A zeroed radix-selection state for ``vrows`` rows (``int32 [vrows, STATE_WIDTH]``): histogram and
     counters. Every radix selection leaves it zero again, so one state can be passed to every call

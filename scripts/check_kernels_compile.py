@@ -86,8 +86,10 @@ def cases():
         yield (f"attention G={G} dense={dense} fused={fused}", attend._sparse_attn_kernel, att,
                dict(G=G, GP=max(16, G), D=128, B=16, TP=4, SPLIT=True, DOT_PREC="tf32", DENSE=dense, COUNT=True,
                     ROW_COUNT=True, CONTEXT=True, FUSED=fused, SB=2 if G == 16 else 4), ("scale",), 4)
+    yield ("page mask from lists", select._list_mask_kernel, {"list_ptr": I32, "mask_ptr": "*i8"},
+           dict(BLOCK=4096, WB=128), (), 4)
     yield ("attention merge", attend._combine_kernel, {"part_o_ptr": F32, "part_l_ptr": F32, "out_ptr": "*bf16"},
-           dict(G=16, GG=16, D=128, SB=2), (), 4)
+           dict(G=16, D=128, SBLK=32), (), 4)
 
 
 def main() -> int:

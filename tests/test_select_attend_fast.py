@@ -261,6 +261,21 @@ def test_radix_selection_marks_the_page_mask(per_head):
         _select(c, scores, 6, algorithm="chunks", mask_out=mask)
 
 
+@pytest.mark.parametrize("rows, P, W", [(3, 1000, 7), (2, 1100, 130), (1, 17, 40)])
+def test_mark_lists_is_the_lists_mask(rows, P, W):
+    """One launch overwrites a mask with the listed pages (``SENTINEL`` and pages past ``P`` mark none)."""
+    from locks_hf.kernels.select import mark_lists
+    from locks_hf.paged import pages_to_mask
+
+    gen = torch.Generator().manual_seed(rows * P + W)
+    pages = torch.randint(-1, P + 3, (rows, W), generator=gen, dtype=torch.int32)
+    mask = torch.rand(rows, P, generator=gen) > 0.5
+    got = mark_lists(mask.to(DEV), pages.to(DEV)).cpu()
+    assert torch.equal(got, pages_to_mask(torch.where(pages < P, pages, -1), P))
+    with pytest.raises(ValueError, match="int32"):
+        mark_lists(mask.to(DEV), pages.long().to(DEV))
+
+
 @pytest.mark.parametrize("selector", ["locks", "quest", "full"])
 def test_static_layer_step_keeps_its_bookkeeping_in_the_launches(monkeypatch, selector):
     """A static layer with the kernels' buffers (a GPU's; given by hand here): the decode launches
