@@ -293,7 +293,12 @@ class LocksLayer(DynamicLayer, PagedLayer):
             return True
         if self.selector.token_level:  # the policy decides (eviction state evolves)
             return False
-        return self.length < cfg.min_context or self.length <= cfg.page_slots * cfg.page_size
+        # Measured on the rows' page grids, which start at each row's first real token, not on the
+        # written slots: left padding is no context. Counting it sent a row that fits the budget (and
+        # has fewer complete pages than the budget's slots, possibly none summarized) down the page
+        # path, where a row run alone, with the same pages, attends densely.
+        context = self.length - min(self.row_start)
+        return context < cfg.min_context or self.num_pages <= cfg.page_slots
 
     @property
     def num_pages(self) -> int:

@@ -473,3 +473,59 @@ def test_locks_fma_rejects_bad_tiles():
     with pytest.raises(ValueError, match="variant"):
         kernels.score_pages("locks", c.dev("query"), summary=summ, basis_bits=4, scale=0.3, variant="tensor",
                             **c.kw())
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("selector", ["locks", "locks_rerank", "quest", "oracle"])
+@pytest.mark.parametrize("rows", ["with_a_long_row", "padded_row_only"])
+def test_left_padding_filling_whole_pages_on_the_kernels(monkeypatch, static, selector, rows):
+    """A row of 5 real tokens behind 6 whole pages of left padding, at a budget of two pages: paged
+    from its first real token it has no complete page, and the kernels' decode (and, on the static
+    layer, the per-step page update) attend exactly its real tokens, as the reference path does. Next
+    to a long row that selects pages, both paths agree on that row too. A dynamic layer holding only
+    the padded row decodes densely (SDPA), as the row alone would."""
+    monkeypatch.setenv("LOCKS_HF_KERNELS", "0")  # the layer's own calls take the reference path
+    from locks_hf.attention import reference_decode
+    from locks_hf.backend import kernel_decode, kernel_update_newest_page
+    from locks_hf.cache import LocksLayer
+    from locks_hf.static_cache import LocksStaticLayer
+
+    c = Cache(13, b=2, pages=7, pad=(0, 0), hole=False)
+    L = c.length  # 6 complete pages + 11 slots
+    pad = L - 5
+    valid = torch.ones(2, L, dtype=torch.bool)
+    valid[1, :pad] = False
+    keep = [0, 1] if rows == "with_a_long_row" else [1]
+    valid = valid[keep].to(DEV)
+    keys, values = (c.dev(n)[keep][:, :, :L] for n in ("keys", "values"))
+    b = len(keep)
+    cfg = LocksConfig(rank=4, basis_bits=4, budget=2 * B, selector=selector)
+    layer = LocksStaticLayer(L + 2 * B, cfg) if static else LocksLayer(cfg)
+    layer.update(keys, values)
+    layer.prepare(valid[:, None, None, :].expand(b, 1, L, L), L)  # prefill, padding read off the mask
+    step_k, step_v = (torch.randn(b, c.h, 1, c.d, generator=torch.Generator().manual_seed(s)).to(DEV)
+                      for s in (1, 2))
+    layer.update(step_k, step_v)  # one decode token
+    if static:
+        layer.prepare(None, 1)
+        kernel_update_newest_page(layer)  # must leave the padded row's summaries as the reference wrote them
+    else:
+        layer.prepare(None, 1)
+        if rows == "padded_row_only":
+            assert layer.attends_densely(1)  # 1 page: every page fits the budget
+            return
+        assert not layer.attends_densely(1)
+    q = c.dev("query")[keep]
+    ref = reference_decode(layer, q, 0.3)
+    ref_sel = layer.last_selection.clone()
+    got = kernel_decode(layer, q, 0.3)
+    assert torch.equal(layer.last_selection.cpu(), ref_sel.cpu())
+    assert ((got.double() - ref.double()).norm() / ref.double().norm()).item() < 1e-5
+    # the padded row (the last) attends its 5 real tokens and the step's own, densely
+    r = b - 1
+    k_real = torch.cat([keys[r, :, pad:], step_k[r]], 1).double()
+    v_real = torch.cat([values[r, :, pad:], step_v[r]], 1).double()
+    qr = q[r, :, 0].double().view(c.h, c.G, c.d)
+    dense = torch.einsum("hgn,hnd->hgd", torch.softmax(0.3 * torch.einsum("hgd,hnd->hgn", qr, k_real), -1), v_real)
+    for out in (ref, got):
+        assert torch.allclose(out[r, 0].double().view(c.h, c.G, c.d), dense, atol=1e-5)

@@ -44,17 +44,20 @@ def repeat_inputs(encode, context_ids: torch.Tensor) -> list[tuple[int, int, tor
 
 
 class ReconstructionScores:
-    """Collects one layer's KVzip scores ``[b, h, n]`` from the repeat queries of one chunk."""
+    """Collects one layer's KVzip scores ``[b, h, n]`` from the repeat queries of one chunk.
 
-    def __init__(self, store: torch.Tensor, start: int, end: int) -> None:
-        self.store, self.start, self.end = store, start, end
+    ``start``, ``end`` and ``sink`` (the sink's first slot) are slot indices of the cache, which
+    differ from context positions by the row's left padding."""
+
+    def __init__(self, store: torch.Tensor, start: int, end: int, sink: int = 0) -> None:
+        self.store, self.start, self.end, self.sink = store, start, end, sink
 
     def update(self, query: torch.Tensor, keys: torch.Tensor, scale: float) -> None:
         """``query [b, Hq, t, d]`` of the repeat tokens, ``keys [b, h, L, d]`` (the repeat tokens last)."""
         b, hq, t, d = query.shape
         h, L = keys.shape[1], keys.shape[2]
         acc = torch.promote_types(query.dtype, torch.float32)
-        k = torch.cat([keys[:, :, :SINK], keys[:, :, self.start : self.end], keys[:, :, L - t :]], 2).to(acc)
+        k = torch.cat([keys[:, :, self.sink : self.sink + SINK], keys[:, :, self.start : self.end], keys[:, :, L - t :]], 2).to(acc)
         n_ctx = self.end - self.start
         q = query.reshape(b, h, hq // h, t, d).to(acc)
         best = torch.zeros((b, h, n_ctx), dtype=acc, device=query.device)
@@ -72,8 +75,8 @@ class ReconstructionScores:
 @torch.no_grad()
 def score_context(model, tokenizer, cache, context_ids: torch.Tensor) -> None:
     """Run KVzip's reconstruction passes over the context ``context_ids [1, n]``, the first ``n``
-    tokens cached in ``cache`` (a prefilled `LocksCache` of batch size 1, left unchanged), and keep the
-    scores on its layers for every KVzip fork of it."""
+    tokens cached in ``cache`` (a prefilled `LocksCache` of batch size 1, left unchanged) after any left
+    padding, and keep the scores on its layers for every KVzip fork of it."""
     layers = cache.locks_layers
     if not layers or layers[0].keys is None or layers[0].keys.shape[0] != 1:
         raise ValueError("score_context needs a prefilled LocksCache of batch size 1")
@@ -84,16 +87,25 @@ def score_context(model, tokenizer, cache, context_ids: torch.Tensor) -> None:
     def encode(text: str) -> torch.Tensor:
         return torch.tensor([tokenizer.encode(text, add_special_tokens=False)], device=device)
 
-    stores = [torch.zeros((1, layer.keys.shape[1], context_len), dtype=torch.float32, device=device)
+    # A left-padded prompt: the context starts at the row's first real slot, and the repeat forwards
+    # see it as the prompt alone would (padding masked, positions counted from its first real token).
+    pad = layers[0].row_start[0]
+    cached = layers[0].slot_valid[:, : layers[0].length].long()
+    stores = [torch.zeros((1, layer.keys.shape[1], pad + context_len), dtype=torch.float32, device=device)
               for layer in layers]
     for start, end, ids in repeat_inputs(encode, context_ids):
         fork = cache.fork()
         for layer, store in zip(fork.locks_layers, stores):
-            layer.score_request = ReconstructionScores(store, start, end)
-        model(ids, past_key_values=fork, use_cache=True, logits_to_keep=1)  # only the attention is used
+            layer.score_request = ReconstructionScores(store, pad + start, pad + end, sink=pad)
+        t = ids.shape[1]
+        mask = torch.cat([cached, cached.new_ones((1, t))], 1)
+        positions = torch.arange(cached.shape[1] - pad, cached.shape[1] - pad + t, device=device)[None]
+        # only the attention is used
+        model(ids, attention_mask=mask, position_ids=positions, past_key_values=fork, use_cache=True, logits_to_keep=1)
         del fork
     for layer, store in zip(layers, stores):
-        store[:, :, :SINK] = float("inf")
+        store[:, :, :pad] = float("-inf")  # padding: never among the kept context tokens
+        store[:, :, pad : pad + SINK] = float("inf")
         layer.prefill_scores["kvzip"] = store
 
 

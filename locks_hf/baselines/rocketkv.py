@@ -110,22 +110,45 @@ class RocketKVPolicy(TokenPolicy):
             )
         b, h, G, d = query.shape
         T = state.length
-        prompt_keep, topk, ratio = rocket_budgets(T, layer.expected_new_tokens, self.config.budget)
         window = prompt_q.reshape(b, h, G, -1, d)[..., -OBSERVATION_WINDOW:, :]
-        state.keep = snapkv_keep(layer.keys[:, :, :T], window, layer.slot_valid[:, :T], prompt_keep, scale
-                                 ).unsqueeze(2)
-        state.info.update(topk=topk, ratio=ratio, prompt_keep=prompt_keep)
+        # The budget rule depends on the prompt's length: each row's is its own, counted from its first
+        # real token (left padding is no prompt), so that a padded row plans as it would alone.
+        keep = torch.zeros_like(state.keep[:, :, 0])
+        plans = []
+        for row, start in enumerate(layer.row_tensors()[0].tolist()):
+            prompt_keep, topk, ratio = rocket_budgets(T - start, layer.expected_new_tokens, self.config.budget)
+            w = min(window.shape[-2], T - start)  # a short prompt has fewer real window queries
+            keep[row : row + 1, :, start:] = snapkv_keep(
+                layer.keys[row : row + 1, :, start:T], window[row : row + 1, ..., window.shape[-2] - w :, :],
+                layer.slot_valid[row : row + 1, start:T], prompt_keep, scale)
+            plans.append((prompt_keep, topk, ratio))
+        state.keep = keep.unsqueeze(2)
+        state.info.update(plans=plans)
         return state
 
     def select(self, layer, state, query, scale):
-        topk, ratio = state.info["topk"], state.info["ratio"]
-        index, ok = kept_indices(state.keep[:, :, 0] & layer.slot_valid[:, None, : state.length])
+        plans = state.info["plans"]
+        if all(plan[1:] == plans[0][1:] for plan in plans):  # one plan: the whole batch at once
+            return self._select_rows(layer, state.keep, state.length, query, *plans[0][1:])
+        masks, read = [], 0
+        for row, (_, topk, ratio) in enumerate(plans):
+            mask, nbytes = self._select_rows(layer, state.keep[row : row + 1], state.length,
+                                             query[row : row + 1], topk, ratio, rows=slice(row, row + 1))
+            masks.append(mask)
+            read += nbytes
+        return torch.cat(masks), read
+
+    @staticmethod
+    def _select_rows(layer, keep, length, query, topk, ratio, rows=slice(None)):
+        """Stage 2 for the rows ``rows`` of the layer, which share one plan (``topk``, ``ratio``)."""
+        keys = layer.keys[rows]
+        index, ok = kept_indices(keep[:, :, 0] & layer.slot_valid[rows, None, :length])
         if index.shape[-1] <= topk:
-            return state.keep, 0
-        scores, chunk, channels = hybrid_scores(gather_slots(layer.keys, index), ok, query, ratio)
+            return keep, 0
+        scores, chunk, channels = hybrid_scores(gather_slots(keys, index), ok, query, ratio)
         order = torch.sort(scores.masked_fill(~ok, float("-inf")), dim=-1, descending=True, stable=True).indices
         best = order[..., :topk]
-        mask = slots_mask(index.gather(-1, best), ok.gather(-1, best), state.length)
+        mask = slots_mask(index.gather(-1, best), ok.gather(-1, best), length)
         b, h = index.shape[:2]
-        read = b * h * math.ceil(index.shape[-1] / chunk) * channels * layer.keys.element_size()
+        read = b * h * math.ceil(index.shape[-1] / chunk) * channels * keys.element_size()
         return mask.unsqueeze(2), read
