@@ -14,6 +14,9 @@ Budget rule (the reference implementation's): with ``S`` = prompt + generated to
 at least ``min(2 * generated, S)``), the prompt keeps that capacity minus the generated tokens, and
 stage 2 uses ``c = ceil(sqrt(capacity / b))`` and ``r = d * c / (capacity / b)`` channels so that
 its estimation reads about as much as the ``b/2`` attended tokens.
+
+In a left-padded batch the rule is applied to each row's own prompt (its real tokens, not the padded
+length of the batch), so that every row keeps and attends what it would if it ran alone.
 """
 
 from __future__ import annotations
@@ -110,22 +113,38 @@ class RocketKVPolicy(TokenPolicy):
             )
         b, h, G, d = query.shape
         T = state.length
-        prompt_keep, topk, ratio = rocket_budgets(T, layer.expected_new_tokens, self.config.budget)
         window = prompt_q.reshape(b, h, G, -1, d)[..., -OBSERVATION_WINDOW:, :]
-        state.keep = snapkv_keep(layer.keys[:, :, :T], window, layer.slot_valid[:, :T], prompt_keep, scale
-                                 ).unsqueeze(2)
-        state.info.update(topk=topk, ratio=ratio, prompt_keep=prompt_keep)
+        real = layer.slot_valid[:, :T]
+        # Per row: the budget rule reads the row's own prompt length (the padded length would change
+        # what a row keeps with the batch it runs in).
+        plans = [rocket_budgets(int(n), layer.expected_new_tokens, self.config.budget) for n in real.sum(-1).tolist()]
+        keep = torch.cat([snapkv_keep(layer.keys[row:row + 1, :, :T], window[row:row + 1], real[row:row + 1],
+                                      prompt_keep, scale) for row, (prompt_keep, _, _) in enumerate(plans)])
+        state.keep = keep.unsqueeze(2)
+        # per-row values are batch-first tensors: beam reorders and row selections carry them along
+        state.tensors["ratio"] = torch.tensor([p[2] for p in plans], dtype=torch.float64)
+        state.tensors["prompt_keep"] = torch.tensor([p[0] for p in plans])
+        state.info.update(topk=plans[0][1])
         return state
 
     def select(self, layer, state, query, scale):
-        topk, ratio = state.info["topk"], state.info["ratio"]
+        topk = state.info["topk"]
         index, ok = kept_indices(state.keep[:, :, 0] & layer.slot_valid[:, None, : state.length])
         if index.shape[-1] <= topk:
             return state.keep, 0
-        scores, chunk, channels = hybrid_scores(gather_slots(layer.keys, index), ok, query, ratio)
-        order = torch.sort(scores.masked_fill(~ok, float("-inf")), dim=-1, descending=True, stable=True).indices
-        best = order[..., :topk]
-        mask = slots_mask(index.gather(-1, best), ok.gather(-1, best), state.length)
-        b, h = index.shape[:2]
-        read = b * h * math.ceil(index.shape[-1] / chunk) * channels * layer.keys.element_size()
+        mask = torch.zeros_like(state.keep[:, :, 0])
+        read = 0
+        # rows grouped by their stage-2 ratio (one group when every row has the same prompt length)
+        groups: dict[float, list[int]] = {}
+        for row, ratio in enumerate(state.tensors["ratio"].tolist()):
+            groups.setdefault(ratio, []).append(row)
+        for ratio, rows in groups.items():
+            at = torch.tensor(rows, device=index.device)
+            scores, chunk, channels = hybrid_scores(gather_slots(layer.keys[at], index[at]), ok[at], query[at], ratio)
+            order = torch.sort(scores.masked_fill(~ok[at], float("-inf")), dim=-1, descending=True, stable=True).indices
+            best = order[..., :topk]
+            mask[at] = slots_mask(index[at].gather(-1, best), ok[at].gather(-1, best), state.length)
+            # the estimate reads ceil(R / c) chunk maxima of r channels for each row's R resident tokens
+            chunks = ok[at].sum(-1).add(chunk - 1).div(chunk, rounding_mode="floor")
+            read += int(chunks.sum()) * channels * layer.keys.element_size()
         return mask.unsqueeze(2), read
