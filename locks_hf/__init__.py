@@ -5,20 +5,23 @@ Importing this package registers ``attn_implementation="locks"`` with transforme
 
 from .attention import locks_attention_forward, register
 from .cache import LocksCache, LocksLayer
+from .concurrency import CacheInUseError
 from .config import LocksConfig, LocksConfigError
-from .models_support import UnsupportedModelError
+from .models_support import UnsupportedModelError, check_model
 from .static_cache import LocksStaticCache
 from .summaries import summary_bytes
 
 register()
 
 __all__ = [
+    "CacheInUseError",
     "LocksCache",
     "LocksConfig",
     "LocksConfigError",
     "LocksLayer",
     "LocksStaticCache",
     "UnsupportedModelError",
+    "check_model",
     "locks_attention_forward",
     "summary_bytes",
 ]

@@ -33,6 +33,16 @@ _UNSUPPORTED_KWARGS = {
     "position_bias": "additive position biases",
 }
 
+# transformers writes every forward into a cache passed as past_key_values even with use_cache=False,
+# and generate(use_cache=False) then re-feeds the whole sequence at each step: the cache fills with
+# copies and the positions run past the sequence (a DynamicCache gives wrong tokens the same way).
+USE_CACHE_FALSE = (
+    "use_cache=False with a Locks cache as past_key_values: transformers would still write every forward into "
+    "the cache, and generate() re-feeds the whole sequence each step, so the cache fills with duplicates and "
+    "positions go wrong. Drop use_cache=False to decode with the cache, or drop past_key_values to run "
+    "without one"
+)
+
 
 def kernel_path(layer: PagedLayer, query: torch.Tensor | None = None):
     """Deprecated: `locks_hf.backend.kernels_for`."""
@@ -123,6 +133,8 @@ def locks_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
+    if kwargs.get("use_cache") is False:
+        raise UnsupportedModelError(USE_CACHE_FALSE)
     for name, what in _UNSUPPORTED_KWARGS.items():
         if kwargs.get(name) is not None:
             raise UnsupportedModelError(f"{type(module).__name__}: {what} is not supported by Locks sparse decode")

@@ -122,7 +122,7 @@ def kernel_decode(layer, query: torch.Tensor, scale: float) -> torch.Tensor:
         out, pages = torch.ops.locks_hf.decode_step(
             method, query, keys, layer.value_buffer(), layer.slot_valid, row_start, n_complete,
             layer.length_tensor(), _summary_list(layer), layer.num_pages, width, float(scale),
-            cfg.page_size, cfg.basis_bits, layer.count_buffer(), active, rerank=cfg.rerank, **extra)
+            cfg.page_size, cfg.basis_bits, layer.count_buffer(), active, rerank=cfg.rerank or 0, **extra)
     if bufs is not None:
         return out
     if pages.shape[1]:  # dense ("full") selects no list: every page

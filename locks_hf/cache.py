@@ -18,8 +18,10 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import DynamicCache, DynamicLayer, StaticLayer
 from transformers.utils import is_torchdynamo_compiling
 
+from . import arguments
 from .backend import build_summary as compute_summary  # noqa: F401  (the former name here)
 from .compat import find_first_full_attention_index, get_layer_types_and_kwargs
+from .concurrency import UseGuard
 from .config import LocksConfig, LocksConfigError
 from .kv_quant import check_same_kv, full_precision
 from .layout import (
@@ -63,6 +65,9 @@ class _Handoff(threading.local):
 
 _HANDOFF = _Handoff()
 
+_EMPTY_INPUT = ("the input has no tokens (input_ids of shape [batch, 0]): a Locks cache needs at least one token per "
+                "forward; pass a non-empty prompt (e.g. start it with the tokenizer's BOS token)")
+
 # Extra slots reserved past the prompt so that decode appends without reallocating.
 _MIN_HEADROOM = 256
 
@@ -102,6 +107,9 @@ class LocksLayer(DynamicLayer, PagedLayer):
         self.row_start: list[int] = []
         self.n_summarized: list[int] = []
         self.summary: dict[str, torch.Tensor] = {}
+        # True while `summary`'s tensors are shared with a fork (or the cache forked from): copied before
+        # the first in-place write, so that a fork costs no summary copy until it summarizes a page.
+        self._summary_shared = False
         self.shared: dict[str, torch.Tensor] = {}  # sequence-level selector state [b, h, ...]
         self._last_pages: tuple[torch.Tensor, int] | None = None  # page lists of the last step, P
         self.prompt_queries: torch.Tensor | None = None  # [b, Hq, <=PROMPT_QUERY_WINDOW, d]
@@ -197,6 +205,7 @@ class LocksLayer(DynamicLayer, PagedLayer):
         self.slot_valid = _resized(self.slot_valid, 1, new_cap, T, fill=True)
         kept = max(self.n_summarized, default=0)
         self.summary = {n: _resized(t, 2, new_cap // B + 1, kept) for n, t in self.summary.items()}
+        self._summary_shared = False  # new tensors of its own
 
     def _resize_kv(self, capacity: int, length: int) -> None:
         """Re-allocate the K/V storage to ``capacity`` slots, keeping the first ``length``."""
@@ -326,6 +335,8 @@ class LocksLayer(DynamicLayer, PagedLayer):
         if not self.summary:
             cap = self.capacity // B + 1
             self.summary = {n: t.new_empty((*t.shape[:2], cap, *t.shape[3:])) for n, t in new.items()}
+        if self._summary_shared:  # copy on write: the other holder keeps its own pages
+            self.summary, self._summary_shared = {n: t.clone() for n, t in self.summary.items()}, False
         # Pages past a row's target are incomplete there: written now, summarized again once complete.
         for name, tensor in new.items():
             self.summary[name][:, :, lo:hi] = tensor
@@ -339,10 +350,23 @@ class LocksLayer(DynamicLayer, PagedLayer):
 
     def set_config(self, config: LocksConfig) -> None:
         """Switch selector settings; summaries are rebuilt (lazily) when their layout changes. The KV
-        storage settings (``kv_bits`` ...) cannot change: `LocksCache.fork` converts between them."""
+        storage settings (``kv_bits`` ...) cannot change: `LocksCache.fork` converts between them.
+
+        A token-level policy that has started decoding has evicted tokens (and keeps state built at its
+        first step) that no other setting can take over: switching it is refused; the same settings
+        keep its state."""
+        if config == self.config:
+            return
         check_same_kv(self.config, config)
+        if self.policy_state is not None:
+            raise LocksConfigError(
+                f"this cache's {self.config.selector!r} policy has started decoding (it may have evicted tokens, "
+                f"and its state was built for {self.config.label}): it cannot switch to {config.label}. Fork or "
+                "set the budget before the first decode step (e.g. right after prefill), or continue with the same "
+                "settings (fork() without a config)")
         if config.summary_layout != self.config.summary_layout:
             self.summary, self.shared, self.n_summarized = {}, {}, [0] * len(self.row_start)
+            self._summary_shared = False
         self.config = config
         self.selector = make_selector(config)
         self.policy_state = None
@@ -376,6 +400,7 @@ class LocksLayer(DynamicLayer, PagedLayer):
             self._kbuf, self._vbuf = fn(self._kbuf), fn(self._vbuf)
         self.slot_valid = fn(self.slot_valid)
         self.summary = {n: fn(t) for n, t in self.summary.items()}
+        self._summary_shared = False  # fn made new tensors
         self.shared = {n: fn(t) for n, t in self.shared.items()}
         if self.prompt_queries is not None:
             self.prompt_queries = fn(self.prompt_queries)
@@ -438,11 +463,26 @@ class LocksCacheMixin:
 
     #: ``(layers, kv_heads, head_dim)`` of the model config the cache was built from (``None``: any).
     model_shape: tuple[int, int, int] | None = None
+    #: Index of the last layer a forward updates (``None``: not known, a cache built without a config).
+    _last_kv_layer: int | None = None
+
+    @property
+    def use_guard(self) -> UseGuard:
+        """Which thread is in the middle of a forward through this cache (one per cache, fresh in a fork)."""
+        guard = self.__dict__.get("_use_guard")
+        if guard is None:
+            guard = self.__dict__["_use_guard"] = UseGuard()
+        return guard
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
         _check_handoff_taken()
+        if key_states.shape[2] == 0:
+            raise ValueError(_EMPTY_INPUT)
         layers = self.layers
+        if not is_torchdynamo_compiling():  # a compiled step replays without Python: checked when eager
+            last = self._last_kv_layer if self._last_kv_layer is not None else len(layers) - 1
+            self.use_guard.enter(layer_idx, last)
         if self.model_shape is not None:
             n, h, d = self.model_shape
             paged = layer_idx < len(layers) and isinstance(layers[layer_idx], PagedLayer)
@@ -458,6 +498,26 @@ class LocksCacheMixin:
         use with another model is refused at its first update."""
         heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
         self.model_shape = (text_config.num_hidden_layers, heads, head_dim_of(text_config))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        rows = self._batch_size()
+        if rows is not None:
+            arguments.row_indices(beam_idx, rows, "reorder_cache")
+        super().reorder_cache(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        rows = self._batch_size()
+        if rows is not None:
+            arguments.row_indices(indices, rows, "batch_select_indices")
+        super().batch_select_indices(indices)
+
+    def _batch_size(self) -> int | None:
+        """Rows the cache holds (``None`` before the first forward)."""
+        for layer in self.locks_layers:
+            keys, _ = layer.kv_buffers()
+            if layer.is_initialized and keys is not None:
+                return keys.shape[0]
+        return None
 
     def activate_past_recording(self) -> None:
         """Called by generate() for assisted and prompt-lookup decoding, before their first forward."""
@@ -509,7 +569,9 @@ class LocksCache(LocksCacheMixin, DynamicCache):
     def __init__(self, config: PretrainedConfig | None = None, locks: LocksConfig | None = None, *,
                  max_cache_len: int | None = None, max_budget: int | None = None, layout: str = "auto",
                  **overrides) -> None:
-        locks = (locks or LocksConfig()).replace(**overrides)
+        config = arguments.model_config(config)
+        locks = (arguments.locks_config(locks, "LocksCache") or LocksConfig()).replace(**overrides)
+        max_budget = arguments.max_budget(max_budget, locks.budget)
         if max_cache_len is not None and (isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int)
                                           or max_cache_len < 1):
             raise LocksConfigError(f"max_cache_len must be a positive int (prompt + new tokens), got {max_cache_len!r}")
@@ -526,13 +588,12 @@ class LocksCache(LocksCacheMixin, DynamicCache):
         super().__init__(config=text_config)
         self.remember_model_shape(text_config)
         self._layer_types, self._layer_kwargs = get_layer_types_and_kwargs(text_config)
+        self._last_kv_layer = max(i for i, kind in enumerate(self._layer_types) if kind != "dummy")
         for i, layer_type in enumerate(self._layer_types):
             if layer_type == "full_attention":
                 self.layers[i] = LocksLayer(locks)
                 self.layers[i].text_config = text_config
         if choose_layout(layout, locks, self._layer_types):
-            if max_budget is not None and max_budget < locks.budget:
-                raise LocksConfigError(f"max_budget={max_budget} is below the budget {locks.budget}")
             self._plan = CapacityPlan(max_cache_len, locks.page_size, self._growable)
             # every forward updates this layer first: where an eager forward is counted
             self._first_kv_layer = next(i for i, kind in enumerate(self._layer_types) if kind != "dummy")
@@ -590,6 +651,8 @@ class LocksCache(LocksCacheMixin, DynamicCache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        if isinstance(query_length, int) and query_length == 0:  # before any layer: the model would fail in a reshape
+            raise ValueError(_EMPTY_INPUT)
         # Runs eagerly before every forward that builds a mask, compiled decode steps included (generate
         # prepares their 4D mask outside the graph): the place to grow the static buffers.
         if self._plan is not None and not is_torchdynamo_compiling() and \
@@ -612,6 +675,7 @@ class LocksCache(LocksCacheMixin, DynamicCache):
 
     def reset(self) -> None:
         super().reset()
+        self.use_guard.release()
         self._rewound_to(0)  # buffers kept (same addresses: a compiled step serves the next prompt)
 
     def _rewound_to(self, length: int) -> None:
@@ -656,13 +720,15 @@ class LocksCache(LocksCacheMixin, DynamicCache):
     def fork(self, locks: LocksConfig | None = None) -> LocksCache:
         """An independent copy (e.g. of a prefilled prompt) that decodes with other settings.
 
-        The K/V are copied once; summaries are reused when their layout is unchanged and rebuilt in
-        one batched pass otherwise. A fork of a static-layout cache stays static when ``locks`` allows
+        The K/V are copied once; summaries are shared when their layout is unchanged (each side copies
+        them before it first summarizes a page) and rebuilt in one batched pass otherwise. A fork of a static-layout cache stays static when ``locks`` allows
         it and converts to the dynamic layout (logged) when not. The fork's statistics start at zero.
         """
         import copy
 
+        locks = arguments.locks_config(locks, "LocksCache.fork")
         clone = copy.copy(self)
+        clone.__dict__.pop("_use_guard", None)  # the fork is a cache of its own: any thread may use it
         if locks is not None:
             for layer in self.locks_layers:
                 if layer.is_initialized:
@@ -700,7 +766,10 @@ def _copied_layer(layer, locks: LocksConfig | None, width: int | None):
 
     if isinstance(layer, LocksLayer):
         new = copy.copy(layer)
+        new.summary = {}  # not cloned: shared below, each side copies it before its first write
         new._apply(lambda t: t.clone(), list(range(len(layer.row_start))))
+        new.summary = dict(layer.summary)
+        layer._summary_shared = new._summary_shared = bool(layer.summary)
         from .kv_cache import adopt_config  # (it subclasses LocksLayer)
 
         return new if locks is None else adopt_config(new, locks)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from dataclasses import dataclass, fields as dataclass_fields, replace
 
 from .kv_quant import validate_kv
@@ -14,7 +15,11 @@ VALUE_BITS = (8, 16)  # for coefficients and centroids
 #: Largest page: selection at a coarser grain than this reads most of a 128K context anyway.
 MAX_PAGE_SIZE = 1024
 _INT_FIELDS = ("page_size", "rank", "basis_bits", "coef_bits", "centroid_bits", "budget", "min_context",
-               "rerank", "kv_bits", "kv_group", "kv_residual")
+               "kv_bits", "kv_group", "kv_residual")
+#: Fields that only some selectors read (each declares them in `own_settings`); ``None`` = not set.
+SELECTOR_SETTINGS = ("lazy_alpha", "rerank")
+#: An arm label's budget suffix, as in ``locks-r8i4-b128`` (`LocksConfig.label`).
+_BUDGET_SUFFIX = re.compile(r"^(?P<family>.+)-b(?P<budget>\d+)$")
 
 
 
@@ -47,7 +52,7 @@ class LocksConfig:
         lazy_alpha: LazyEviction's attention threshold (``selector="lazy_eviction"`` only); ``None``:
             the published value of the model's family (`locks_hf.baselines.lazy_eviction.family_alpha`).
         rerank: ``"locks_rerank"`` only: the short list re-ranked by exact page LSE holds
-            ``rerank * k`` candidate pages.
+            ``rerank * k`` candidate pages (``None``: 8 for ``locks_rerank``).
         kv_bits: KIVI quantization of the cached K/V (`locks_hf.kv_quant`): 4 or 2 bits, or 16 (default:
             the K/V dtype). Dynamic layout (the reference path) only, so far.
         kv_group: KIVI group: tokens per key scale (per channel), channels per value scale (per token).
@@ -56,6 +61,9 @@ class LocksConfig:
         summary_from: ``"post"`` builds each page's summary from the full-precision keys before they
             are quantized, ``"pre"`` from the dequantized keys (the paper's §5.4); both attend the
             quantized K/V.
+
+    A selector-specific setting (``lazy_alpha``, ``rerank``: the selectors' declared `own_settings`)
+    given to a selector that does not read it is refused rather than ignored.
     """
 
     page_size: int = 16
@@ -68,7 +76,7 @@ class LocksConfig:
     group_combine: str = "share_average"
     min_context: int = 0
     lazy_alpha: float | None = None
-    rerank: int = 8
+    rerank: int | None = None
     kv_bits: int = 16
     kv_group: int = 32
     kv_residual: int = 128
@@ -78,7 +86,8 @@ class LocksConfig:
         for name in _INT_FIELDS:  # 4.0 or True would pass the range checks and fail deep in a kernel
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                raise LocksConfigError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+                hint = " (for a label such as 'r8i4' use LocksConfig.from_label)" if isinstance(value, str) else ""
+                raise LocksConfigError(f"{name} must be an int, got {value!r} ({type(value).__name__}){hint}")
             object.__setattr__(self, name, int(value))  # numpy ints become plain ints
         for name in ("selector", "group_combine", "summary_from"):
             if not isinstance(getattr(self, name), str):
@@ -108,14 +117,33 @@ class LocksConfig:
         if self.lazy_alpha is not None:
             if isinstance(self.lazy_alpha, bool) or not isinstance(self.lazy_alpha, numbers.Real):
                 raise LocksConfigError(f"lazy_alpha must be a float or None, got {self.lazy_alpha!r}")
-            if self.selector != "lazy_eviction":
-                raise LocksConfigError(f"lazy_alpha is LazyEviction's threshold; selector {self.selector!r} has none")
             object.__setattr__(self, "lazy_alpha", float(self.lazy_alpha))
-        if self.rerank < 1:
-            raise LocksConfigError(f"rerank (candidate pages per page slot) must be a positive int, e.g. 4, "
-                                   f"got {self.rerank!r}")
+        if self.rerank is not None:
+            if isinstance(self.rerank, bool) or not isinstance(self.rerank, numbers.Integral):
+                raise LocksConfigError(f"rerank must be an int, got {self.rerank!r} ({type(self.rerank).__name__})")
+            if self.rerank < 1:
+                raise LocksConfigError(f"rerank (candidate pages per page slot) must be a positive int, e.g. 4, "
+                                       f"got {self.rerank!r}")
+            object.__setattr__(self, "rerank", int(self.rerank))
+        self._check_selector_settings(selector)
         validate_kv(self)
         selector.validate(self)  # last: selector-specific checks see validated generic fields
+
+    def _check_selector_settings(self, selector) -> None:
+        """Refuse a selector-specific setting on a selector that would ignore it; fill in the defaults
+        of the selector's own settings that were left unset."""
+        for name in SELECTOR_SETTINGS:
+            if name in selector.own_settings:
+                if getattr(self, name) is None and selector.own_settings[name] is not None:
+                    object.__setattr__(self, name, selector.own_settings[name])
+            elif getattr(self, name) is not None:
+                from .selectors import selector_names
+
+                owners = [n for n in selector_names() if name in _selector_class(n).own_settings]
+                raise LocksConfigError(
+                    f"{name}={getattr(self, name)!r} is a setting of selector {' / '.join(map(repr, owners))} only; "
+                    f"selector {self.selector!r} would ignore it: leave {name} unset (None) or choose "
+                    f"selector={owners[0]!r}")
 
     @property
     def page_slots(self) -> int:
@@ -140,15 +168,25 @@ class LocksConfig:
 
     @classmethod
     def from_label(cls, label: str, **overrides) -> LocksConfig:
-        """Parse ``r8i4`` / ``r4i2`` / ``r8bf16`` (optionally prefixed ``locks-``) into a Locks config."""
+        """The config of an arm label: a Locks summary label ``r8i4`` / ``r4i2`` / ``r8bf16`` (optionally
+        prefixed ``locks-``), any selector's family label (``quest``, ``locks-r4i4-rr4``, ``rkv``), each
+        optionally with a budget suffix (``quest-b64``: `label`'s inverse)."""
         if not isinstance(label, str):
             raise LocksConfigError(f"a summary label is a str such as 'r8i4', got {label!r}")
-        fields = _selector_class("locks").parse_family(label)
-        if fields is None:
+        from .selectors import family_help, parse_family
+
+        family, fields = label, {}
+        suffix = _BUDGET_SUFFIX.match(label)
+        if suffix is not None:
+            family, fields = suffix["family"], {"budget": int(suffix["budget"])}
+        try:
+            selector, family_fields = parse_family(family)
+        except ValueError:
             raise LocksConfigError(
-                f"cannot parse summary label {label!r}: expected r<rank>i<bits> (e.g. r8i4) or r<rank>bf16"
-            )
-        return cls(**fields, **overrides)
+                f"cannot parse label {label!r}: expected a summary label r<rank>i<bits> (e.g. r8i4) or r<rank>bf16, "
+                f"or an arm label ({family_help()}), optionally ending in -b<budget>"
+            ) from None
+        return cls(selector=selector.name, **{**family_fields, **fields, **overrides})
 
     def replace(self, **changes) -> LocksConfig:
         """A copy with some fields changed (validated again)."""

@@ -317,9 +317,11 @@ def load_model(name: str = DEFAULT_MODEL, *, attn_implementation: str = "locks",
         ValueError: unknown ``name``.
         ImportError: the package carrying the GGUF (or ``gguf``) is missing, with the pip command.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     import locks_hf  # noqa: F401  (registers attn_implementation="locks")
+
+    from .models_support import ATTENTION_NAME, check_model
 
     info = _info(name)
     folder = convert(name, cache_dir)
@@ -327,6 +329,8 @@ def load_model(name: str = DEFAULT_MODEL, *, attn_implementation: str = "locks",
     tokenizer.locks_hf_prepend_bos = info.prepend_bos
     if info.prepend_bos:
         _force_bos(tokenizer)
+    if attn_implementation == ATTENTION_NAME:  # refused by name before transformers builds the model
+        check_model(AutoConfig.from_pretrained(folder))
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation)
     model.to(device).eval()
     return model, tokenizer

@@ -77,6 +77,17 @@ def check_attention_dispatch(config: PretrainedConfig) -> None:
         )
 
 
+def check_model(config: PretrainedConfig) -> None:
+    """Raise `UnsupportedModelError` when a model of ``config`` cannot be loaded with
+    ``attn_implementation="locks"``: call it before ``from_pretrained`` / ``from_config``. Models whose
+    attention bypasses transformers' `AttentionInterface` (Falcon, GPT-J, CodeGen, ...) fail inside
+    transformers while they are built (``KeyError: 'locks'``); this names the architecture first."""
+    if not isinstance(config, PretrainedConfig):
+        raise TypeError(f"check_model takes a transformers config (e.g. AutoConfig.from_pretrained(name)), "
+                        f"got {type(config).__name__}")
+    check_attention_dispatch(config.get_text_config(decoder=True))
+
+
 def check_head_dim(locks: LocksConfig, head_dim: int) -> None:
     """Raise `LocksConfigError` when ``locks`` cannot summarize keys of ``head_dim``."""
     selector_class(locks.selector).validate(locks, head_dim=head_dim)

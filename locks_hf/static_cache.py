@@ -468,6 +468,11 @@ class LocksStaticCache(LocksCache):
 
     def set_config(self, locks: LocksConfig) -> None:
         """Decode with ``locks`` from here on (see `LocksStaticLayer.set_config`: summaries per layout)."""
+        from . import arguments
+
+        locks = arguments.locks_config(locks, "LocksStaticCache.set_config")
+        if locks is None:
+            raise LocksConfigError("LocksStaticCache.set_config takes a LocksConfig or a label such as 'r8i4', got None")
         self.locks_config = locks
         for layer in self.locks_layers:
             layer.set_config(locks)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import tiny
 
-from locks_hf import LocksCache, LocksConfig
+from locks_hf import LocksCache, LocksConfig, LocksConfigError
 from locks_hf.baselines.rocketkv import POOL_KERNEL, hybrid_scores, rocket_budgets, snapkv_keep
 from locks_hf.token_policy import attend_slots
 
@@ -550,3 +550,121 @@ def test_kvzip_needs_its_scores():
     cache = LocksCache(model.config, LocksConfig(selector="kvzip", budget=64))
     with pytest.raises(Exception, match="reconstruction scores"):
         _decode(model, cache, _ids(100), 1)
+
+
+# -- every registered method, as a class: padded batches and forks --------------------------------
+def _config_at_small_budget(name):
+    """``name``'s config at a budget small enough to leave tokens out (the smallest that fits)."""
+    from locks_hf.config import BudgetDoesNotFit
+
+    try:
+        return LocksConfig(selector=name, budget=32)
+    except BudgetDoesNotFit:
+        return LocksConfig(selector=name, budget=512)
+
+
+def _needs_context_scores(name):
+    from locks_hf.selectors import selector_class
+
+    return getattr(selector_class(name), "needs_context_scores", False)
+
+
+def _registry_params(long_run):
+    from locks_hf.selectors import selector_names
+
+    mark = [pytest.mark.slow] if long_run else []
+    return [pytest.param(name, marks=mark) for name in selector_names()]
+
+
+def _padded_batch_case(name, new_tokens, **options):
+    model = tiny("llama")
+    a, b = _ids(300, seed=2)[0], _ids(250, seed=3)[0]
+    batch = torch.zeros(2, 300, dtype=torch.long)
+    batch[0], batch[1, 50:] = a, b
+    mask = (torch.arange(300)[None] >= torch.tensor([[0], [50]])).long()
+    cfg = _config_at_small_budget(name)
+    if _needs_context_scores(name):  # per-row reconstruction scores: a batch is refused, by name
+        from locks_hf.baselines.kvzip import score_context
+        from locks_hf.eval.testing import ByteTokenizer
+
+        cache = LocksCache(model.config, cfg)
+        model(batch, attention_mask=mask, past_key_values=cache)
+        with pytest.raises(ValueError, match="batch size 1"):
+            score_context(model, ByteTokenizer(), cache, batch)
+        return
+    out = model.generate(batch, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                         past_key_values=LocksCache(model.config, cfg), **options)
+    for row, ids in enumerate([a, b]):
+        alone = model.generate(ids[None], max_new_tokens=new_tokens, do_sample=False,
+                               past_key_values=LocksCache(model.config, cfg), **options)
+        assert torch.equal(out[row, -new_tokens:], alone[0, -new_tokens:]), f"row {row} depends on the batch"
+
+
+@pytest.mark.parametrize("name", _registry_params(long_run=False))
+def test_every_method_gives_a_left_padded_row_its_tokens_alone(name):
+    """A row's tokens never depend on the rows it is batched with (RocketKV's budget rule once read the
+    padded length of the batch)."""
+    _padded_batch_case(name, new_tokens=12)
+
+
+@pytest.mark.parametrize("name", _registry_params(long_run=False))
+def test_every_method_gives_a_left_padded_row_its_beam_search_alone(name):
+    """Beam search reorders the rows every step: per-row policy state travels with its row."""
+    _padded_batch_case(name, new_tokens=6, num_beams=2)
+
+
+@pytest.mark.parametrize("name", _registry_params(long_run=True))
+def test_every_method_gives_a_left_padded_row_its_tokens_alone_past_the_first_compression(name):
+    _padded_batch_case(name, new_tokens=140)  # R-KV and TriAttention compress at 128
+
+
+def _decode_tokens(model, cache, first, steps):
+    """``steps`` greedy tokens from ``first [1, 1]`` on a prefilled cache."""
+    tokens, token = [], first
+    for _ in range(steps):
+        token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+        tokens.append(int(token))
+    return tokens, token
+
+
+def _prefilled(model, cfg, ids):
+    cache = LocksCache(model.config, cfg)
+    first = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+    if _needs_context_scores(cfg.selector):
+        from locks_hf.baselines.kvzip import score_context
+        from locks_hf.eval.testing import ByteTokenizer
+
+        score_context(model, ByteTokenizer(), cache, ids)
+    return cache, first
+
+
+def _fork_case(name, before, after):
+    model = tiny("qwen3")
+    ids = _ids(200, seed=4)
+    cfg = _config_at_small_budget(name)
+    with torch.no_grad():
+        cache, first = _prefilled(model, cfg, ids)
+        whole, _ = _decode_tokens(model, cache, first, before + after)
+        cache, first = _prefilled(model, cfg, ids)
+        head, token = _decode_tokens(model, cache, first, before)
+        for fork in (cache.fork(), cache.fork(cfg)):  # the same settings: the run carries on
+            tail, _ = _decode_tokens(model, fork, token, after)
+            assert head + tail == whole
+        other = cfg.replace(budget=cfg.budget * 2)
+        if cache.locks_layers[0].policy_state is not None:  # a started token-level policy cannot switch
+            with pytest.raises(LocksConfigError, match="cannot switch"):
+                cache.fork(other)
+            with pytest.raises(LocksConfigError, match="cannot switch"):
+                cache.set_budget(other.budget)
+        else:  # page selectors switch freely
+            cache.fork(other)
+
+
+@pytest.mark.parametrize("name", _registry_params(long_run=False))
+def test_every_method_through_a_fork_mid_decode_equals_an_uninterrupted_run(name):
+    _fork_case(name, before=3, after=5)
+
+
+@pytest.mark.parametrize("name", _registry_params(long_run=True))
+def test_every_method_through_a_fork_after_its_first_compression_equals_an_uninterrupted_run(name):
+    _fork_case(name, before=130, after=10)  # R-KV and TriAttention have evicted by then

@@ -1,5 +1,9 @@
-"""Fuzzing configs x tiny models x generate() options: every combination either raises a library error
-before any generated token, or decodes; at a covering budget it gives exactly the dense tokens.
+"""Fuzzing configs x tiny models x generate() options x the cache API's arguments: every combination
+either raises a library error before any generated token, or decodes; at a covering budget it gives
+exactly the dense tokens.
+
+Every registered selector is sampled, the token-level baselines included, except those that need a
+scoring pass between prefill and decode (KVzip's `score_context`), which generate() cannot run.
 
 A library error is `LocksConfigError`, `UnsupportedModelError`, or a ValueError raised from locks_hf's
 own code (such as a LocksStaticCache overflow naming max_cache_len). Anything else (an error from
@@ -17,6 +21,7 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 import locks_hf
 from locks_hf import LocksCache, LocksConfig, LocksConfigError, LocksStaticCache, UnsupportedModelError
 from locks_hf.models import TINY_ARCHS
+from locks_hf.selectors import selector_class, selector_names
 
 LIBRARY = Path(locks_hf.__file__).resolve().parent
 _MODELS: dict = {}
@@ -48,13 +53,15 @@ class _Streamer:
         pass
 
 
+#: Every registered selector generate() can run on its own (page selectors and token-level baselines).
+SELECTORS = [n for n in selector_names() if not getattr(selector_class(n), "needs_context_scores", False)]
 VALID_FIELDS = st.fixed_dictionaries({}, optional={
     "page_size": st.sampled_from([4, 8, 16]),
     "rank": st.sampled_from([1, 2, 3]),
     "basis_bits": st.sampled_from([2, 4, 8, 16]),
     "coef_bits": st.sampled_from([8, 16]),
     "centroid_bits": st.sampled_from([8, 16]),
-    "selector": st.sampled_from(["locks", "locks_rerank", "oracle", "quest", "full", "shared_basis", "shared_all"]),
+    "selector": st.sampled_from(SELECTORS),
     "rerank": st.sampled_from([1, 2, 8]),
     "group_combine": st.sampled_from(["share_average", "group_max", "group_mass"]),
     "min_context": st.sampled_from([0, 0, 0, 64]),
@@ -63,7 +70,11 @@ VALID_FIELDS = st.fixed_dictionaries({}, optional={
 BAD_FIELD = st.one_of(st.none(), st.none(), st.sampled_from([
     ("page_size", 3), ("page_size", 0), ("page_size", 2**40), ("page_size", 16.0), ("rank", 0), ("rank", 32),
     ("rank", True), ("basis_bits", 3), ("basis_bits", 4.0), ("coef_bits", 4), ("selector", "topk"),
-    ("group_combine", "vote"), ("min_context", -1), ("rerank", 0)]))
+    ("group_combine", "vote"), ("min_context", -1), ("rerank", 0), ("lazy_alpha", 1e-4)]))
+#: How the cache is built: the settings as a LocksConfig, as an arm label, the model in place of its config,
+#: or a wrong argument type or value (refused before any token).
+CACHE_ARGS = st.sampled_from(["config", "config", "config", "label", "model", "max_budget", "locks_dict",
+                              "locks_int", "bad_label", "max_budget_str", "max_budget_low"])
 
 
 @settings(max_examples=40, deadline=None, derandomize=True,
@@ -71,9 +82,12 @@ BAD_FIELD = st.one_of(st.none(), st.none(), st.sampled_from([
 @given(arch=st.sampled_from(TINY_ARCHS), attn=st.sampled_from(["locks", "locks", "locks", "sdpa"]),
        fields=VALID_FIELDS, bad=BAD_FIELD, covering=st.booleans(), static=st.sampled_from([None, None, None, None, "fits", "short"]),
        prompt=st.integers(20, 90), new=st.integers(1, 4), batch=st.sampled_from([1, 1, 2]),
-       option=st.sampled_from([{}, {}, {"num_beams": 2}, {"prompt_lookup_num_tokens": 2}]))
-def test_fuzz_library_error_or_dense_tokens(arch, attn, fields, bad, covering, static, prompt, new, batch, option):
+       option=st.sampled_from([{}, {}, {"num_beams": 2}, {"prompt_lookup_num_tokens": 2}]), cache_args=CACHE_ARGS)
+def test_fuzz_library_error_or_dense_tokens(arch, attn, fields, bad, covering, static, prompt, new, batch, option,
+                                            cache_args):
     model = _model(arch, attn)
+    if fields.get("selector") != "locks_rerank":  # a re-ranking setting on another selector: a bad field
+        fields = {k: v for k, v in fields.items() if k != "rerank"}
     fields = {**fields, **dict([bad])} if bad else fields
     ids = torch.randint(3, 256, (batch, prompt), generator=torch.Generator().manual_seed(prompt))
     mask = torch.ones_like(ids)
@@ -82,11 +96,15 @@ def test_fuzz_library_error_or_dense_tokens(arch, attn, fields, bad, covering, s
     streamer = _Streamer()
     try:
         locks = LocksConfig(**{**fields, "budget": 1024 if covering else 32})
+        given = {"label": locks.label, "locks_dict": dict(fields), "locks_int": 128, "bad_label": "r8"}.get(cache_args, locks)
+        extra = {"max_budget": 2048, "max_budget_str": "2048", "max_budget_low": 16}.get(cache_args)
+        extra = {} if extra is None else {"max_budget": extra}
+        owner = model if cache_args == "model" else model.config
         if static is None:
-            cache = LocksCache(model.config, locks)
+            cache = LocksCache(owner, given, **extra)
         else:
             capacity = prompt + new - (1 if static == "fits" else 2)  # the last new token is never written
-            cache = LocksStaticCache(model.config, max_cache_len=capacity, locks=locks)
+            cache = LocksStaticCache(owner, max_cache_len=capacity, locks=given, **extra)
         out = model.generate(ids, past_key_values=cache, streamer=streamer if batch == 1 and not option else None,
                              **kwargs)
     except Exception as err:  # noqa: BLE001 - the property is about which errors escape
@@ -100,7 +118,9 @@ def test_fuzz_library_error_or_dense_tokens(arch, attn, fields, bad, covering, s
         assert torch.equal(out, want), "a covering budget must give the dense tokens"
         event("correct: dense tokens at a covering budget")
     else:
-        sparse_steps = new >= 2 and prompt > 48 and locks.selector != "full" and locks.min_context <= prompt
+        # (token-level baselines evict on their own schedule, e.g. R-KV every 128 generated tokens)
+        sparse_steps = (new >= 2 and prompt > 48 and locks.selector != "full" and locks.min_context <= prompt
+                        and not selector_class(locks.selector).token_level)
         if sparse_steps:  # never silently dense: decode steps past the budget attend a part of the context
             assert cache.attended_fraction() < 1.0
         event("decoded sparsely at a small budget" if sparse_steps else "decoded at a small budget")

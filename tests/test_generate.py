@@ -196,6 +196,26 @@ def test_fork_decodes_like_a_fresh_cache():
     assert base.layers[0].length == 240  # the original is untouched
 
 
+def test_fork_shares_summaries_until_either_side_summarizes_a_page():
+    model = tiny("llama")
+    ids = _ids(250)  # 15 complete pages of 16 and 10 tokens: the 16th page completes after 6 decode steps
+    cfg = LocksConfig(budget=64)
+    fresh = model.generate(ids, max_new_tokens=10, do_sample=False, past_key_values=LocksCache(model.config, cfg))
+    base = LocksCache(model.config, cfg)
+    first = model(ids, past_key_values=base).logits[:, -1:].argmax(-1)
+    before = {n: t.clone() for n, t in base.layers[0].summary.items()}
+    fork, other = base.fork(), base.fork(cfg.replace(budget=128))  # the same layout: shared, not copied
+    for name, t in base.layers[0].summary.items():
+        assert fork.layers[0].summary[name].data_ptr() == t.data_ptr() == other.layers[0].summary[name].data_ptr()
+    out = model.generate(torch.cat([ids, first], 1), max_new_tokens=9, do_sample=False, past_key_values=fork)
+    assert torch.equal(out, fresh)  # the fork summarized its pages into a copy of its own
+    for name, t in base.layers[0].summary.items():
+        assert fork.layers[0].summary[name].data_ptr() != t.data_ptr()
+    for name, t in base.layers[0].summary.items():  # the original's pages are untouched
+        assert torch.equal(t[:, :, :15], before[name][:, :, :15])
+    assert base.layers[0].n_summarized == [15]
+
+
 def test_batch_repeat_and_select_keep_rows_consistent():
     model = tiny("llama")
     cache = LocksCache(model.config, LocksConfig(budget=64))
@@ -229,3 +249,19 @@ def test_shared_basis_controls_decode(selector):
         assert (layer.last_selection.sum(-1) == cfg.page_slots).all()
         assert layer.shared["seq_basis"].shape[:3] == (1, 2, 12)  # frozen after prefill, rank 12
         assert layer.n_summarized == [(PROMPT + 19) // 16]  # decode pages summarized with it
+
+
+def test_continuing_with_an_input_that_does_not_extend_the_cache_behaves_as_a_dynamic_cache():
+    """A cache holds K/V, not token ids: like transformers' DynamicCache, it takes whatever input follows
+    as the continuation of what it holds (beam and assisted decoding rely on a cache not checking ids).
+    Documented in the README's limits; at a covering budget the tokens are DynamicCache's."""
+    from transformers import DynamicCache
+
+    model, dense = tiny("llama"), tiny("llama", "sdpa")
+    first, other = _ids(100, seed=5), _ids(150, seed=6)
+    locks, dynamic = LocksCache(model.config, LocksConfig(budget=1024)), DynamicCache(config=dense.config)
+    for ids in (first, other):  # the second prompt is not an extension of the first run's tokens
+        got = model.generate(ids, max_new_tokens=4, do_sample=False, past_key_values=locks)
+        want = dense.generate(ids, max_new_tokens=4, do_sample=False, past_key_values=dynamic)
+        assert torch.equal(got, want)
+    assert locks.get_seq_length() == dynamic.get_seq_length()

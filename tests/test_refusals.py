@@ -211,3 +211,241 @@ def test_static_cache_holds_exactly_max_cache_len_tokens():
 def test_static_cache_max_cache_len_must_be_a_positive_int(bad):
     with pytest.raises(LocksConfigError, match="max_cache_len must be a positive int"):
         LocksStaticCache(tiny("llama").config, max_cache_len=bad)
+
+
+# -- use_cache=False with a cache -------------------------------------------------------------------
+
+def test_use_cache_false_with_a_locks_cache_is_refused_before_any_token():
+    """transformers writes every forward into a passed cache even with use_cache=False, and generate()
+    re-feeds the whole sequence (a DynamicCache gives wrong tokens the same way): refused."""
+    model = tiny("llama")
+    log = _TokenLog()
+    with pytest.raises(UnsupportedModelError, match="use_cache=False"):
+        model.generate(_ids(), past_key_values=LocksCache(model.config, budget=1024), use_cache=False,
+                       max_new_tokens=4, do_sample=False, streamer=log)
+    assert len(log.tokens) <= 1
+    with pytest.raises(UnsupportedModelError, match="use_cache=False"):
+        model(_ids(), past_key_values=LocksCache(model.config), use_cache=False)
+    # without a cache, use_cache=False is dense decoding, as with sdpa
+    want = tiny("llama", "sdpa").generate(_ids(), use_cache=False, max_new_tokens=4, do_sample=False)
+    assert torch.equal(model.generate(_ids(), use_cache=False, max_new_tokens=4, do_sample=False), want)
+
+
+# -- selector-specific settings ---------------------------------------------------------------------
+
+_SETTING_VALUES = {"lazy_alpha": 1e-4, "rerank": 4}
+
+
+def _budget_for(selector):
+    from locks_hf.config import BudgetDoesNotFit
+
+    try:
+        LocksConfig(selector=selector)
+        return 128
+    except BudgetDoesNotFit:
+        return 512
+
+
+@pytest.mark.parametrize("setting", sorted(_SETTING_VALUES))
+def test_every_selector_specific_setting_is_refused_on_selectors_that_ignore_it(setting):
+    from locks_hf.config import SELECTOR_SETTINGS
+    from locks_hf.selectors import selector_class, selector_names
+
+    assert set(SELECTOR_SETTINGS) == set(_SETTING_VALUES)  # a new setting needs a value here
+    owners = []
+    for name in selector_names():
+        kwargs = {"selector": name, "budget": _budget_for(name), setting: _SETTING_VALUES[setting]}
+        if setting in selector_class(name).own_settings:
+            assert getattr(LocksConfig(**kwargs), setting) == _SETTING_VALUES[setting]
+            owners.append(name)
+        else:
+            with pytest.raises(LocksConfigError, match=f"{setting}=.* is a setting of selector .*leave {setting} unset"):
+                LocksConfig(**kwargs)
+    assert owners  # every setting belongs to some selector
+
+
+def test_rerank_defaults_to_eight_on_locks_rerank_only():
+    assert LocksConfig(selector="locks_rerank").rerank == 8
+    assert LocksConfig(selector="quest").rerank is None
+
+
+# -- architectures whose attention bypasses transformers' AttentionInterface ------------------------
+
+def _bypassing_configs():
+    from transformers import CodeGenConfig, GPTJConfig, GPTNeoConfig, StableLmConfig
+
+    return [
+        pytest.param(FalconConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=256),
+                     "FalconForCausalLM", id="falcon"),
+        pytest.param(GPTJConfig(n_embd=64, n_head=4, n_layer=2, vocab_size=256, rotary_dim=8), "GPTJForCausalLM",
+                     id="gptj"),
+        pytest.param(CodeGenConfig(n_embd=64, n_head=4, n_layer=2, vocab_size=256, rotary_dim=8),
+                     "CodeGenForCausalLM", id="codegen"),
+        pytest.param(GPTNeoConfig(hidden_size=64, num_heads=4, num_layers=2, vocab_size=256,
+                                  attention_types=[[["global"], 2]]), "GPTNeoForCausalLM", id="gpt_neo"),
+        pytest.param(StableLmConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2,
+                                    vocab_size=256, intermediate_size=64), "StableLmForCausalLM", id="stablelm"),
+    ]
+
+
+@pytest.mark.parametrize("config,class_name", _bypassing_configs())
+def test_architectures_bypassing_the_attention_interface_are_refused_by_name(config, class_name):
+    """transformers fails building such a model with attn_implementation="locks" (KeyError: 'locks' in its
+    own attention-class table): `check_model` names the architecture first, and the caches refuse it."""
+    import locks_hf
+
+    for build in (locks_hf.check_model, LocksCache, lambda c: LocksStaticCache(c, max_cache_len=64)):
+        with pytest.raises(UnsupportedModelError, match=f"{class_name} computes attention in its own classes.*sdpa"):
+            build(config)
+
+
+@pytest.mark.slow  # imports every causal-LM modeling module of transformers
+def test_every_causal_lm_class_outside_the_attention_interface_is_refused():
+    import transformers
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    import locks_hf
+
+    checked = 0
+    for model_type, class_name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+        model_class = getattr(transformers, class_name, None) if isinstance(class_name, str) else None
+        if model_class is None or model_class.is_backend_compatible() or model_type not in CONFIG_MAPPING:
+            continue
+        with pytest.raises(UnsupportedModelError, match=model_type):
+            locks_hf.check_model(CONFIG_MAPPING[model_type]())
+        checked += 1
+    assert checked >= 10
+
+
+def test_check_model_passes_supported_architectures(arch):
+    import locks_hf
+
+    locks_hf.check_model(tiny_config(arch))
+
+
+# -- argument types at the cache API's entry points ---------------------------------------------------
+
+def test_a_label_or_the_model_is_accepted_where_a_config_goes():
+    model = tiny("llama")
+    assert LocksCache(model.config, "r4i4").locks_config == LocksConfig.from_label("r4i4")
+    assert LocksCache(model.config, "quest-b64").locks_config == LocksConfig(selector="quest", budget=64)
+    assert LocksCache(model, budget=64).model_shape == LocksCache(model.config).model_shape
+    cache = LocksCache(model.config, budget=32)
+    model(_ids(), past_key_values=cache)
+    assert cache.fork("r4i4-b64").locks_config == LocksConfig(rank=4, budget=64)
+
+
+@pytest.mark.parametrize("build,needle", [
+    (lambda m: LocksCache("llama"), "first argument of a Locks cache is the model's config"),
+    (lambda m: LocksCache(m.config, 128), "LocksCache takes a LocksConfig or an arm label"),
+    (lambda m: LocksCache(m.config, "r8"), "cannot parse label 'r8'"),
+    (lambda m: LocksCache(m.config, {"budget": 64}), "LocksCache takes a LocksConfig"),
+    (lambda m: LocksCache(m.config, max_budget=-5), "max_budget=-5 is below the budget 128"),
+    (lambda m: LocksCache(m.config, max_budget="256"), "max_budget must be an int"),
+    (lambda m: LocksStaticCache(m.config, max_cache_len=256, max_budget="256"), "max_budget must be an int"),
+    (lambda m: LocksStaticCache(m.config, max_cache_len=256, max_budget=True), "max_budget must be an int"),
+    (lambda m: LocksCache(m.config).set_budget("64"), "budget must be an int"),
+    (lambda m: LocksCache(m.config).set_budget(None), "budget must be an int"),
+    (lambda m: LocksCache(m.config).fork({"budget": 64}), "fork takes a LocksConfig or an arm label"),
+    (lambda m: LocksCache(m.config).fork(64), "fork takes a LocksConfig"),
+    (lambda m: LocksStaticCache(m.config, max_cache_len=256).set_config("nonsense"), "cannot parse label"),
+    (lambda m: LocksConfig("r8i4"), "from_label"),
+    (lambda m: LocksConfig.from_label("quest-bx"), "cannot parse label"),
+    (lambda m: LocksConfig(bogus=1), "unexpected keyword argument 'bogus'"),
+    (lambda m: LocksConfig().replace(bogus=1), "unknown LocksConfig field"),
+], ids=["config-str", "locks-int", "bad-label", "locks-dict", "max-budget-negative", "max-budget-str",
+        "static-max-budget-str", "static-max-budget-bool", "set-budget-str", "set-budget-none", "fork-dict",
+        "fork-int", "static-set-config", "config-positional-label", "label-bad-budget", "config-unknown-field",
+        "replace-unknown-field"])
+def test_wrong_argument_types_are_refused_with_what_to_pass(build, needle):
+    with pytest.raises((LocksConfigError, TypeError), match=needle):
+        build(tiny("llama"))
+
+
+@pytest.mark.parametrize("method", ["reorder_cache", "batch_select_indices"])
+@pytest.mark.parametrize("static", [False, True])
+def test_row_indices_out_of_range_are_refused(method, static):
+    model = tiny("llama")
+    cache = (LocksStaticCache(model.config, max_cache_len=128, budget=32) if static
+             else LocksCache(model.config, budget=32))
+    model(_ids().repeat(2, 1), past_key_values=cache)
+    with pytest.raises(ValueError, match="out of range for a cache of batch size 2"):
+        getattr(cache, method)(torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match="1-D integer tensor"):
+        getattr(cache, method)(torch.tensor([0.0, 1.0]))
+    getattr(cache, method)(torch.tensor([1, 0]))  # in range: fine
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_an_empty_prompt_is_refused_with_what_to_pass(static):
+    model = tiny("llama")
+    empty = torch.zeros(1, 0, dtype=torch.long)
+    cache = LocksStaticCache(model.config, max_cache_len=64) if static else LocksCache(model.config)
+    with pytest.raises(ValueError, match="input has no tokens"):
+        model.generate(empty, past_key_values=cache, max_new_tokens=3, do_sample=False)
+    with pytest.raises(ValueError, match="input has no tokens"):
+        model(empty, past_key_values=LocksCache(model.config))
+
+
+# -- one cache, one thread at a time ------------------------------------------------------------------
+
+def test_a_cache_used_by_a_second_thread_mid_forward_is_refused():
+    import threading
+
+    from locks_hf import CacheInUseError
+    from locks_hf.attention import observe_decode_queries
+
+    model = tiny("llama")
+    cache = LocksCache(model.config, budget=32)
+    token = model(_ids(), past_key_values=cache).logits[:, -1:].argmax(-1)
+    inside, release = threading.Event(), threading.Event()
+
+    def pause_holder(layer_idx, *_):  # the holder's decode step waits inside its first layer
+        if threading.current_thread().name == "holder" and layer_idx == 0:
+            inside.set()
+            release.wait(30)
+
+    results = {}
+
+    def holder():
+        results["holder"] = model(token, past_key_values=cache).logits
+
+    with torch.no_grad(), observe_decode_queries(pause_holder):
+        thread = threading.Thread(target=holder, name="holder")
+        thread.start()
+        assert inside.wait(30)
+        try:
+            with pytest.raises(CacheInUseError, match="in use by thread 'holder'.*its own cache"):
+                model(token, past_key_values=cache)
+        finally:
+            release.set()
+            thread.join(30)
+    assert "holder" in results  # the holder's step completed, undisturbed
+    model(token, past_key_values=cache)  # between forwards, another thread may take the cache over
+
+
+def test_separate_caches_on_one_model_work_from_several_threads():
+    import threading
+
+    model = tiny("qwen3")
+    prompts = [_ids(200, seed=s) for s in (1, 2, 3)]
+    cfg = LocksConfig(budget=32)
+    want = [model.generate(p, past_key_values=LocksCache(model.config, cfg), max_new_tokens=6, do_sample=False)
+            for p in prompts]
+    got, errors = {}, []
+
+    def run(i):
+        try:
+            got[i] = model.generate(prompts[i], past_key_values=LocksCache(model.config, cfg), max_new_tokens=6,
+                                    do_sample=False)
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors
+    assert all(torch.equal(got[i], want[i]) for i in range(len(prompts)))

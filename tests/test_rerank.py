@@ -127,7 +127,7 @@ def test_labels_config_and_refusals():
     assert parse_family("r8bf16-rr2")[1] == {"rank": 8, "basis_bits": 16, "rerank": 2}
     assert parse_family("locks-r4i4")[0].name == "locks"  # the paper's labels are unchanged
     assert make_selector(cfg).candidates() == 16
-    assert cfg.summary_layout == cfg.replace(selector="locks").summary_layout  # the same summaries
+    assert cfg.summary_layout == cfg.replace(selector="locks", rerank=None).summary_layout  # the same summaries
     with pytest.raises(LocksConfigError, match="rerank"):
         LocksConfig(selector="locks_rerank", rerank=0)
     with pytest.raises(LocksConfigError, match="rerank must be an int"):
@@ -192,7 +192,8 @@ def test_decode_traffic_counts_the_short_lists_keys():
     traffic = {}
     for selector in ("locks", "locks_rerank"):
         # the dynamic layout counts its reads on the host (a static one, auto-chosen where CUDA is, does not)
-        cache = LocksCache(model.config, LocksConfig(budget=64, selector=selector, rank=4, rerank=2), layout="dynamic")
+        rerank = {"rerank": 2} if selector == "locks_rerank" else {}  # a setting of locks_rerank only
+        cache = LocksCache(model.config, LocksConfig(budget=64, selector=selector, rank=4, **rerank), layout="dynamic")
         model.generate(ids, max_new_tokens=steps + 1, do_sample=False, past_key_values=cache)
         traffic[selector] = cache.decode_traffic()
     d = model.config.head_dim

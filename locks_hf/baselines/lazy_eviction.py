@@ -74,6 +74,7 @@ class LazyEvictionPolicy(TokenPolicy):
 
     name = "lazy_eviction"
     report_order = 66
+    own_settings = {"lazy_alpha": None}  # None: the model family's published value, chosen at decode
     per_query_head = True
     family_grammar = "lazy_eviction or lazy_eviction-a<alpha> (e.g. lazy_eviction-a0.0005)"
 

@@ -14,6 +14,9 @@ Budget rule (the reference implementation's): with ``S`` = prompt + generated to
 at least ``min(2 * generated, S)``), the prompt keeps that capacity minus the generated tokens, and
 stage 2 uses ``c = ceil(sqrt(capacity / b))`` and ``r = d * c / (capacity / b)`` channels so that
 its estimation reads about as much as the ``b/2`` attended tokens.
+
+In a left-padded batch the rule is applied to each row's own prompt (its real tokens, not the padded
+length of the batch), so that every row keeps and attends what it would if it ran alone.
 """
 
 from __future__ import annotations
@@ -123,32 +126,30 @@ class RocketKVPolicy(TokenPolicy):
                 layer.slot_valid[row : row + 1, start:T], prompt_keep, scale)
             plans.append((prompt_keep, topk, ratio))
         state.keep = keep.unsqueeze(2)
-        state.info.update(plans=plans)
+        # per-row values are batch-first tensors: beam reorders and row selections carry them along
+        state.tensors["ratio"] = torch.tensor([p[2] for p in plans], dtype=torch.float64)
+        state.tensors["prompt_keep"] = torch.tensor([p[0] for p in plans])
+        state.info.update(topk=plans[0][1])  # budget // 2: the same for every row
         return state
 
     def select(self, layer, state, query, scale):
-        plans = state.info["plans"]
-        if all(plan[1:] == plans[0][1:] for plan in plans):  # one plan: the whole batch at once
-            return self._select_rows(layer, state.keep, state.length, query, *plans[0][1:])
-        masks, read = [], 0
-        for row, (_, topk, ratio) in enumerate(plans):
-            mask, nbytes = self._select_rows(layer, state.keep[row : row + 1], state.length,
-                                             query[row : row + 1], topk, ratio, rows=slice(row, row + 1))
-            masks.append(mask)
-            read += nbytes
-        return torch.cat(masks), read
-
-    @staticmethod
-    def _select_rows(layer, keep, length, query, topk, ratio, rows=slice(None)):
-        """Stage 2 for the rows ``rows`` of the layer, which share one plan (``topk``, ``ratio``)."""
-        keys = layer.keys[rows]
-        index, ok = kept_indices(keep[:, :, 0] & layer.slot_valid[rows, None, :length])
+        topk = state.info["topk"]
+        index, ok = kept_indices(state.keep[:, :, 0] & layer.slot_valid[:, None, : state.length])
         if index.shape[-1] <= topk:
-            return keep, 0
-        scores, chunk, channels = hybrid_scores(gather_slots(keys, index), ok, query, ratio)
-        order = torch.sort(scores.masked_fill(~ok, float("-inf")), dim=-1, descending=True, stable=True).indices
-        best = order[..., :topk]
-        mask = slots_mask(index.gather(-1, best), ok.gather(-1, best), length)
-        b, h = index.shape[:2]
-        read = b * h * math.ceil(index.shape[-1] / chunk) * channels * keys.element_size()
+            return state.keep, 0
+        mask = torch.zeros_like(state.keep[:, :, 0])
+        read = 0
+        # rows grouped by their stage-2 ratio (one group when every row has the same prompt length)
+        groups: dict[float, list[int]] = {}
+        for row, ratio in enumerate(state.tensors["ratio"].tolist()):
+            groups.setdefault(ratio, []).append(row)
+        for ratio, rows in groups.items():
+            at = torch.tensor(rows, device=index.device)
+            scores, chunk, channels = hybrid_scores(gather_slots(layer.keys[at], index[at]), ok[at], query[at], ratio)
+            order = torch.sort(scores.masked_fill(~ok[at], float("-inf")), dim=-1, descending=True, stable=True).indices
+            best = order[..., :topk]
+            mask[at] = slots_mask(index[at].gather(-1, best), ok[at].gather(-1, best), state.length)
+            # the estimate reads ceil(R / c) chunk maxima of r channels for each row's R resident tokens
+            chunks = ok[at].sum(-1).add(chunk - 1).div(chunk, rounding_mode="floor")
+            read += int(chunks.sum()) * channels * layer.keys.element_size()
         return mask.unsqueeze(2), read

@@ -59,6 +59,9 @@ class SelectionMethod:
     report_order: ClassVar[int] = 100
     #: The arm label grammar in words, for error messages and ``--help``.
     family_grammar: ClassVar[str] = ""
+    #: The selector-specific `LocksConfig` fields this method reads (``config.SELECTOR_SETTINGS``), with
+    #: the value an unset (``None``) one takes; such a field set on any other selector is refused.
+    own_settings: ClassVar[dict[str, object]] = {}
     #: Chooses single tokens through a keep mask (`locks_hf.token_policy.TokenPolicy`) instead of pages.
     token_level: ClassVar[bool] = False
 

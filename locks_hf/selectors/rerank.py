@@ -74,6 +74,7 @@ class LocksRerankSelector(LocksSelector):
 
     name = "locks_rerank"
     kernel_method = "locks_rerank"
+    own_settings = {"rerank": 8}  # 8k candidates unless set
     reads_candidate_keys = True
     summary_of = "locks"
     report_order = 22
