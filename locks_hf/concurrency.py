@@ -23,6 +23,13 @@ class UseGuard:
         self._lock = threading.Lock()
         self.thread: threading.Thread | None = None
 
+    def __getstate__(self) -> dict:
+        return {"thread": None}  # a copy (deepcopy, pickle) is a new cache: no forward is in flight through it
+
+    def __setstate__(self, state: dict) -> None:
+        self._lock = threading.Lock()
+        self.thread = state["thread"]
+
     def enter(self, layer_idx: int, last_layer: int) -> None:
         """Called at every layer update: refuse if another live thread is mid-forward, else hold the
         cache until the update of ``last_layer`` (the forward's last)."""

@@ -85,7 +85,10 @@ def check_model(config: PretrainedConfig) -> None:
     if not isinstance(config, PretrainedConfig):
         raise TypeError(f"check_model takes a transformers config (e.g. AutoConfig.from_pretrained(name)), "
                         f"got {type(config).__name__}")
-    check_attention_dispatch(config.get_text_config(decoder=True))
+    text_config = config.get_text_config(decoder=True)
+    check_attention_dispatch(text_config)
+    if text_config is not config:  # a composite model's class is named by the outer config's model type
+        check_attention_dispatch(config)
 
 
 def check_head_dim(locks: LocksConfig, head_dim: int) -> None:

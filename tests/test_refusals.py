@@ -292,8 +292,13 @@ def _bypassing_configs():
 def test_architectures_bypassing_the_attention_interface_are_refused_by_name(config, class_name):
     """transformers fails building such a model with attn_implementation="locks" (KeyError: 'locks' in its
     own attention-class table): `check_model` names the architecture first, and the caches refuse it."""
+    import transformers
+
     import locks_hf
 
+    if getattr(transformers, class_name).is_backend_compatible():  # e.g. GPT-J and CodeGen from 5.24 on
+        locks_hf.check_model(config)
+        pytest.skip(f"transformers {transformers.__version__} routes {class_name} through AttentionInterface")
     for build in (locks_hf.check_model, LocksCache, lambda c: LocksStaticCache(c, max_cache_len=64)):
         with pytest.raises(UnsupportedModelError, match=f"{class_name} computes attention in its own classes.*sdpa"):
             build(config)
@@ -423,6 +428,18 @@ def test_a_cache_used_by_a_second_thread_mid_forward_is_refused():
             thread.join(30)
     assert "holder" in results  # the holder's step completed, undisturbed
     model(token, past_key_values=cache)  # between forwards, another thread may take the cache over
+
+
+def test_a_copied_cache_decodes_like_the_original_with_a_guard_of_its_own():
+    """deepcopy (a prompt cache reused for several prompts) copies no lock and no thread in flight."""
+    import copy
+
+    model = tiny("llama")
+    cache = LocksCache(model.config, budget=32)
+    with torch.no_grad():
+        token = model(_ids(), past_key_values=cache).logits[:, -1:].argmax(-1)
+        copied = copy.deepcopy(cache)
+        assert torch.equal(model(token, past_key_values=copied).logits, model(token, past_key_values=cache).logits)
 
 
 def test_separate_caches_on_one_model_work_from_several_threads():
