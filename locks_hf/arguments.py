@@ -57,9 +57,11 @@ def row_indices(indices, batch: int, where: str) -> torch.Tensor:
     if rows.dtype in (torch.bool,) or rows.is_floating_point() or rows.is_complex() or rows.dim() != 1:
         raise ValueError(f"{where}: row indices must be a 1-D integer tensor, got {rows.dtype} of shape "
                          f"{tuple(rows.shape)}")
-    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= batch):
-        raise ValueError(f"{where}: row index out of range for a cache of batch size {batch} "
-                         f"(got {rows.tolist()}); indices must lie in 0..{batch - 1}")
+    if rows.numel():
+        low, high = torch.stack(torch.aminmax(rows)).tolist()  # one host read (a beam search reorders every step)
+        if low < 0 or high >= batch:
+            raise ValueError(f"{where}: row index out of range for a cache of batch size {batch} "
+                             f"(got {rows.tolist()}); indices must lie in 0..{batch - 1}")
     return rows
 
 

@@ -127,8 +127,8 @@ class RocketKVPolicy(TokenPolicy):
             plans.append((prompt_keep, topk, ratio))
         state.keep = keep.unsqueeze(2)
         # per-row values are batch-first tensors: beam reorders and row selections carry them along
-        state.tensors["ratio"] = torch.tensor([p[2] for p in plans], dtype=torch.float64)
-        state.tensors["prompt_keep"] = torch.tensor([p[0] for p in plans])
+        # (on the keys' device: a beam reorder indexes it with the layer's device index)
+        state.tensors["ratio"] = torch.tensor([p[2] for p in plans], dtype=torch.float64, device=keep.device)
         state.info.update(topk=plans[0][1])  # budget // 2: the same for every row
         return state
 
