@@ -9,7 +9,15 @@ on random prompts (a real prefill, then ``--new-tokens`` decode steps) for each 
 * ``r4i4``, ``r8i4``, ``quest``, ``full`` ... the README one-liner,
   ``LocksCache(model.config, locks)`` with nothing else (on a GPU it picks the static layout and
   generate() compiles its decode step);
-* ``static-r4i4`` ... ``LocksStaticCache`` with ``max_cache_len`` = prompt + new tokens.
+* ``static-r4i4`` ... ``LocksStaticCache`` with ``max_cache_len`` = prompt + new tokens;
+* ``dynamic-r4i4`` ... ``LocksCache(..., layout="dynamic")`` (eager, no compiled step): the layout that
+  stores quantized KV, so ``dynamic-r4i4`` beside ``r4i4+kv4-post`` compares the storage alone.
+
+Memory: ``peak_gib`` is the peak allocated during the generate(); ``cache_gib`` what the cache holds
+when it returns (allocated memory with the cache alive minus after it is freed); ``kv_ratio`` that per
+token and full-attention layer, over the bf16 K/V of one token (``2 * kv_heads * head_dim * 2`` bytes).
+``--prefill-chunk`` prefills in chunks (transformers' ``prefill_chunk_size``), so the peak follows the
+cache rather than one long forward's activations.
 
 Per arm: the prefill time, the median decode step (wall clock between steps, device synchronised,
 after the first ``--warm-steps`` steps), the warm-up (the first steps' time beyond the median: the
@@ -39,6 +47,7 @@ from locks_hf import LocksCache, LocksConfig, LocksStaticCache
 
 HF_ARMS = ("hf-dynamic", "hf-static")
 STATIC_PREFIX = "static-"
+DYNAMIC_PREFIX = "dynamic-"
 
 
 def tokens_label(n: int) -> str:
@@ -46,7 +55,7 @@ def tokens_label(n: int) -> str:
 
 
 def locks_config(name: str, budget: int) -> LocksConfig:
-    name = name.removeprefix(STATIC_PREFIX)
+    name = name.removeprefix(STATIC_PREFIX).removeprefix(DYNAMIC_PREFIX)
     if name in ("full", "quest", "oracle"):
         return LocksConfig(selector=name, budget=budget)
     return LocksConfig.from_label(name, budget=budget)
@@ -59,17 +68,36 @@ def make_cache(name: str, config, budget: int, capacity: int):
         return StaticCache(config=config, max_cache_len=capacity)
     if name.startswith(STATIC_PREFIX):
         return LocksStaticCache(config, max_cache_len=capacity, locks=locks_config(name, budget))
+    if name.startswith(DYNAMIC_PREFIX):
+        return LocksCache(config, locks_config(name, budget), layout="dynamic")
     return LocksCache(config, locks_config(name, budget))  # the README one-liner
 
 
-def run_arm(model, ids: torch.Tensor, name: str, budget: int, new_tokens: int, warm_steps: int) -> dict:
+def allocated() -> int:
+    gc.collect()
+    if not torch.cuda.is_available():
+        return 0
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
+def kv_bf16_token_bytes(config) -> int:
+    """Bytes of one token's bf16 K and V in one layer."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_key_value_heads * head_dim * 2
+
+
+def run_arm(model, ids: torch.Tensor, name: str, budget: int, new_tokens: int, warm_steps: int,
+            prefill_chunk: int = 0) -> dict:
     cache = make_cache(name, model.config, budget, ids.shape[1] + new_tokens)
     clock = StepClock()
+    before = allocated()
     if model.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    chunked = {"prefill_chunk_size": prefill_chunk} if prefill_chunk else {}
     t0 = time.perf_counter()
     out = model.generate(ids, past_key_values=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                         do_sample=False, stopping_criteria=StoppingCriteriaList([clock]), pad_token_id=0)
+                         do_sample=False, stopping_criteria=StoppingCriteriaList([clock]), pad_token_id=0, **chunked)
     steps = [1e3 * (b - a) for a, b in zip(clock.stamps, clock.stamps[1:])]
     timed = steps[warm_steps:] or steps
     median = statistics.median(timed)
@@ -80,7 +108,18 @@ def run_arm(model, ids: torch.Tensor, name: str, budget: int, new_tokens: int, w
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if model.device.type == "cuda" else None,
            "compiled_layout": bool(getattr(cache, "is_static", False)) or name == "hf-static",
            "attended": cache.attended_fraction() if hasattr(cache, "attended_fraction") else 1.0}
-    del cache, out
+    if model.device.type == "cuda" and cache is not None:
+        held = allocated()
+        del cache
+        row["cache_gib"] = (held - allocated()) / 2**30
+        tokens = ids.shape[0] * (ids.shape[1] + new_tokens)
+        layers = sum(kind == "full_attention" for kind in getattr(model.config, "layer_types", None)
+                     or ["full_attention"] * model.config.num_hidden_layers)
+        row["kv_ratio"] = row["cache_gib"] * 2**30 / (tokens * layers * kv_bf16_token_bytes(model.config))
+        row["peak_gib"] -= before / 2**30  # the weights and whatever ran before are not the generate()'s
+    else:
+        row["cache_gib"] = row["kv_ratio"] = None
+    del out
     return row
 
 
@@ -90,10 +129,13 @@ def main(argv=None) -> None:
     ap.add_argument("--runs", default="128K:1,32K:8", help="comma list of context:batch")
     ap.add_argument("--arms", default="hf-dynamic,hf-static,r4i4,r8i4,static-r4i4",
                     help=f"{', '.join(HF_ARMS)}, a Locks label (r4i4...), quest, full, oracle; "
-                         f"'{STATIC_PREFIX}<arm>' for LocksStaticCache")
+                         f"'{STATIC_PREFIX}<arm>' for LocksStaticCache, '{DYNAMIC_PREFIX}<arm>' for the dynamic layout; "
+                         "a '+kv4-post'-style suffix quantizes the KV (dynamic layout)")
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--warm-steps", type=int, default=3, help="first decode steps counted as warm-up")
+    ap.add_argument("--prefill-chunk", type=int, default=0,
+                    help="prefill in chunks of this many tokens (0: one forward)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (use --shape tiny)")
     ap.add_argument("--out", default="bench_generate.json")
     args = ap.parse_args(argv)
@@ -115,7 +157,7 @@ def main(argv=None) -> None:
             ids = torch.randint(3, config.vocab_size, (b, n), generator=torch.Generator().manual_seed(0)).to(device)
             for name in args.arms.split(","):
                 torch._dynamo.reset()  # each arm compiles its own graph (never hits dynamo's recompile limit)
-                row = run_arm(model, ids, name, args.budget, args.new_tokens, args.warm_steps)
+                row = run_arm(model, ids, name, args.budget, args.new_tokens, args.warm_steps, args.prefill_chunk)
                 result["rows"].append(row)
                 print(f"{tokens_label(n)} x{b} {name}: {row['ms_per_step']:.2f} ms/step, warm-up {row['warmup_s']:.1f} s, "
                       f"prefill {row['prefill_s']:.1f} s, peak {row['peak_gib'] or 0:.1f} GiB", flush=True)
@@ -129,17 +171,20 @@ def main(argv=None) -> None:
     print(f"\ngenerate(), {args.shape} random weights, {dtype}, {args.new_tokens} greedy tokens, b={args.budget}, "
           f"median ms per step after {args.warm_steps} warm-up steps ({where})\n")
     print("| context | batch | arm | ms/step | vs hf-dynamic | vs hf-static | warm-up s | prefill s | peak GiB | "
-          "attended | tokens = first Locks arm |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "cache GiB | KV vs bf16 | attended | tokens = first Locks arm |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in result["rows"]:
         same_run = [x for x in result["rows"] if (x["context"], x["batch"]) == (r["context"], r["batch"])]
         base = {x["arm"]: x["ms_per_step"] for x in same_run}
         ratios = [f"{base[a] / r['ms_per_step']:.2f}x" if a in base else "-" for a in HF_ARMS]
         first_locks = next((x for x in same_run if x["arm"] not in HF_ARMS), None)
         same = "-" if first_locks is None or r["arm"] in HF_ARMS else str(r["tokens"] == first_locks["tokens"])
-        peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
+        peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
+        held = "-" if r["cache_gib"] is None else f"{r['cache_gib']:.2f}"
+        ratio = "-" if r["kv_ratio"] is None else f"{r['kv_ratio']:.3f}"
         print(f"| {tokens_label(r['context'])} | {r['batch']} | {r['arm']} | {r['ms_per_step']:.2f} | {ratios[0]} | "
-              f"{ratios[1]} | {r['warmup_s']:.1f} | {r['prefill_s']:.1f} | {peak} | {r['attended']:.4f} | {same} |")
+              f"{ratios[1]} | {r['warmup_s']:.1f} | {r['prefill_s']:.1f} | {peak} | {held} | "
+              f"{ratio} | {r['attended']:.4f} | {same} |")
 
 
 if __name__ == "__main__":
