@@ -66,11 +66,9 @@ def _quant_attn_kernel(q_ptr, q_sb, q_sh,
     length = tl.load(len_ptr)
     qk = tl.load(quant_ptr)  # keys of slots < qk are quantized, values of slots < qv
     qv = tl.load(quant_ptr + 1)
-    N: tl.constexpr = TP * B
-    DP: tl.constexpr = D * BITS // 8
     g = tl.arange(0, GP)
     c = tl.arange(0, D)
-    cp = tl.arange(0, DP)
+    cp = tl.arange(0, D * BITS // 8)
     t = tl.arange(0, B)
     q = tl.load(q_ptr + bb * q_sb + (hh * G + g[:, None]) * q_sh + c[None, :], mask=g[:, None] < G, other=0.0)
     kcb = kc_ptr + bb * kc_sb + hh * kc_sh
@@ -97,9 +95,9 @@ def _quant_attn_kernel(q_ptr, q_sb, q_sh,
             pg = tl.load(sel_ptr + row * W + w, mask=w < end, other=-1)
         slot = rs + pg[:, None] * B + t[None, :]
         inside = (pg >= 0)[:, None] & (slot >= 0) & (slot < length)
-        ok = tl.reshape(inside & slot_ok(vrow, slot, length), [N])
-        slot = tl.reshape(slot, [N])
-        inside = tl.reshape(inside, [N])
+        ok = tl.reshape(inside & slot_ok(vrow, slot, length), [TP * B])
+        slot = tl.reshape(slot, [TP * B])
+        inside = tl.reshape(inside, [TP * B])
 
         # keys: codes and their group's per-channel scale and zero below qk, the tail from qk on
         kq = inside & (slot < qk)
@@ -108,7 +106,7 @@ def _quant_attn_kernel(q_ptr, q_sb, q_sh,
         grp = ksb + (slot // QG)[:, None] * ks_st + c[None, :]
         ksc = tl.load(ks_ptr + grp, mask=kq[:, None], other=0.0).to(tl.float32)
         kze = tl.load(kz_ptr + grp, mask=kq[:, None], other=0.0).to(tl.float32)
-        k_deq = _unpack(codes, BITS, N, D).to(tl.float32) * ksc + kze
+        k_deq = _unpack(codes, BITS, TP * B, D).to(tl.float32) * ksc + kze
         k_full = tl.load(ktb + (slot - qk)[:, None] * kt_st + c[None, :], mask=kf[:, None], other=0.0)
         k = tl.where(kq[:, None], k_deq.to(q.dtype), k_full.to(q.dtype))
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [GP, N], base 2
@@ -127,7 +125,7 @@ def _quant_attn_kernel(q_ptr, q_sb, q_sh,
         grp = vsb + slot[:, None] * vs_st + (c // QG)[None, :]
         vsc = tl.load(vs_ptr + grp, mask=vq[:, None], other=0.0).to(tl.float32)
         vze = tl.load(vz_ptr + grp, mask=vq[:, None], other=0.0).to(tl.float32)
-        v_deq = _unpack(codes, BITS, N, D).to(tl.float32) * vsc + vze
+        v_deq = _unpack(codes, BITS, TP * B, D).to(tl.float32) * vsc + vze
         v_full = tl.load(vtb + (slot - qv)[:, None] * vt_st + c[None, :], mask=vf[:, None], other=0.0)
         v = tl.where(vq[:, None], v_deq.to(q.dtype), v_full.to(q.dtype))
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)

@@ -47,6 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--bits", default="4,2", help="code widths of the quantized K/V")
     ap.add_argument("--group", type=int, default=32, help="kv_group (tokens per key group, channels per value group)")
     ap.add_argument("--residual", type=int, default=128, help="slots kept in bf16 at the end of the cache")
+    ap.add_argument("--warps", default="4,8", help="num_warps values of the quantized kernel timed")
     ap.add_argument("--lists", type=int, default=16, help="page lists cycled through per graph replay")
     ap.add_argument("--reps", type=int, default=30, help="timed graph replays")
     ap.add_argument("--seed", type=int, default=0)
@@ -156,28 +157,31 @@ def main(argv=None) -> list[dict]:
             for bits in (int(x) for x in args.bits.split(",")):
                 st = quantized_storage(keys, values, slot_valid, bits, args.group, qk, qv)
 
-                def quant(p, st=st, bits=bits):
+                def quant(p, warps, st=st, bits=bits):
                     return kernels.quantized_attention(query, p, **st, bits=bits, group=args.group,
                                                        slot_valid=slot_valid, row_start=row_start, length=length,
-                                                       scale=scale, page_size=B)
+                                                       scale=scale, page_size=B, num_warps=warps)
 
-                us = time_graph([lambda p=p: quant(p) for p in lists], args.reps)
-                got = quant(lists[0]).view(b, hq, d).double()
-                err = ((got - want).norm() / want.norm()).item()
-                row = {"shape": args.shape, "context": T, "batch": b, "page_size": B, "budget": args.budget,
-                       "bits": bits, "group": args.group, "residual": args.residual, "bf16_us": base_us,
-                       "quant_us": us, "speedup": base_us / us, "rel_err_vs_bf16": err}
-                rows.append(row)
-                print(f"{args.shape} T={T >> 10}K B={B:3d} kv{bits}g{args.group}: bf16 {base_us:8.2f} us  "
-                      f"quantized {us:8.2f} us  x{base_us / us:5.2f}  rel err vs bf16 {err:.2e}", flush=True)
+                for warps in (int(x) for x in args.warps.split(",")):
+                    us = time_graph([lambda p=p: quant(p, warps) for p in lists], args.reps)
+                    got = quant(lists[0], warps).view(b, hq, d).double()
+                    err = ((got - want).norm() / want.norm()).item()
+                    row = {"shape": args.shape, "context": T, "batch": b, "page_size": B, "budget": args.budget,
+                           "bits": bits, "group": args.group, "residual": args.residual, "num_warps": warps,
+                           "bf16_us": base_us, "quant_us": us, "speedup": base_us / us, "rel_err_vs_bf16": err}
+                    rows.append(row)
+                    print(f"{args.shape} T={T >> 10}K B={B:3d} kv{bits}g{args.group} warps {warps}: bf16 "
+                          f"{base_us:8.2f} us  quantized {us:8.2f} us  x{base_us / us:5.2f}  rel err vs bf16 "
+                          f"{err:.2e}", flush=True)
                 del st
             torch.cuda.empty_cache()
         keys = values = None
         torch.cuda.empty_cache()
     print()
-    print(f"{'context':>8} {'B':>4} {'bits':>4} {'bf16 us':>9} {'quant us':>9} {'speedup':>8} {'rel err':>9}")
+    print(f"{'context':>8} {'B':>4} {'bits':>4} {'warps':>5} {'bf16 us':>9} {'quant us':>9} {'speedup':>8} "
+          f"{'rel err':>9}")
     for r in rows:
-        print(f"{r['context'] >> 10:>7}K {r['page_size']:>4} {r['bits']:>4} {r['bf16_us']:>9.2f} "
+        print(f"{r['context'] >> 10:>7}K {r['page_size']:>4} {r['bits']:>4} {r['num_warps']:>5} {r['bf16_us']:>9.2f} "
               f"{r['quant_us']:>9.2f} {r['speedup']:>8.2f} {r['rel_err_vs_bf16']:>9.2e}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
