@@ -48,6 +48,9 @@ class QuantCache:
         if tail == "empty":  # every written slot quantized
             L = 256
             qk = qv = L
+        elif tail == "all":  # nothing quantized yet (a short context)
+            L = 150
+            qk = qv = 0
         else:  # keys up to a group boundary, values up to any slot: pages straddle both boundaries
             L = 293
             qk, qv = 256 - group, L - 70
@@ -146,8 +149,11 @@ def _sparse_pages(c, seed):
 @pytest.mark.parametrize("bits", [2, 4])
 def test_quantized_attention_matches_float64(bits, group, tail):
     c = QuantCache(bits, group, tail, seed=100 * bits + group + (tail == "empty"))
-    if tail == "partial":
-        assert c.qk < c.L and c.qv < c.L and c.qv % B != c.qk % B
+    if tail == "partial":  # some listed page holds slots on both sides of each boundary
+        pages = _sparse_pages(c, seed=1)
+        for q in (c.qk, c.qv):
+            assert any(s + p * B < q < s + (p + 1) * B for i, s in enumerate(c.row_start.tolist())
+                       for p in pages[i, 0].tolist() if p >= 0)
     dense_pages = torch.arange(c.P, dtype=torch.int32).expand(c.b, c.h, -1)
     for G, splits in ((1, None), (4, 3)):
         q = c.query(G, seed=G)
@@ -175,6 +181,15 @@ def test_quantized_attention_over_bf16_storage(bits, group, query_dtype):
     got = kernels.quantized_attention(q[:, :, None].to(DEV), pages.to(DEV), scale=0.3, **c.kwargs())
     assert got.shape == (c.b, 16 * c.h, 1, c.d) and got.dtype == query_dtype
     assert rel(got[:, :, 0], c.reference(q, pages, 0.3)) < TOL[query_dtype]
+
+
+def test_nothing_quantized_yet():
+    """Every slot in the full-precision tail (``qk = qv = 0``): the packed storage is never read."""
+    c = QuantCache(4, 32, "all", seed=9)
+    q = c.query(4)
+    pages = _sparse_pages(c, seed=2)
+    got = kernels.quantized_attention(q.to(DEV), pages.to(DEV), scale=0.3, **c.kwargs())
+    assert rel(got, c.reference(q, pages, 0.3)) < TOL[c.dtype]
 
 
 def test_a_swapped_code_order_is_caught():
