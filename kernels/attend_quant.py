@@ -54,10 +54,10 @@ def _quant_attn_kernel(q_ptr, q_sb, q_sh,
                        vc_ptr, vc_sb, vc_sh, vc_st, vs_ptr, vz_ptr, vs_sb, vs_sh, vs_st,
                        kt_ptr, kt_sb, kt_sh, kt_st, vt_ptr, vt_sb, vt_sh, vt_st,
                        quant_ptr, sel_ptr, W, valid_ptr, valid_sb, row_start_ptr, len_ptr, H, scale,
-                       part_o_ptr, part_l_ptr, out_ptr, out_sb, out_sh, pages_per_split, n_split,
+                       part_o_ptr, part_l_ptr, out_ptr, out_sb, out_sh, pages_per_split, n_split, count_ptr,
                        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, B: tl.constexpr, TP: tl.constexpr,
                        BITS: tl.constexpr, QG: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
-                       DENSE: tl.constexpr):
+                       DENSE: tl.constexpr, COUNT: tl.constexpr):
     row = tl.program_id(0)
     split = tl.program_id(1)
     bb = (row // H).to(tl.int64)  # 64-bit offsets: a batch of long caches passes 2**31 elements
@@ -87,6 +87,7 @@ def _quant_attn_kernel(q_ptr, q_sb, q_sh,
     end = tl.minimum(start + pages_per_split, W)
     if DENSE:  # every page of the row: page w is list entry w, and the loop stops at the written ones
         end = tl.minimum(end, tl.cdiv(length - rs, B))
+    seen = tl.zeros([TP * B], dtype=tl.int32)
     for w0 in range(start, end, TP):
         w = w0 + tl.arange(0, TP)
         if DENSE:
@@ -98,6 +99,7 @@ def _quant_attn_kernel(q_ptr, q_sb, q_sh,
         ok = tl.reshape(inside & slot_ok(vrow, slot, length), [TP * B])
         slot = tl.reshape(slot, [TP * B])
         inside = tl.reshape(inside, [TP * B])
+        seen += ok.to(tl.int32)
 
         # keys: codes and their group's per-channel scale and zero below qk, the tail from qk on
         kq = inside & (slot < qk)
@@ -131,6 +133,8 @@ def _quant_attn_kernel(q_ptr, q_sb, q_sh,
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m = m_new
 
+    if COUNT:  # the real tokens this program attended
+        tl.atomic_add(count_ptr, tl.sum(seen, axis=0).to(tl.int64))
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
     gm = g[:, None] < G
     if SPLIT:
@@ -163,15 +167,17 @@ def quantized_attention(query: torch.Tensor, pages: torch.Tensor | None, *, key_
                         value_scale: torch.Tensor, value_zero: torch.Tensor, key_tail: torch.Tensor,
                         value_tail: torch.Tensor, quantized, bits: int, group: int, slot_valid: torch.Tensor,
                         row_start: torch.Tensor, length: int | torch.Tensor, scale: float, page_size: int,
-                        n_pages: int | None = None, splits: int | None = None, tile_pages: int | None = None,
-                        num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                        n_pages: int | None = None, counts: torch.Tensor | None = None, splits: int | None = None,
+                        tile_pages: int | None = None, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """Attention of one decode query over the listed pages of KIVI-quantized K/V (module docstring).
 
     ``query [b, Hq, d]`` (or ``[b, Hq, 1, d]``), ``Hq = G * h``; ``pages`` int32 ``[b, h, W]`` or
     ``[b*h, W]`` page numbers (``< 0`` = none), or ``None`` for every written page of the first
     ``n_pages``; ``quantized``: ``(qk, qv)`` as ints or an ``int32 [2]`` device tensor; ``slot_valid
     [b, cap]`` (False = padding), ``row_start`` int32 ``[b]``, ``length`` the slots written (int or
-    ``int32 [1]``). Returns the output in the query's shape and dtype.
+    ``int32 [1]``). ``counts`` (int64, optional): ``counts[0]`` grows by the real tokens attended, summed
+    over rows and KV heads (as `attend.sparse_attention`'s). Returns the output in the query's shape and
+    dtype.
     """
     b, hq, d = query.shape[0], query.shape[1], query.shape[-1]
     q = query.reshape(b, hq, d)
@@ -232,9 +238,9 @@ def quantized_attention(query: torch.Tensor, pages: torch.Tensor | None, *, key_
         kt, kt.stride(0), kt.stride(1), kt.stride(2), vt, vt.stride(0), vt.stride(1), vt.stride(2),
         _quantized_counts(quantized, dev), row_start if dense else pages, W, valid, slot_valid.stride(0),
         row_start, as_length(length, dev), h, float(scale), part_o, part_l, out, out.stride(0), out.stride(1),
-        pps, splits,
+        pps, splits, row_start if counts is None else counts,
         G=G, GP=max(16, next_pow2(G)), D=d, B=B, TP=TP, BITS=bits, QG=group, SPLIT=splits > 1,
-        DOT_PREC=dot_precision(q.dtype), DENSE=dense, num_warps=num_warps, num_stages=num_stages)
+        DOT_PREC=dot_precision(q.dtype), DENSE=dense, COUNT=counts is not None, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _combine_kernel[(rows * G,)](part_o, part_l, out, out.stride(0), out.stride(1), h, splits, G=G, D=d,
                                      SBLK=min(32, max(16, next_pow2(splits))), num_warps=4)

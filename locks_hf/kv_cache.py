@@ -72,12 +72,12 @@ class QuantizedLocksLayer(LocksLayer):
         return None, None
 
     def packed_kv(self) -> dict:
-        """The stored K/V as `locks_hf.kernels.quantized_attention` reads them (its keyword arguments
-        but the query, pages, scale and ``n_pages``): packed codes, scales and zero points (capacity-wide,
-        written up to ``quantized = (qk, qv)``), the full-precision tails (``key_tail`` holds slots
-        ``qk ..``, ``value_tail`` slots ``qv ..``; ``quantized`` is ``(qk, qv)`` as an ``int32 [2]`` device
-        tensor, a new one when they change), ``bits``, ``group``, ``page_size`` and the page bookkeeping
-        (``slot_valid``, ``row_start``, ``length`` as device tensors)."""
+        """The stored K/V as `locks_hf.kernels.quantized_attention` reads them (its keyword arguments but
+        the query, pages, scale, ``n_pages`` and ``counts``): packed codes, scales and zero points
+        (capacity-wide, written up to ``quantized = (qk, qv)``), the full-precision tails (``key_tail``
+        holds slots ``qk ..``, ``value_tail`` slots ``qv ..``; ``quantized`` is ``(qk, qv)`` as an ``int32
+        [2]`` device tensor, a new one when they change), ``bits``, ``group``, ``page_size`` and the page
+        bookkeeping (``slot_valid``, ``row_start``, ``length`` as device tensors)."""
         cfg = self.config
         if getattr(self, "_quantized_cache", (None,))[0] != (self._qk, self._qv):
             counts = torch.tensor([self._qk, self._qv], dtype=torch.int32).to(self.device)

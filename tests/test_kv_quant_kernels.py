@@ -107,6 +107,17 @@ class QuantCache:
         return dict({n: getattr(self, n).to(DEV) for n in names}, quantized=(self.qk, self.qv), bits=self.bits,
                     group=self.group, length=self.L, page_size=B)
 
+    def real_tokens(self, pages):
+        """Real slots of the listed pages ``[b, h, W]``, summed over rows and KV heads."""
+        n = 0
+        for i in range(self.b):
+            for j in range(self.h):
+                for p in pages[i, j].tolist():
+                    slots = int(self.row_start[i]) + p * B + torch.arange(B)
+                    if p >= 0:
+                        n += int(((slots < self.L) & self.slot_valid[i, slots.clamp(max=self.L - 1)]).sum())
+        return n
+
     def reference(self, query, pages, scale):
         """Float64 attention of ``query [b, Hq, d]`` over ``pages [b, h, W]`` (``< 0`` = none)."""
         b, hq, d = query.shape
@@ -158,9 +169,12 @@ def test_quantized_attention_matches_float64(bits, group, tail):
     for G, splits in ((1, None), (4, 3)):
         q = c.query(G, seed=G)
         pages = _sparse_pages(c, seed=G)
-        got = kernels.quantized_attention(q.to(DEV), pages.to(DEV), scale=0.3, splits=splits, **c.kwargs())
+        counts = torch.full((2,), 5, dtype=torch.int64, device=DEV)
+        got = kernels.quantized_attention(q.to(DEV), pages.to(DEV), scale=0.3, splits=splits, counts=counts,
+                                          **c.kwargs())
         assert got.shape == q.shape and got.dtype == q.dtype
         assert rel(got, c.reference(q, pages, 0.3)) < TOL[c.dtype], (G, "sparse")
+        assert counts.tolist() == [5 + c.real_tokens(pages), 5]  # padding, holes, unwritten slots excluded
         # dense: every written page (pages past the length in n_pages are skipped)
         got = kernels.quantized_attention(q.to(DEV), None, n_pages=c.P + 2, scale=0.3, splits=splits and 2,
                                           **c.kwargs())
@@ -243,15 +257,18 @@ def test_a_quantized_layer_is_read_through_packed_kv():
     assert rel(got, want.view(b, h * G, d)) < 1e-5
 
     # the custom op takes the same keywords: wiring a decode step is one call
-    assert torch.equal(torch.ops.locks_hf.quantized_attention(q, pages, scale=0.3, **packed), got)
+    counts = torch.zeros(2, dtype=torch.int64)
+    assert torch.equal(torch.ops.locks_hf.quantized_attention(q, pages, scale=0.3, counts=counts, **packed), got)
+    assert counts[0] == int(ok.sum())
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode(allow_non_fake_inputs=True):
-        fake = torch.ops.locks_hf.quantized_attention(q, pages, scale=0.3, **packed)
+        fake = torch.ops.locks_hf.quantized_attention(q, pages, scale=0.3, counts=None, **packed)
     assert fake.shape == got.shape and fake.dtype == got.dtype
     assert layer.packed_kv()["quantized"] is packed["quantized"]  # sent once while (qk, qv) stay
-    # schema, fake tensor and autograd registration
-    torch.library.opcheck(torch.ops.locks_hf.quantized_attention.default, (q, pages), dict(scale=0.3, **packed))
+    # schema, fake tensor, autograd registration and the mutated counts
+    torch.library.opcheck(torch.ops.locks_hf.quantized_attention.default, (q, pages),
+                          dict(scale=0.3, counts=counts, **packed))
 
 
 def test_refusals():
