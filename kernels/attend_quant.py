@@ -111,7 +111,7 @@ def _quant_attn_kernel(q_ptr, q_sb, q_sh,
         k_deq = _unpack(codes, BITS, TP * B, D).to(tl.float32) * ksc + kze
         k_full = tl.load(ktb + (slot - qk)[:, None] * kt_st + c[None, :], mask=kf[:, None], other=0.0)
         k = tl.where(kq[:, None], k_deq.to(q.dtype), k_full.to(q.dtype))
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [GP, N], base 2
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [GP, TP*B], base 2
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         safe = tl.where(m_new == float("-inf"), 0.0, m_new)
