@@ -54,3 +54,12 @@ def __getattr__(name: str):
 
         return getattr(backend, new)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# `quantized_attention`: sparse decode attention over KIVI-quantized K/V (`attend_quant`), the kernel a
+# `QuantizedLocksLayer` is read with (``quantized_attention(query, pages, scale=..., **layer.packed_kv())``);
+# ``torch.ops.locks_hf.quantized_attention`` is its custom op.
+if HAVE_TRITON:
+    from .attend_quant import quantized_attention
+
+    __all__ += ["quantized_attention"]

@@ -76,3 +76,28 @@ def update_completed_pages_op(method: str, key_buf: torch.Tensor, slot_valid: to
 @update_completed_pages_op.register_fake
 def _(method, key_buf, slot_valid, row_start, length, summary, page_size, rank, basis_bits, n_complete):
     return None
+
+
+@torch.library.custom_op("locks_hf::quantized_attention", mutates_args=("counts",))
+def quantized_attention_op(query: torch.Tensor, pages: torch.Tensor | None, key_codes: torch.Tensor,
+                           key_scale: torch.Tensor, key_zero: torch.Tensor, value_codes: torch.Tensor,
+                           value_scale: torch.Tensor, value_zero: torch.Tensor, key_tail: torch.Tensor,
+                           value_tail: torch.Tensor, quantized: torch.Tensor, bits: int, group: int,
+                           slot_valid: torch.Tensor, row_start: torch.Tensor, length: torch.Tensor, scale: float,
+                           page_size: int, counts: torch.Tensor | None, n_pages: int | None = None) -> torch.Tensor:
+    """`attend_quant.quantized_attention` (decode attention over KIVI-packed K/V); ``quantized`` is the
+    ``int32 [2]`` device tensor ``(qk, qv)`` and ``length`` the ``int32 [1]`` one; ``counts`` (int64 or
+    ``None``, required for the reason `decode_step_op` gives): ``counts[0]`` grows by the tokens attended."""
+    from .attend_quant import quantized_attention
+
+    return quantized_attention(query, pages, key_codes=key_codes, key_scale=key_scale, key_zero=key_zero,
+                               value_codes=value_codes, value_scale=value_scale, value_zero=value_zero,
+                               key_tail=key_tail, value_tail=value_tail, quantized=quantized, bits=bits,
+                               group=group, slot_valid=slot_valid, row_start=row_start, length=length,
+                               scale=scale, page_size=page_size, n_pages=n_pages, counts=counts)
+
+
+@quantized_attention_op.register_fake
+def _(query, pages, key_codes, key_scale, key_zero, value_codes, value_scale, value_zero, key_tail, value_tail,
+      quantized, bits, group, slot_valid, row_start, length, scale, page_size, counts, n_pages=None):
+    return torch.empty_like(query, memory_format=torch.contiguous_format)

@@ -71,6 +71,23 @@ class QuantizedLocksLayer(LocksLayer):
         # reference path, which reads pages through `page_keys`.
         return None, None
 
+    def packed_kv(self) -> dict:
+        """The stored K/V as `locks_hf.kernels.quantized_attention` reads them (its keyword arguments but
+        the query, pages, scale, ``n_pages`` and ``counts``): packed codes, scales and zero points
+        (capacity-wide, written up to ``quantized = (qk, qv)``), the full-precision tails (``key_tail``
+        holds slots ``qk ..``, ``value_tail`` slots ``qv ..``; ``quantized`` is ``(qk, qv)`` as an ``int32
+        [2]`` device tensor, a new one when they change), ``bits``, ``group``, ``page_size`` and the page
+        bookkeeping (``slot_valid``, ``row_start``, ``length`` as device tensors)."""
+        cfg = self.config
+        if getattr(self, "_quantized_cache", (None,))[0] != (self._qk, self._qv):
+            counts = torch.tensor([self._qk, self._qv], dtype=torch.int32).to(self.device)
+            self._quantized_cache = ((self._qk, self._qv), counts)
+        return dict(key_codes=self._kcodes, key_scale=self._kscale, key_zero=self._kzero,
+                    value_codes=self._vcodes, value_scale=self._vscale, value_zero=self._vzero,
+                    key_tail=self._kres, value_tail=self._vres, quantized=self._quantized_cache[1],
+                    bits=cfg.kv_bits, group=cfg.kv_group, page_size=cfg.page_size, slot_valid=self.slot_valid,
+                    row_start=self.row_tensors()[0], length=self.length_tensor())
+
     @property
     def capacity(self) -> int:
         return self._cap

@@ -108,3 +108,19 @@ def test_soak_script_runs_on_cpu(tmp_path):
     summary = module.main(["--shape", "tiny", "--device", "cpu", "--prompt", "128", "--new-tokens", "200",
                            "--sample-every", "100", "--budget", "64", "--out", str(out)])
     assert summary["attended_fraction"] < 0.5 and len(json.loads(out.read_text())["samples"]) == 2
+
+
+def test_bench_kv_quant_imports_and_refuses_without_cuda(capsys):
+    """scripts/bench_kv_quant.py (GPU only) imports cleanly, answers --help, and without CUDA refuses
+    with a message rather than a traceback."""
+    import torch
+
+    module = _load("bench_kv_quant")
+    with pytest.raises(SystemExit) as done:
+        module.main(["--help"])
+    assert done.value.code == 0 and "--contexts" in capsys.readouterr().out
+    args = module.parse_args(["--contexts", "128K,512K", "--bits", "4,2"])
+    assert [module.parse_ctx(c) for c in args.contexts.split(",")] == [128 << 10, 512 << 10]
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="CUDA"):
+            module.main([])

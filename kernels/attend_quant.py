@@ -1,0 +1,247 @@
+"""Sparse decode attention over KIVI-quantized K/V (`locks_hf.kv_quant`), dequantized in registers.
+
+The layout read is `locks_hf.kv_cache.QuantizedLocksLayer`'s (see `QuantizedLocksLayer.packed_kv`),
+per batch row ``i`` and KV head ``j``, for cache slots ``s`` (page ``p`` of row ``i`` holds slots
+``row_start[i] + p*B ... + B-1``):
+
+* keys of slots ``s < qk`` (``qk`` a multiple of ``group``): ``key_codes [b, h, cap, d*bits/8]``
+  uint8, ``8 // bits`` codes a byte along the channel axis, channel ``0`` in the low bits; one scale
+  and zero point per channel for each group of ``group`` slots, ``key_scale`` / ``key_zero``
+  ``[b, h, >= qk/group, d]`` (slot ``s`` reads row ``s // group``: groups are aligned to slots, not
+  to pages, so a page may straddle two groups or the quantized/full-precision boundary);
+* values of slots ``s < qv``: ``value_codes [b, h, cap, d*bits/8]`` packed the same way; one scale and
+  zero point per group of ``group`` channels of each slot, ``value_scale`` / ``value_zero``
+  ``[b, h, cap, d/group]``;
+* the newer slots in the K/V dtype (KIVI's residual): ``key_tail [b, h, >= length-qk, d]`` holds slot
+  ``s >= qk`` at index ``s - qk``, ``value_tail`` slot ``s >= qv`` at ``s - qv``.
+
+``x = code * scale + zero`` (asymmetric, codes in ``0 .. 2**bits - 1``) is computed in float32 and
+rounded to the query dtype before the products; scores, softmax and the output are accumulated in
+float32. ``_quant_attn_kernel`` (grid: rows ``b*h`` x splits) walks its share of a row's page list
+``TP`` pages at a time, once for all G query heads of the KV head, online softmax in base 2, padding
+slots and ``SENTINEL`` entries masked, exactly as `attend._sparse_attn_kernel` does for the bf16
+cache; with several splits the partials are merged by `attend._combine_kernel`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import LOG2E, as_length, dot_precision, next_pow2, slot_ok, sm_count
+from .attend import MAX_SPLITS, _combine_kernel, default_splits
+
+#: Code widths and group sizes the kernel reads (those of `locks_hf.kv_quant`).
+QUANT_BITS = (2, 4)
+QUANT_GROUPS = (32, 64, 128)
+
+
+@triton.jit
+def _unpack(packed, BITS: tl.constexpr, N: tl.constexpr, D: tl.constexpr):
+    """Codes ``[N, D]`` (int32) of the bytes ``packed [N, D*BITS/8]``, element 0 in the low bits."""
+    x = packed.to(tl.int32)
+    if BITS == 4:
+        y = tl.join(x & 15, x >> 4)  # [N, D/2, 2]: channel 2c in the low nibble, 2c + 1 in the high one
+    else:  # [N, D/4, 2, 2] flattened: (c0, c2), (c1, c3) joined -> c0, c1, c2, c3
+        y = tl.join(tl.join(x & 3, (x >> 4) & 3), tl.join((x >> 2) & 3, x >> 6))
+    return tl.reshape(y, [N, D])
+
+
+@triton.jit
+def _quant_attn_kernel(q_ptr, q_sb, q_sh,
+                       kc_ptr, kc_sb, kc_sh, kc_st, ks_ptr, kz_ptr, ks_sb, ks_sh, ks_st,
+                       vc_ptr, vc_sb, vc_sh, vc_st, vs_ptr, vz_ptr, vs_sb, vs_sh, vs_st,
+                       kt_ptr, kt_sb, kt_sh, kt_st, vt_ptr, vt_sb, vt_sh, vt_st,
+                       quant_ptr, sel_ptr, W, valid_ptr, valid_sb, row_start_ptr, len_ptr, H, scale,
+                       part_o_ptr, part_l_ptr, out_ptr, out_sb, out_sh, pages_per_split, n_split, count_ptr,
+                       G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, B: tl.constexpr, TP: tl.constexpr,
+                       BITS: tl.constexpr, QG: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+                       DENSE: tl.constexpr, COUNT: tl.constexpr):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    bb = (row // H).to(tl.int64)  # 64-bit offsets: a batch of long caches passes 2**31 elements
+    hh = row % H
+    rs = tl.load(row_start_ptr + bb)
+    length = tl.load(len_ptr)
+    qk = tl.load(quant_ptr)  # keys of slots < qk are quantized, values of slots < qv
+    qv = tl.load(quant_ptr + 1)
+    g = tl.arange(0, GP)
+    c = tl.arange(0, D)
+    cp = tl.arange(0, D * BITS // 8)
+    t = tl.arange(0, B)
+    q = tl.load(q_ptr + bb * q_sb + (hh * G + g[:, None]) * q_sh + c[None, :], mask=g[:, None] < G, other=0.0)
+    kcb = kc_ptr + bb * kc_sb + hh * kc_sh
+    ksb = bb * ks_sb + hh * ks_sh
+    vcb = vc_ptr + bb * vc_sb + hh * vc_sh
+    vsb = bb * vs_sb + hh * vs_sh
+    ktb = kt_ptr + bb * kt_sb + hh * kt_sh
+    vtb = vt_ptr + bb * vt_sb + hh * vt_sh
+    vrow = valid_ptr + bb * valid_sb
+    qk_scale = scale * LOG2E
+
+    m = tl.full([GP], float("-inf"), tl.float32)
+    l = tl.zeros([GP], dtype=tl.float32)
+    acc = tl.zeros([GP, D], dtype=tl.float32)
+    start = split * pages_per_split
+    end = tl.minimum(start + pages_per_split, W)
+    if DENSE:  # every page of the row: page w is list entry w, and the loop stops at the written ones
+        end = tl.minimum(end, tl.cdiv(length - rs, B))
+    seen = tl.zeros([TP * B], dtype=tl.int32)
+    for w0 in range(start, end, TP):
+        w = w0 + tl.arange(0, TP)
+        if DENSE:
+            pg = tl.where(w < end, w, -1)
+        else:
+            pg = tl.load(sel_ptr + row * W + w, mask=w < end, other=-1)
+        slot = rs + pg[:, None] * B + t[None, :]
+        inside = (pg >= 0)[:, None] & (slot >= 0) & (slot < length)
+        ok = tl.reshape(inside & slot_ok(vrow, slot, length), [TP * B])
+        slot = tl.reshape(slot, [TP * B])
+        inside = tl.reshape(inside, [TP * B])
+        seen += ok.to(tl.int32)
+
+        # keys: codes and their group's per-channel scale and zero below qk, the tail from qk on
+        kq = inside & (slot < qk)
+        kf = inside & (slot >= qk)
+        codes = tl.load(kcb + slot[:, None] * kc_st + cp[None, :], mask=kq[:, None], other=0)
+        grp = ksb + (slot // QG)[:, None] * ks_st + c[None, :]
+        ksc = tl.load(ks_ptr + grp, mask=kq[:, None], other=0.0).to(tl.float32)
+        kze = tl.load(kz_ptr + grp, mask=kq[:, None], other=0.0).to(tl.float32)
+        k_deq = _unpack(codes, BITS, TP * B, D).to(tl.float32) * ksc + kze
+        k_full = tl.load(ktb + (slot - qk)[:, None] * kt_st + c[None, :], mask=kf[:, None], other=0.0)
+        k = tl.where(kq[:, None], k_deq.to(q.dtype), k_full.to(q.dtype))
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [GP, TP*B], base 2
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - safe[:, None])
+        alpha = tl.exp2(m - safe)
+        l = l * alpha + tl.sum(p, axis=1)
+
+        # values: codes and the per-slot scale and zero of each channel group below qv, the tail from qv
+        # on; padding and unwritten slots read as 0 (their p is 0, but 0 * NaN = NaN)
+        vq = ok & (slot < qv)
+        vf = ok & (slot >= qv)
+        codes = tl.load(vcb + slot[:, None] * vc_st + cp[None, :], mask=vq[:, None], other=0)
+        grp = vsb + slot[:, None] * vs_st + (c // QG)[None, :]
+        vsc = tl.load(vs_ptr + grp, mask=vq[:, None], other=0.0).to(tl.float32)
+        vze = tl.load(vz_ptr + grp, mask=vq[:, None], other=0.0).to(tl.float32)
+        v_deq = _unpack(codes, BITS, TP * B, D).to(tl.float32) * vsc + vze
+        v_full = tl.load(vtb + (slot - qv)[:, None] * vt_st + c[None, :], mask=vf[:, None], other=0.0)
+        v = tl.where(vq[:, None], v_deq.to(q.dtype), v_full.to(q.dtype))
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m = m_new
+
+    if COUNT:  # the real tokens this program attended
+        tl.atomic_add(count_ptr, tl.sum(seen, axis=0).to(tl.int64))
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    gm = g[:, None] < G
+    if SPLIT:
+        base = (row * n_split + split) * G
+        tl.store(part_o_ptr + (base + g[:, None]) * D + c[None, :], o, mask=gm)
+        lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
+        tl.store(part_l_ptr + base + g, lse, mask=g < G)
+    else:
+        tl.store(out_ptr + bb * out_sb + (hh * G + g[:, None]) * out_sh + c[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=gm)
+
+
+def _tile_pages(page_size: int, tile_pages: int | None) -> int:
+    """Pages per tile: as `attend.sparse_attention`, and at least 16 slots (the products' K side)."""
+    if tile_pages:
+        return tile_pages
+    tp = 4 if page_size <= 16 else max(1, 64 // page_size)
+    return max(tp, 16 // page_size)
+
+
+def _quantized_counts(quantized, device) -> torch.Tensor:
+    """``(qk, qv)`` as the ``int32 [2]`` device tensor the kernel reads (a tensor is used as is)."""
+    if torch.is_tensor(quantized):
+        return quantized
+    return torch.tensor([int(quantized[0]), int(quantized[1])], dtype=torch.int32, device=device)
+
+
+def quantized_attention(query: torch.Tensor, pages: torch.Tensor | None, *, key_codes: torch.Tensor,
+                        key_scale: torch.Tensor, key_zero: torch.Tensor, value_codes: torch.Tensor,
+                        value_scale: torch.Tensor, value_zero: torch.Tensor, key_tail: torch.Tensor,
+                        value_tail: torch.Tensor, quantized, bits: int, group: int, slot_valid: torch.Tensor,
+                        row_start: torch.Tensor, length: int | torch.Tensor, scale: float, page_size: int,
+                        n_pages: int | None = None, counts: torch.Tensor | None = None, splits: int | None = None,
+                        tile_pages: int | None = None, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """Attention of one decode query over the listed pages of KIVI-quantized K/V (module docstring).
+
+    ``query [b, Hq, d]`` (or ``[b, Hq, 1, d]``), ``Hq = G * h``; ``pages`` int32 ``[b, h, W]`` or
+    ``[b*h, W]`` page numbers (``< 0`` = none), or ``None`` for every written page of the first
+    ``n_pages``; ``quantized``: ``(qk, qv)`` as ints or an ``int32 [2]`` device tensor; ``slot_valid
+    [b, cap]`` (False = padding), ``row_start`` int32 ``[b]``, ``length`` the slots written (int or
+    ``int32 [1]``). ``counts`` (int64, optional): ``counts[0]`` grows by the real tokens attended, summed
+    over rows and KV heads (as `attend.sparse_attention`'s). Returns the output in the query's shape and
+    dtype.
+    """
+    b, hq, d = query.shape[0], query.shape[1], query.shape[-1]
+    q = query.reshape(b, hq, d)
+    h = key_codes.shape[1]
+    if bits not in QUANT_BITS or group not in QUANT_GROUPS:
+        raise ValueError(f"quantized_attention: bits must be in {QUANT_BITS} and group in {QUANT_GROUPS}, "
+                         f"got bits={bits}, group={group}")
+    if hq % h:
+        raise ValueError(f"quantized_attention: {hq} query heads are not a multiple of {h} KV heads")
+    if d & (d - 1) or d % group or d < 16:
+        raise ValueError(f"quantized_attention: head_dim {d} must be a power of two >= 16 divisible by group={group}")
+    dp = d * bits // 8
+    if key_codes.shape[-1] != dp or value_codes.shape[-1] != dp or value_scale.shape[-1] != d // group:
+        raise ValueError(f"quantized_attention: packed codes must have {dp} bytes a slot and value scales "
+                         f"{d // group} groups (d={d}, bits={bits}, group={group}); got keys "
+                         f"{tuple(key_codes.shape)}, values {tuple(value_codes.shape)}, "
+                         f"value scales {tuple(value_scale.shape)}")
+    if key_zero.stride() != key_scale.stride() or value_zero.stride() != value_scale.stride():
+        raise ValueError("quantized_attention: each zero-point tensor must have its scale tensor's strides")
+    for name, t in (("key_codes", key_codes), ("value_codes", value_codes), ("key_scale", key_scale),
+                    ("value_scale", value_scale), ("key_tail", key_tail), ("value_tail", value_tail)):
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"quantized_attention: {name} must be contiguous in its last dim")
+    G = hq // h
+    dense = pages is None
+    if dense and n_pages is None:
+        raise ValueError("quantized_attention: pages=None (dense) needs n_pages")
+    if dense:
+        rows, W = b * h, n_pages
+    else:
+        pages = pages.reshape(b * h, -1)
+        if pages.dtype != torch.int32 or not pages.is_contiguous():
+            pages = pages.to(torch.int32).contiguous()
+        rows, W = pages.shape
+    dev = query.device
+    B = page_size
+    TP = _tile_pages(B, tile_pages)
+    out = torch.empty((b, hq, d), dtype=query.dtype, device=dev)
+    if splits is None:
+        splits = default_splits(rows, W, TP, dense, sm_count(dev))
+    pps = triton.cdiv(triton.cdiv(max(W, 1), max(1, min(splits, MAX_SPLITS))), TP) * TP
+    splits = max(1, triton.cdiv(W, pps))
+    if splits > 1:
+        part_o = torch.empty((rows, splits, G, d), dtype=torch.float32, device=dev)
+        part_l = torch.empty((rows, splits, G), dtype=torch.float32, device=dev)
+    else:
+        part_o = part_l = out
+    # an empty full-precision tail (every slot quantized) is never read: its scale tensor stands in
+    kt = key_tail if key_tail.numel() else key_scale
+    vt = value_tail if value_tail.numel() else value_scale
+    valid = slot_valid.view(torch.uint8) if slot_valid.dtype == torch.bool else slot_valid
+    _quant_attn_kernel[(rows, splits)](
+        q, q.stride(0), q.stride(1),
+        key_codes, key_codes.stride(0), key_codes.stride(1), key_codes.stride(2),
+        key_scale, key_zero, key_scale.stride(0), key_scale.stride(1), key_scale.stride(2),
+        value_codes, value_codes.stride(0), value_codes.stride(1), value_codes.stride(2),
+        value_scale, value_zero, value_scale.stride(0), value_scale.stride(1), value_scale.stride(2),
+        kt, kt.stride(0), kt.stride(1), kt.stride(2), vt, vt.stride(0), vt.stride(1), vt.stride(2),
+        _quantized_counts(quantized, dev), row_start if dense else pages, W, valid, slot_valid.stride(0),
+        row_start, as_length(length, dev), h, float(scale), part_o, part_l, out, out.stride(0), out.stride(1),
+        pps, splits, row_start if counts is None else counts,
+        G=G, GP=max(16, next_pow2(G)), D=d, B=B, TP=TP, BITS=bits, QG=group, SPLIT=splits > 1,
+        DOT_PREC=dot_precision(q.dtype), DENSE=dense, COUNT=counts is not None, num_warps=num_warps, num_stages=num_stages)
+    if splits > 1:
+        _combine_kernel[(rows * G,)](part_o, part_l, out, out.stride(0), out.stride(1), h, splits, G=G, D=d,
+                                     SBLK=min(32, max(16, next_pow2(splits))), num_warps=4)
+    return out.view(query.shape)
