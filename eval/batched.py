@@ -15,7 +15,8 @@ from collections import defaultdict
 
 from .benchmarks import STOP_NEWLINE, STOP_SENTENCE
 from .engine import Row, StaticEngine
-from .runner import RecordPlan, _eos_ids, _pad_id, _stable_seed, answer_ended
+from .plan import RecordPlan, eos_ids, pad_id, stable_seed
+from .stopping import answer_ended
 
 #: Records share a batch when the shortest prompt is within this share of the longest (padding).
 LENGTH_SLACK = 0.125
@@ -48,8 +49,8 @@ def plan_batches(runner, records: list[dict]) -> list[list[tuple[dict, RecordPla
 def run_batches(runner, batches, work: dict[str, list], bar):
     """Yield the prediction lines of the ``work`` left (``{record id: [(arm, sample), ...]}``)."""
     model, tok, bench = runner.model, runner.tokenizer, runner.bench
-    eos = _eos_ids(model, tok)
-    engine = StaticEngine(model, step=runner.step, sampling=bench.sampling, pad_id=_pad_id(tok, eos))
+    eos = eos_ids(model, tok)
+    engine = StaticEngine(model, step=runner.step, sampling=bench.sampling, pad_id=pad_id(tok, eos))
     samples = max(1, bench.samples)
     for index, batch in enumerate(batches):
         wanted = {(rec["id"], arm.name, s) for rec, _ in batch for arm, s in work.get(rec["id"], [])}
@@ -95,4 +96,4 @@ def _row(runner, rec: dict, plan: RecordPlan, sample: int, eos: set[int]) -> Row
         return text_rule and answer_ended(tok.decode(new, skip_special_tokens=True), stop)
 
     return Row(prefix=ids[: plan.split], forced=ids[plan.split:].tolist(), max_new=plan.max_new, finished=finished,
-               seed=_stable_seed(runner.seed, rec["id"], sample) if plan.sampled else None)
+               seed=stable_seed(runner.seed, rec["id"], sample) if plan.sampled else None)

@@ -163,7 +163,7 @@ TOP_P = Number(float, lo=0, hi=1, lo_open=True)
 
 def _shard(text: str) -> str:
     """argparse type: ``i/n`` with ``0 <= i < n``, checked before any model loads."""
-    from .runner import parse_shard
+    from .rundir import parse_shard
 
     try:
         parse_shard(text)
@@ -268,7 +268,8 @@ def cmd_sweep(args):
     # what is about to run, before minutes of model loading and record generation
     print(sweep_plan(args, arms, not_run), file=sys.stderr, flush=True)
     _threads(args.threads)
-    from .runner import SweepRunner, merge
+    from .merge import merge
+    from .runner import SweepRunner
 
     t0 = time.time()
     model, tok = load_any_model(args.model, _device(args.device), args.dtype)
@@ -297,7 +298,7 @@ def cmd_sweep(args):
 
 
 def cmd_merge(args):
-    from .runner import merge
+    from .merge import merge
 
     try:
         info = merge(args.out)

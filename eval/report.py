@@ -27,7 +27,8 @@ def load_cells(run_dir: Path, complete_only: bool = True) -> list[dict]:
     ``complete_only``: only records that every arm of the run has finished enter (a partial or
     in-progress run then compares all arms on the same records).
     """
-    from .runner import PREDICTION_KEYS, TRAFFIC, merge
+    from .merge import TRAFFIC, merge
+    from .rundir import PREDICTION_KEYS
 
     if (run_dir / "predictions").is_dir():  # a sweep's folder; a published one holds only the merged files
         merge(run_dir)
@@ -311,7 +312,7 @@ def plot_fidelity(rows: list[dict], path: Path) -> Path | None:
 def agreement_markdown(run_dir: Path) -> str:
     """Share of records (x100) whose prediction is identical to the full-attention arm's, per arm family
     and budget (records finished by every arm only)."""
-    from .runner import PREDICTION_KEYS
+    from .rundir import PREDICTION_KEYS
 
     cfg = read_json(run_dir / "config.json", fix=RUN_FIX)
     arms = [a["name"] for a in cfg.get("arms", [])]
@@ -409,9 +410,9 @@ def write_report(run_dirs: list[Path], out_dir: Path, title: str = "Locks sweep"
         with open(csv_path) as f:
             rows = list(csv.DictReader(f))
         parts.append(f"## Selection fidelity ({fd.name})\n")
-        from .fidelity import _raw_rows
+        from .fidelity import raw_rows
 
-        raw = _raw_rows(raw_path)
+        raw = raw_rows(raw_path)
         prompts = sorted({r["prompt"] for r in raw})
         parts.append(f"{len(prompts)} prompts ({', '.join(prompts)}), {len(raw)} (step, layer, arm) measurements; "
                      "means over decode steps, layers (full-attention layers only) and KV heads.\n")

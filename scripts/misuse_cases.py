@@ -227,7 +227,7 @@ def _prediction(**changes):
 
 @case("merge after a kill tore a line inside a UTF-8 character")
 def _():
-    from locks_hf.eval.runner import merge
+    from locks_hf.eval.merge import merge
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "predictions" / "shard-0-of-1.jsonl"
@@ -239,7 +239,7 @@ def _():
 
 @case("merge of a JSON row without id")
 def _():
-    from locks_hf.eval.runner import merge
+    from locks_hf.eval.merge import merge
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "predictions" / "shard-0-of-1.jsonl"

@@ -291,7 +291,8 @@ SWEEP_FAMILIES = ["rocketkv", "rkv", "lazy_eviction", "triattention", "kvzip"]
 def test_sweep_rows_report_attended_tokens_and_bytes(tmp_path):
     from locks_hf.eval.arms import parse_arms
     from locks_hf.eval.benchmarks import RulerBenchmark
-    from locks_hf.eval.runner import SweepRunner, merge, read_scores
+    from locks_hf.eval.merge import merge, read_scores
+    from locks_hf.eval.runner import SweepRunner
     from locks_hf.eval.testing import ByteTokenizer
     from locks_hf.models import tiny_model
 

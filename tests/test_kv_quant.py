@@ -532,8 +532,9 @@ def test_sweep_runs_quantized_arms_and_reports_them(tmp_path):
     """`locks-hf-eval sweep` arms end to end (one dense bf16 prefill per record, each arm a fork)."""
     from locks_hf.eval.arms import parse_arms
     from locks_hf.eval.benchmarks import RulerBenchmark
+    from locks_hf.eval.merge import merge
     from locks_hf.eval.report import write_report
-    from locks_hf.eval.runner import SweepRunner, merge
+    from locks_hf.eval.runner import SweepRunner
     from locks_hf.eval.testing import ByteTokenizer
     from locks_hf.models import tiny_model
 
