@@ -14,7 +14,7 @@ if [ -z "$SKIP_TESTS" ]; then
     rm -rf /tmp/pk/tests && cp -r tests /tmp/pk/tests
     N=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${WORKERS:-14}")
     (cd /tmp/pk && timeout "${TEST_TIMEOUT:-150}" python3 -m pytest $N -q -rfE -p no:cacheprovider \
-        tests/test_score_variants.py "tests/test_kernels_real_shapes.py::test_locks_scores_and_selection" \
+        -m gpu tests/test_score_variants.py tests/test_kernels_real_shapes.py \
         > "$OUT/pytest_score.txt" 2>&1; echo "pytest exit $?" >> "$OUT/pytest_score.txt")
     tail -15 "$OUT/pytest_score.txt" | cut -c1-220
     echo "tests: $(( $(date +%s) - T0 )) s"

@@ -405,7 +405,6 @@ def test_static_per_step_page_summary_glue(monkeypatch, selector):
 # generate() dispatches to the kernels only for CUDA tensors; on the CPU each kernel is checked above
 # under the interpreter.
 @pytest.mark.gpu
-@pytest.mark.skipif(DEV != "cuda", reason="TRITON_INTERPRET=1 is set: the kernels are not compiled")
 @pytest.mark.parametrize("selector", selectors(kernel=True, dense=False, summary_of=None))
 def test_generate_on_gpu_matches_reference_path(monkeypatch, selector):
     """A left-padded batch through generate(): kernels and the PyTorch reference give the same tokens."""

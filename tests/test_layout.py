@@ -240,7 +240,7 @@ def _cuda_model():
     return model
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels and CUDA graphs need a GPU")
+@pytest.mark.gpu  # the compiled kernels and CUDA graphs
 def test_one_liner_compiles_once_across_budgets_on_cuda():
     """The README one-liner takes the static layout by itself; generate() compiles its decode step
     (inductor + CUDA graphs) once; budgets up to ``max_budget`` switch without a recompile; the tokens
@@ -280,7 +280,7 @@ def test_one_liner_compiles_once_across_budgets_on_cuda():
     assert max(allocated) - min(allocated) < 1 << 20, allocated  # 40 or 150 new tokens: same memory
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels and CUDA graphs need a GPU")
+@pytest.mark.gpu  # the compiled kernels and CUDA graphs
 def test_one_liner_grows_during_compiled_decode_on_cuda():
     """Without max_cache_len the one-liner sizes its buffers at the prompt and grows them (once here)
     between two compiled steps: one recompile, no write out of bounds, the dynamic layout's tokens."""
