@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from typing import cast
 
+from .arms import Arm
 from .benchmarks import STOP_NEWLINE, STOP_SENTENCE
 from .engine import Row, StaticEngine
 from .plan import RecordPlan, eos_ids, pad_id, stable_seed
@@ -63,7 +65,8 @@ def run_batches(runner, batches, work: dict[str, list], bar):
             for s in range(samples):
                 rows.append(_row(runner, rec, plan, s, eos))
                 owners.append((rec, plan, s))
-        for arm, run in engine.run(rows, arms):
+        for given, run in engine.run(rows, arms):
+            arm = cast(Arm, given)  # one of ``arms`` (typed `object` by the engine)
             runner.arm_runs.append({"batch": index, "arm": arm.name, "rows": len(rows), "steps": run.steps,
                                     "tokens": sum(len(r.tokens) for r in run.results), "seconds": run.seconds,
                                     "warmup_seconds": run.warmup_seconds, "prefill_seconds": run.prefill_seconds,
@@ -71,7 +74,7 @@ def run_batches(runner, batches, work: dict[str, list], bar):
             for (rec, plan, s), res in zip(owners, run.results):
                 if (rec["id"], arm.name, s) not in wanted:
                     continue
-                frac = res.attended / res.context if res.context else math.nan
+                frac = res.attended / res.context if res.context and res.attended is not None else math.nan
                 line = runner.result_row(rec, arm, s, plan, res.tokens, frac, res.traffic, run.seconds / len(rows),
                                          run.prefill_seconds / len(rows))
                 bar.update(1)

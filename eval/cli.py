@@ -25,6 +25,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 # Only the standard library and the harness's light modules at the top: `--help` and argument errors
 # answer without importing torch / transformers (seconds); each command imports what it needs.
@@ -52,7 +53,7 @@ def load_any_model(name: str, device: str = "cpu", dtype: str = "float32"):
         from .testing import ByteTokenizer
 
         arch, _, width = name[5:].partition("-d")
-        extra = {"head_dim": int(width)} if width else {}
+        extra: dict[str, Any] = {"head_dim": int(width)} if width else {}
         model = tiny_model(arch, vocab_size=256, max_position_embeddings=65536, **extra).to(device=device, dtype=dt)
         return model, ByteTokenizer()
     from locks_hf.models import load_model

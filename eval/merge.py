@@ -45,7 +45,7 @@ def merge(run_dir) -> dict:
     # per (task, length, arm): mean score x 100 (avg over samples first, then records: avg@k)
     agg: dict[tuple, list] = defaultdict(list)
     per_rec: dict[tuple, list] = defaultdict(list)
-    traffic = {name: defaultdict(list) for name in TRAFFIC}
+    traffic: dict[str, defaultdict[tuple, list]] = {name: defaultdict(list) for name in TRAFFIC}
     meta = {}
     for r in merged:
         per_rec[(r["task"], r["length"], r["arm"], r["id"])].append(r.get("score", 0.0))

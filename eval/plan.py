@@ -14,7 +14,7 @@ from .benchmarks import encode_text
 
 def eos_ids(model, tokenizer) -> set[int]:
     """Every EOS id the model's generation config, its config and the tokenizer name."""
-    ids = set()
+    ids: set[int] = set()
     for src in (getattr(model, "generation_config", None), model.config, tokenizer):
         e = getattr(src, "eos_token_id", None)
         if e is None:

@@ -9,6 +9,7 @@ import os
 import re
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 from .benchmarks import Benchmark
 from .jsonl import read_jsonl
@@ -23,10 +24,10 @@ PREDICTION_KEYS = ("id", "arm", "task", "length", "family", "budget", "selector"
 def parse_shard(shard: str | None) -> tuple[int, int]:
     """``"i/n"`` -> (i, n); ``None`` -> from accelerate/torchrun env (RANK, WORLD_SIZE) or (0, 1)."""
     if shard:
-        i, _, n = str(shard).partition("/")
-        if not (i.strip().isdigit() and n.strip().isdigit()) or not 0 <= int(i) < int(n):
+        first, _, count = str(shard).partition("/")
+        if not (first.strip().isdigit() and count.strip().isdigit()) or not 0 <= int(first) < int(count):
             raise ValueError(f"--shard {shard!r}: expected i/n with 0 <= i < n, e.g. 0/2")
-        return int(i), int(n)
+        return int(first), int(count)
     n = int(os.environ.get("WORLD_SIZE", "1"))
     i = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
     return i, n
@@ -59,8 +60,9 @@ def write_atomic(path: Path, text: str) -> None:
 def load_or_make_records(run_dir: Path, bench: Benchmark, keys=None) -> list[dict]:
     """Records in a fixed order, cached under ``records/`` so every arm, shard and resume sees the same."""
     rdir = run_dir / "records"
-    if hasattr(bench, "record_keys"):
-        keys = bench.record_keys()
+    if hasattr(bench, "record_keys"):  # records made one key at a time (RULER): each cached once made
+        keyed: Any = bench
+        keys = keyed.record_keys()
         by_task: dict[str, list] = defaultdict(list)
         for k in keys:
             by_task[f"{k[0]}-{k[1]}" if len(k) > 2 else str(k[0])].append(k)
@@ -71,7 +73,7 @@ def load_or_make_records(run_dir: Path, bench: Benchmark, keys=None) -> list[dic
             recs = []
             for k in gkeys:
                 rid = f"{k[0]}-{k[1]}-{k[2]}"
-                recs.append(cached[rid] if rid in cached else bench.make_record(k))
+                recs.append(cached[rid] if rid in cached else keyed.make_record(k))
             if any(r["id"] not in cached for r in recs):
                 merged = {**cached, **{r["id"]: r for r in recs}}
                 write_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in merged.values()))

@@ -32,6 +32,7 @@ import logging
 import math
 import sys
 import time
+from collections.abc import Iterator
 from itertools import chain
 from pathlib import Path
 
@@ -176,7 +177,7 @@ class SweepRunner:
             static = {id(a) for a in self.static_arms}
             work = {rec["id"]: [(a, s) for a, s in w if id(a) in static] for rec, w in todo}
             eager = [(rec, [(a, s) for a, s in w if id(a) not in static]) for rec, w in todo]
-            results = chain(run_batches(self, [b for j, b in enumerate(batches) if j % n == i], work, bar),
+            results: Iterator[dict] = chain(run_batches(self, [b for j, b in enumerate(batches) if j % n == i], work, bar),
                             (row for rec, w in eager if w for row in self._run_record(rec, w, bar)))
         else:
             results = (row for rec, work in todo for row in self._run_record(rec, work, bar))
