@@ -247,7 +247,7 @@ def test_one_liner_compiles_once_across_budgets_on_cuda():
     equal the same layout's uncompiled decode at every budget, and the dynamic layout's over 40
     tokens; memory stays flat however many tokens are decoded.
 
-    Over 150 tokens the dynamic layout may part from the static one (scripts/check_layouts_gpu.py):
+    Over 150 tokens the dynamic layout may part from the static one (scripts/dev/check_layouts_gpu.py):
     its pages are summarized by the batched build, the static layout's in place by the per-step
     update, and a last-bit difference in a basis can move an int4 code and flip a near-tie page."""
     import torch._dynamo

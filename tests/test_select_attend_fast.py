@@ -327,7 +327,7 @@ def test_static_layer_step_keeps_its_bookkeeping_in_the_launches(monkeypatch, se
 
 
 def test_kernels_compile_for_sm90_without_spills():
-    """The interpreter runs what the compiler may reject: `scripts/check_kernels_compile.py` compiles
+    """The interpreter runs what the compiler may reject: `scripts/dev/check_kernels_compile.py` compiles
     the selection and attention kernels for an sm_90 target (no GPU needed) and checks that none
     spills registers."""
     import pathlib
@@ -342,6 +342,6 @@ def test_kernels_compile_for_sm90_without_spills():
         pytest.skip("this Triton has no bundled ptxas")
     root = pathlib.Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(root / "scripts" / "check_kernels_compile.py")], env=env,
+    run = subprocess.run([sys.executable, str(root / "scripts" / "dev" / "check_kernels_compile.py")], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr[-2000:]

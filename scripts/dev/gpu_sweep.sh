@@ -3,7 +3,7 @@
 # through a growth, the sweep engine's graph / compiled steps and their replay across budgets), then
 # the sweep benchmark's jobs (default: the 17-arm warm-up, cold Triton cache) and, with GENERATE set,
 # a generate() row. Writes under ${OUT:-out}. Parts: SKIP_TESTS=1, JOBS=warmup,b, GENERATE=32K:8.
-source scripts/gpu_env.sh
+source scripts/dev/gpu_env.sh || exit 1
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 if [ -z "$SKIP_TESTS" ]; then

@@ -2,7 +2,7 @@
 """Misuse cases a careful user tries, on tiny random models: each ends as a clear error, a correct
 result, a silent wrong result, or a crash (an error from deep inside torch / transformers).
 
-    python scripts/misuse_cases.py --out runs/misuse.json      # a table on stdout, every case in the JSON
+    python scripts/dev/misuse_cases.py --out runs/misuse.json      # a table on stdout, every case in the JSON
 
 A case's function returns ``"correct"`` or ``"silent: <why>"``; a library error (`LocksConfigError`,
 `UnsupportedModelError`, a ValueError / FileNotFoundError with a message from locks_hf, or an argparse
