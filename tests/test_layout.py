@@ -10,10 +10,12 @@ import logging
 import pytest
 import torch
 from conftest import tiny
+from selector_lists import selectors
 from transformers import CompileConfig
 from transformers.cache_utils import DynamicSlidingWindowLayer, StaticSlidingWindowLayer
 
 from locks_hf import LocksCache, LocksConfig, LocksConfigError, LocksLayer, LocksStaticCache, layout
+from locks_hf.selectors import selector_class
 from locks_hf.static_cache import LocksStaticLayer
 
 #: cache API, generate() with padding, beams and sampling, layouts, fork: checked on every supported version.
@@ -145,7 +147,7 @@ def test_fork_and_budget_switch_in_place():
     assert all(layer.config is base.locks_config for layer in base.locks_layers)
 
 
-@pytest.mark.parametrize("selector", ["quest", "shared_basis"])
+@pytest.mark.parametrize("selector", selectors(token_level=False, dense=False))
 def test_fork_to_another_selector(selector, caplog):
     """From a dense-prefilled static cache (as the sweeps prefill once), a fork to another selector
     rebuilds its summaries (static layout) or, for a selector the static layout cannot serve,
@@ -163,8 +165,9 @@ def test_fork_to_another_selector(selector, caplog):
         outs.append(model.generate(torch.cat([ids, first], 1), max_new_tokens=8, do_sample=False,
                                    past_key_values=fork))
     assert torch.equal(outs[0], outs[1])
-    assert fork.is_static == (selector == "quest")
-    assert ("dynamic layout" in caplog.text) == (selector == "shared_basis")
+    static = selector_class(selector).static_cache
+    assert fork.is_static == static
+    assert ("dynamic layout" in caplog.text) == (not static)
 
 
 def test_static_layout_refuses_assisted_decoding():
