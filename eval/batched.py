@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from typing import cast
 
+from .arms import Arm
 from .benchmarks import STOP_NEWLINE, STOP_SENTENCE
 from .engine import Row, StaticEngine
-from .runner import RecordPlan, _eos_ids, _pad_id, _stable_seed, answer_ended
+from .plan import RecordPlan, eos_ids, pad_id, stable_seed
+from .stopping import answer_ended
 
 #: Records share a batch when the shortest prompt is within this share of the longest (padding).
 LENGTH_SLACK = 0.125
@@ -48,8 +51,8 @@ def plan_batches(runner, records: list[dict]) -> list[list[tuple[dict, RecordPla
 def run_batches(runner, batches, work: dict[str, list], bar):
     """Yield the prediction lines of the ``work`` left (``{record id: [(arm, sample), ...]}``)."""
     model, tok, bench = runner.model, runner.tokenizer, runner.bench
-    eos = _eos_ids(model, tok)
-    engine = StaticEngine(model, step=runner.step, sampling=bench.sampling, pad_id=_pad_id(tok, eos))
+    eos = eos_ids(model, tok)
+    engine = StaticEngine(model, step=runner.step, sampling=bench.sampling, pad_id=pad_id(tok, eos))
     samples = max(1, bench.samples)
     for index, batch in enumerate(batches):
         wanted = {(rec["id"], arm.name, s) for rec, _ in batch for arm, s in work.get(rec["id"], [])}
@@ -62,7 +65,8 @@ def run_batches(runner, batches, work: dict[str, list], bar):
             for s in range(samples):
                 rows.append(_row(runner, rec, plan, s, eos))
                 owners.append((rec, plan, s))
-        for arm, run in engine.run(rows, arms):
+        for given, run in engine.run(rows, arms):
+            arm = cast(Arm, given)  # one of ``arms`` (typed `object` by the engine)
             runner.arm_runs.append({"batch": index, "arm": arm.name, "rows": len(rows), "steps": run.steps,
                                     "tokens": sum(len(r.tokens) for r in run.results), "seconds": run.seconds,
                                     "warmup_seconds": run.warmup_seconds, "prefill_seconds": run.prefill_seconds,
@@ -70,7 +74,7 @@ def run_batches(runner, batches, work: dict[str, list], bar):
             for (rec, plan, s), res in zip(owners, run.results):
                 if (rec["id"], arm.name, s) not in wanted:
                     continue
-                frac = res.attended / res.context if res.context else math.nan
+                frac = res.attended / res.context if res.context and res.attended is not None else math.nan
                 line = runner.result_row(rec, arm, s, plan, res.tokens, frac, res.traffic, run.seconds / len(rows),
                                          run.prefill_seconds / len(rows))
                 bar.update(1)
@@ -95,4 +99,4 @@ def _row(runner, rec: dict, plan: RecordPlan, sample: int, eos: set[int]) -> Row
         return text_rule and answer_ended(tok.decode(new, skip_special_tokens=True), stop)
 
     return Row(prefix=ids[: plan.split], forced=ids[plan.split:].tolist(), max_new=plan.max_new, finished=finished,
-               seed=_stable_seed(runner.seed, rec["id"], sample) if plan.sampled else None)
+               seed=stable_seed(runner.seed, rec["id"], sample) if plan.sampled else None)

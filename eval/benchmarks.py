@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Any
 
 STOP_NEWLINE = "newline"  # stop at the first newline that follows some non-blank output (and at EOS)
 STOP_EOS = "eos"
@@ -63,10 +64,8 @@ def encode_text(tokenizer, text: str):
     try:
         from locks_hf.models import encode_prompt
     except ImportError:  # pragma: no cover - models.py is part of the package
-        encode_prompt = None
-    if encode_prompt is not None:
-        return encode_prompt(tokenizer, text)
-    return tokenizer(text, return_tensors="pt").input_ids
+        return tokenizer(text, return_tensors="pt").input_ids
+    return encode_prompt(tokenizer, text)
 
 
 @dataclass
@@ -85,7 +84,7 @@ class RulerBenchmark(Benchmark):
     hotpotqa_path: str | None = None
     stop_at_newline: bool = True
     name: str = "ruler"
-    _gen: object = field(default=None, repr=False)
+    _gen: Any = field(default=None, repr=False)  # the RulerGenerator
 
     def __post_init__(self):
         from .ruler import RulerGenerator, RulerSources

@@ -25,6 +25,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 # Only the standard library and the harness's light modules at the top: `--help` and argument errors
 # answer without importing torch / transformers (seconds); each command imports what it needs.
@@ -52,7 +53,7 @@ def load_any_model(name: str, device: str = "cpu", dtype: str = "float32"):
         from .testing import ByteTokenizer
 
         arch, _, width = name[5:].partition("-d")
-        extra = {"head_dim": int(width)} if width else {}
+        extra: dict[str, Any] = {"head_dim": int(width)} if width else {}
         model = tiny_model(arch, vocab_size=256, max_position_embeddings=65536, **extra).to(device=device, dtype=dt)
         return model, ByteTokenizer()
     from locks_hf.models import load_model
@@ -163,7 +164,7 @@ TOP_P = Number(float, lo=0, hi=1, lo_open=True)
 
 def _shard(text: str) -> str:
     """argparse type: ``i/n`` with ``0 <= i < n``, checked before any model loads."""
-    from .runner import parse_shard
+    from .rundir import parse_shard
 
     try:
         parse_shard(text)
@@ -268,7 +269,8 @@ def cmd_sweep(args):
     # what is about to run, before minutes of model loading and record generation
     print(sweep_plan(args, arms, not_run), file=sys.stderr, flush=True)
     _threads(args.threads)
-    from .runner import SweepRunner, merge
+    from .merge import merge
+    from .runner import SweepRunner
 
     t0 = time.time()
     model, tok = load_any_model(args.model, _device(args.device), args.dtype)
@@ -297,7 +299,7 @@ def cmd_sweep(args):
 
 
 def cmd_merge(args):
-    from .runner import merge
+    from .merge import merge
 
     try:
         info = merge(args.out)

@@ -209,7 +209,7 @@ def run_fidelity(model, prompts: list[tuple], arms, out_dir, steps: int = 8, pag
     out_dir.mkdir(parents=True, exist_ok=True)
     raw_path = out_dir / "fidelity_raw.jsonl"
     # prompts already measured (resume); a line torn by a kill is dropped and cut off before appending
-    done = {r["prompt"] for r in _raw_rows(raw_path)} if raw_path.exists() else set()
+    done = {r["prompt"] for r in raw_rows(raw_path)} if raw_path.exists() else set()
     end_last_line(raw_path)
     with open(raw_path, "a") as f:
         for item in tqdm(prompts, desc="fidelity", disable=not progress):
@@ -230,7 +230,7 @@ def run_fidelity(model, prompts: list[tuple], arms, out_dir, steps: int = 8, pag
     return out_dir
 
 
-def _raw_rows(path: Path) -> list[dict]:
+def raw_rows(path: Path) -> list[dict]:
     """The measurements of ``fidelity_raw.jsonl``, which the harness appends to (`read_jsonl` ``appended``)."""
     return read_jsonl(path, required=("prompt", "layer", "arm"), appended=True,
                       fix="remove that line (a prompt's measurements are redone on resume), or use another --out folder")
@@ -238,7 +238,7 @@ def _raw_rows(path: Path) -> list[dict]:
 
 def summarize_fidelity(out_dir, arms=None) -> list[dict]:
     out_dir = Path(out_dir)
-    rows = _raw_rows(out_dir / "fidelity_raw.jsonl")
+    rows = raw_rows(out_dir / "fidelity_raw.jsonl")
     if not rows:
         raise InputFileError(f"{resolve(out_dir / 'fidelity_raw.jsonl')}: no measurements in it; run "
                              "`locks-hf-eval fidelity` into that folder (with at least one prompt) first")

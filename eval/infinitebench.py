@@ -39,8 +39,8 @@ def build_prompt(task: str, rec: dict, spec: dict, template: str = "template_ope
         prefix = f"What is {target} in the following list?"
         return t.format(prefix=prefix, context=ctx, input=inp)
     if task == "code_run":
-        m = re.findall(r"func_[0-9]+\(\-?[0-9]+\)", inp)
-        func_call = m[0] if m else ""
+        calls = re.findall(r"func_[0-9]+\(\-?[0-9]+\)", inp)
+        func_call = calls[0] if calls else ""
         return t.format(func=func_call.split("(")[0], func_call=func_call, context=ctx)
     if task in ("longbook_choice_eng", "code_debug"):
         opts = rec.get("options") or ["", "", "", ""]

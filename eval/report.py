@@ -27,7 +27,8 @@ def load_cells(run_dir: Path, complete_only: bool = True) -> list[dict]:
     ``complete_only``: only records that every arm of the run has finished enter (a partial or
     in-progress run then compares all arms on the same records).
     """
-    from .runner import PREDICTION_KEYS, TRAFFIC, merge
+    from .merge import TRAFFIC, merge
+    from .rundir import PREDICTION_KEYS
 
     if (run_dir / "predictions").is_dir():  # a sweep's folder; a published one holds only the merged files
         merge(run_dir)
@@ -39,7 +40,7 @@ def load_cells(run_dir: Path, complete_only: bool = True) -> list[dict]:
         by_id[r["id"]].add(r["arm"])
     keep = {i for i, a in by_id.items() if not complete_only or set(arms) <= a}
     per_rec = defaultdict(list)
-    traffic = {name: defaultdict(list) for name in TRAFFIC}
+    traffic: dict[str, defaultdict[tuple, list]] = {name: defaultdict(list) for name in TRAFFIC}
     meta = {}
     for r in rows:
         if r["id"] not in keep:
@@ -117,8 +118,8 @@ def tables_markdown(cells: list[dict]) -> tuple[str, dict]:
             for t in tasks:
                 row = []
                 for f in fams:
-                    c = cell.get((t, f, None if f in dense else b))
-                    row.append(_fmt(c["score"]) if c else "")
+                    found = cell.get((t, f, None if f in dense else b))
+                    row.append(_fmt(found["score"]) if found else "")
                 n = max((cell[k]["n"] for k in cell if k[0] == t), default=0)
                 md.append(f"| {t} | {n} | " + " | ".join(row) + " |")
             md.append("")
@@ -131,7 +132,7 @@ def kv_quant_tables(averages: dict, length, fams: list[str], budgets: list, titl
     rows KV bf16 / 4-bit post / 4-bit pre / 2-bit post / 2-bit pre (those run), columns the budgets."""
     from locks_hf.kv_quant import split_kv_label
 
-    variants = defaultdict(dict)  # base family -> {row label: family}
+    variants: defaultdict[str, dict[str, str]] = defaultdict(dict)  # base family -> {row label: family}
     for f in fams:
         base, kv = split_kv_label(f)
         if kv:
@@ -142,13 +143,13 @@ def kv_quant_tables(averages: dict, length, fams: list[str], budgets: list, titl
     for base, rows in variants.items():
         if base in fams:
             rows = {"KV bf16": base, **rows}
-        order = sorted(rows, key=lambda r: (r != "KV bf16", -int(r.split("-")[0]) if r[0].isdigit() else 0,
+        shown = sorted(rows, key=lambda r: (r != "KV bf16", -int(r.split("-")[0]) if r[0].isdigit() else 0,
                                             r.endswith("pre"), r))
         md.append(f"#### {title}: {base} on quantized KV (KIVI), score x100\n")
         md.append("| KV | " + " | ".join(f"b={b}" for b in budgets) + " |")
         md.append("|---|" + "---|" * len(budgets))
         md += [f"| {r} | " + " | ".join(_fmt(averages.get((length, rows[r], b), (None,))[0]) for b in budgets) + " |"
-               for r in order]
+               for r in shown]
         md.append("")
     return md
 
@@ -311,14 +312,14 @@ def plot_fidelity(rows: list[dict], path: Path) -> Path | None:
 def agreement_markdown(run_dir: Path) -> str:
     """Share of records (x100) whose prediction is identical to the full-attention arm's, per arm family
     and budget (records finished by every arm only)."""
-    from .runner import PREDICTION_KEYS
+    from .rundir import PREDICTION_KEYS
 
     cfg = read_json(run_dir / "config.json", fix=RUN_FIX)
     arms = [a["name"] for a in cfg.get("arms", [])]
     if "full" not in arms:
         return ""
     rows = read_jsonl(run_dir / "results.jsonl", required=PREDICTION_KEYS + ("pred",), fix=RUN_FIX)
-    preds = defaultdict(dict)
+    preds: defaultdict[tuple, dict] = defaultdict(dict)
     meta = {}
     for r in rows:
         preds[(r["id"], r.get("sample", 0), r["length"])][r["arm"]] = r["pred"].strip()
@@ -409,9 +410,9 @@ def write_report(run_dirs: list[Path], out_dir: Path, title: str = "Locks sweep"
         with open(csv_path) as f:
             rows = list(csv.DictReader(f))
         parts.append(f"## Selection fidelity ({fd.name})\n")
-        from .fidelity import _raw_rows
+        from .fidelity import raw_rows
 
-        raw = _raw_rows(raw_path)
+        raw = raw_rows(raw_path)
         prompts = sorted({r["prompt"] for r in raw})
         parts.append(f"{len(prompts)} prompts ({', '.join(prompts)}), {len(raw)} (step, layer, arm) measurements; "
                      "means over decode steps, layers (full-attention layers only) and KV heads.\n")

@@ -373,8 +373,12 @@ class RulerGenerator:
 
     def __init__(self, tokenizer, sources: RulerSources | None = None, seed: int | None = None, spec: dict | None = None,
                  data_dir=None):
-        self.spec_path = None if spec else data_file("ruler/ruler_tasks.json", "ruler_tasks.json", data_dir)
-        self.spec = spec or read_json(self.spec_path)
+        self.spec_path: Path | None = None
+        if spec:
+            self.spec = spec
+        else:
+            self.spec_path = data_file("ruler/ruler_tasks.json", "ruler_tasks.json", data_dir)
+            self.spec = read_json(self.spec_path)
         self.count = make_token_counter(tokenizer)
         self.src = sources or RulerSources(data_dir=data_dir)
         self.seed = self.spec["global"]["random_seed"] if seed is None else seed

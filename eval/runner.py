@@ -19,188 +19,42 @@ Results folder (resumable; a finished (record, arm[, sample]) is never run again
     <run>/predictions/shard-<i>-of-<n>.jsonl  one line per (record, arm, sample) as it finishes
     <run>/results.jsonl, scores.csv        merged (`merge`): identical for any sharding
     <run>/timing.csv                       wall time per arm (sum over its records)
+
+The modules of a sweep, one job each: `runner` (this one: the eager engine and the main loop),
+`batched` (``--engine static``), `plan` (how a record is decoded), `stopping` (when an answer has
+ended), `rundir` (the results folder), `merge` (shards -> results, scores, timing).
 """
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
 import math
-import os
-import re
 import sys
 import time
-from collections import defaultdict
-from dataclasses import dataclass
+from collections.abc import Iterator
+from itertools import chain
 from pathlib import Path
 
 import torch
 
 from .arms import Arm
+from .batched import plan_batches, run_batches
 from .benchmarks import STOP_NEWLINE, STOP_SENTENCE, Benchmark
-from .jsonl import end_last_line, read_json, read_jsonl
+from .engine import runs_static
+from .jsonl import end_last_line, read_json
 from .manifest import build_manifest, check_or_write
+from .merge import merge, read_scores
+from .plan import PROTOCOL_TEXT, RecordPlan, context_length, eos_ids, pad_id, stable_seed
+from .rundir import CONFIG_FIX, PREDICTION_KEYS, load_or_make_records, parse_shard, read_rows, write_atomic
+from .stopping import StopAtAnswerEnd, cut_at_stop
+
+#: Kept importable from here: the merge of a run folder's shards (`merge`) and its scores.
+__all__ = ["ENGINES", "SweepRunner", "merge", "read_scores"]
 
 logger = logging.getLogger(__name__)
 
-#: What to do about a damaged config.json of a run folder (it is written atomically: a tool or a copy broke it).
-CONFIG_FIX = "restore the run folder's config.json from a copy, or use another --out folder"
-
-VOLATILE = ("seconds", "prefill_seconds", "host", "shard")
 ENGINES = ("eager", "static")  # see SweepRunner
-
-
-# ----------------------------------------------------------------------------------------------------
-# stopping
-# a newline after some letter or digit of output (a leading newline, or one right after ":", does not stop)
-_NEWLINE_END = re.compile(r"[A-Za-z0-9][^\n]*\n")
-# a sentence end: . ! or ? right after 3+ letters/digits (not a list number "1." nor "10."), then
-# whitespace or the end of the text so far
-_SENTENCE_END = re.compile(r"[A-Za-z0-9]{3}[.!?](?=\s|$)")
-
-
-def stop_position(text: str, stop: str) -> int | None:
-    """Where the answer ends under ``stop`` (index just past it), or None if it has not ended yet."""
-    ends = []
-    if stop in (STOP_NEWLINE, STOP_SENTENCE):
-        m = _NEWLINE_END.search(text)
-        if m:
-            ends.append(m.end() - 1)
-    if stop == STOP_SENTENCE:
-        m = _SENTENCE_END.search(text)
-        if m:
-            ends.append(m.end())
-    return min(ends) if ends else None
-
-
-class _StopAtNewline:
-    """Stop once the answer ended under the task's rule (`stop_position`) or the text runs into a loop
-    (`looping`); per row."""
-
-    def __init__(self, tokenizer, start: int, loops: bool = True, stop: str = STOP_NEWLINE):
-        self.tokenizer, self.start, self.loops, self.stop = tokenizer, start, loops, stop
-
-    def __call__(self, input_ids, scores, **kwargs):
-        done = [answer_ended(self.tokenizer.decode(row[self.start:], skip_special_tokens=True), self.stop, self.loops)
-                for row in input_ids]
-        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
-
-
-def answer_ended(text: str, stop: str, loops: bool = True) -> bool:
-    """The answer ``text`` ended under ``stop`` (`stop_position`) or runs into a loop (`looping`)."""
-    return stop_position(text, stop) is not None or (loops and looping(text))
-
-
-def looping(text: str) -> bool:
-    """True when ``text`` ends in a unit repeated back to back: >= 3 times for units of 4+ characters
-    (e.g. ``"4380047, "`` x3), >= 6 times for 2-3 characters, >= 10 times for one character; checked
-    on the text and on the text with every digit run replaced by ``#`` (a counting run-on such as
-    ``"1. 2. 3. 4. 5. 6."`` or a seventh number in a list of numbers). A 7-digit number, a UUID or a
-    list of up to 5 numbers never triggers it; a degenerate run-on stops instead of filling the cap."""
-    return _repeats(text.rstrip()) or _repeats(re.sub(r"\d+", "#", text).rstrip())
-
-
-def _repeats(t: str) -> bool:
-    for unit in range(1, 41):
-        reps = 10 if unit == 1 else 6 if unit <= 3 else 3
-        if len(t) < unit * reps:
-            continue
-        tail = t[-unit:]
-        if tail.strip() and t.endswith(tail * reps):
-            return True
-    return False
-
-
-def loop_cut(text: str) -> str:
-    """The shortest prefix of ``text`` at which `looping` fires (what the stop rule would have kept)."""
-    for end in range(1, len(text) + 1):
-        if looping(text[:end]):
-            return text[:end]
-    return text
-
-
-def _eos_ids(model, tokenizer) -> set[int]:
-    ids = set()
-    for src in (getattr(model, "generation_config", None), model.config, tokenizer):
-        e = getattr(src, "eos_token_id", None)
-        if e is None:
-            continue
-        ids.update(e if isinstance(e, (list, tuple)) else [e])
-    return ids
-
-
-def _cut_at_stop(text: str, stop: str) -> str:
-    end = stop_position(text, stop)
-    return text if end is None else text[:end]
-
-
-# ----------------------------------------------------------------------------------------------------
-# shards and layout
-def parse_shard(shard: str | None) -> tuple[int, int]:
-    """``"i/n"`` -> (i, n); ``None`` -> from accelerate/torchrun env (RANK, WORLD_SIZE) or (0, 1)."""
-    if shard:
-        i, _, n = str(shard).partition("/")
-        if not (i.strip().isdigit() and n.strip().isdigit()) or not 0 <= int(i) < int(n):
-            raise ValueError(f"--shard {shard!r}: expected i/n with 0 <= i < n, e.g. 0/2")
-        return int(i), int(n)
-    n = int(os.environ.get("WORLD_SIZE", "1"))
-    i = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
-    return i, n
-
-
-def _safe(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", str(name))
-
-
-def _rows(path: Path, required: tuple[str, ...] = ("id",), appended: bool = False) -> list[dict]:
-    """The rows of a JSON-lines file of the run folder (none when it is not there yet), read by the
-    harness's one reader (`read_jsonl`: a torn last line of a file appended to is dropped, anything
-    else that does not parse is an error naming file:line)."""
-    if not path.exists():
-        return []
-    fix = ("remove that line (a prediction's work is redone on resume), or use another --out folder" if appended else
-           "that file was not written whole by locks-hf-eval: delete it (it is made again) or use another --out folder")
-    return read_jsonl(path, required=required, appended=appended, fix=fix)
-
-
-#: Keys every prediction row has (`merge` reads them all).
-PREDICTION_KEYS = ("id", "arm", "task", "length", "family", "budget", "selector")
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
-def load_or_make_records(run_dir: Path, bench: Benchmark, keys=None) -> list[dict]:
-    """Records in a fixed order, cached under ``records/`` so every arm, shard and resume sees the same."""
-    rdir = run_dir / "records"
-    if hasattr(bench, "record_keys"):
-        keys = bench.record_keys()
-        by_task: dict[str, list] = defaultdict(list)
-        for k in keys:
-            by_task[f"{k[0]}-{k[1]}" if len(k) > 2 else str(k[0])].append(k)
-        out = {}
-        for group, gkeys in by_task.items():
-            path = rdir / f"{_safe(group)}.jsonl"
-            cached = {r["id"]: r for r in _rows(path)}
-            recs = []
-            for k in gkeys:
-                rid = f"{k[0]}-{k[1]}-{k[2]}"
-                recs.append(cached[rid] if rid in cached else bench.make_record(k))
-            if any(r["id"] not in cached for r in recs):
-                merged = {**cached, **{r["id"]: r for r in recs}}
-                _write_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in merged.values()))
-            out.update({r["id"]: r for r in recs})
-        return [out[f"{k[0]}-{k[1]}-{k[2]}"] for k in keys]
-    recs = bench.records()
-    path = rdir / f"{_safe(bench.name)}.jsonl"
-    if not path.exists():
-        _write_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
-    return recs
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -220,8 +74,6 @@ class SweepRunner:
         #: ``min_context``) take the eager path, with a dense prefill of their own per record
         self.static_arms: list[Arm] = []
         if engine == "static":
-            from .engine import runs_static
-
             self.static_arms = [a for a in arms if runs_static(a.config)]
             eager = [a.name for a in arms if not runs_static(a.config)]
             if eager:
@@ -279,13 +131,13 @@ class SweepRunner:
             cfg["arms"] = old["arms"] + [a for a in cfg["arms"] if a["name"] not in known]
             if old.get("benchmark") != cfg["benchmark"]:
                 cfg["benchmark_history"] = old.get("benchmark_history", [old.get("benchmark")])
-        _write_atomic(path, json.dumps(cfg, indent=1) + "\n")
+        write_atomic(path, json.dumps(cfg, indent=1) + "\n")
 
     # -- main loop ---------------------------------------------------------------------------------
     def done_keys(self) -> set[tuple]:
         done = set()
         for path in (self.run_dir / "predictions").glob("shard-*.jsonl"):
-            for r in _rows(path, PREDICTION_KEYS, appended=True):
+            for r in read_rows(path, PREDICTION_KEYS, appended=True):
                 done.add((r["id"], r["arm"], r.get("sample", 0)))
         return done
 
@@ -296,15 +148,13 @@ class SweepRunner:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         seeds = {"sweep": self.seed, "benchmark": self.bench.describe().get("seed")}
         check_or_write(self.run_dir, build_manifest(self.bench.data_files(), seeds),
-                       allow_change=self.allow_manifest_change, write=_write_atomic)
+                       allow_change=self.allow_manifest_change, write=write_atomic)
         if i == 0:
             self._write_config()
         records = load_or_make_records(self.run_dir, self.bench)
         if self.limit:
             records = records[: self.limit]
         if self.engine == "static":  # batches are planned over all records: a shard takes whole batches
-            from .batched import plan_batches
-
             batches = plan_batches(self, records)
             mine = [r for j, batch in enumerate(batches) if j % n == i for r, _ in batch]
             if not self.static_arms:
@@ -324,14 +174,10 @@ class SweepRunner:
             bar.write(f"resume: {skipped} of {len(mine)} records already done in {self.run_dir}")
         end_last_line(out_path)  # a line torn by a kill is cut off: only a file's last line can be torn
         if self.engine == "static":
-            from itertools import chain
-
-            from .batched import run_batches
-
             static = {id(a) for a in self.static_arms}
             work = {rec["id"]: [(a, s) for a, s in w if id(a) in static] for rec, w in todo}
             eager = [(rec, [(a, s) for a, s in w if id(a) not in static]) for rec, w in todo]
-            results = chain(run_batches(self, [b for j, b in enumerate(batches) if j % n == i], work, bar),
+            results: Iterator[dict] = chain(run_batches(self, [b for j, b in enumerate(batches) if j % n == i], work, bar),
                             (row for rec, w in eager if w for row in self._run_record(rec, w, bar)))
         else:
             results = (row for rec, work in todo for row in self._run_record(rec, work, bar))
@@ -351,7 +197,7 @@ class SweepRunner:
             return
         from locks_hf.baselines.kvzip import score_context
 
-        n = _context_length(self.bench, rec, self.tokenizer, prefilled.shape[1])
+        n = context_length(self.bench, rec, self.tokenizer, prefilled.shape[1])
         score_context(self.model, self.tokenizer, base, prefilled[:, :n])
 
     def plan(self, rec: dict) -> RecordPlan:
@@ -367,7 +213,7 @@ class SweepRunner:
         if sampled:
             split = T - 1
         elif self.protocol == "sparse-question":
-            split = min(_context_length(self.bench, rec, tok, T), T - 1)
+            split = min(context_length(self.bench, rec, tok, T), T - 1)
         return RecordPlan(ids, split, max_new, self.bench.stop(rec), sampled)
 
     def result_row(self, rec: dict, arm: Arm, sample: int, plan: RecordPlan, new: list[int], frac: float,
@@ -375,12 +221,12 @@ class SweepRunner:
         """The prediction line of (``rec``, ``arm``, ``sample``) from its new tokens (as generated), its
         attended fraction and decode traffic (`LocksCache.decode_traffic`)."""
         traffic = traffic or {}
-        eos = _eos_ids(self.model, self.tokenizer)
+        eos = eos_ids(self.model, self.tokenizer)
         n_new = len(new)
         while new and new[-1] in eos:
             new = new[:-1]
         raw = self.tokenizer.decode(new, skip_special_tokens=True)
-        pred = _cut_at_stop(raw, plan.stop)
+        pred = cut_at_stop(raw, plan.stop)
         metrics = self.bench.score(rec, pred)
         return {"id": rec["id"], "task": rec.get("task", self.bench.name), "length": rec.get("length"),
                 "arm": arm.name, "family": arm.family, "budget": arm.budget, "selector": arm.selector,
@@ -412,19 +258,19 @@ class SweepRunner:
         del out
         self._score_context(rec, ids[:, :split], base, [arm for arm, _ in work])
         prefill_s = time.perf_counter() - t0
-        eos = _eos_ids(model, tok)
+        eos = eos_ids(model, tok)
 
         for arm, s in work:
             t1 = time.perf_counter()
             cache = base.fork(arm.config)
             cache.expect_new_tokens(max_new)
             crit = []
-            gen_kwargs = dict(max_new_tokens=None, do_sample=False, pad_token_id=_pad_id(tok, eos))
+            gen_kwargs = dict(max_new_tokens=None, do_sample=False, pad_token_id=pad_id(tok, eos))
             if sampled:
                 inputs = ids
                 gen_kwargs.update(self.bench.sampling or {}, do_sample=bool(self.bench.sampling))
                 gen_kwargs["max_new_tokens"] = max_new
-                torch.manual_seed(_stable_seed(self.seed, rec["id"], s))  # same stream for every arm
+                torch.manual_seed(stable_seed(self.seed, rec["id"], s))  # same stream for every arm
                 start = T
             elif self.protocol == "sparse-question" and split < T:
                 for t in range(split, T - 1):  # question tokens, one sparse decode step each
@@ -437,7 +283,7 @@ class SweepRunner:
                 gen_kwargs["max_new_tokens"] = max_new - 1
                 start = T
             if stop in (STOP_NEWLINE, STOP_SENTENCE):
-                crit.append(_StopAtNewline(tok, start, stop=stop))
+                crit.append(StopAtAnswerEnd(tok, start, stop=stop))
             first_done = (not sampled and self.protocol == "dense-question"
                           and (first.item() in eos or max_new <= 1 or (crit and bool(crit[0](inputs, None)[0]))))
             if first_done:
@@ -455,131 +301,7 @@ class SweepRunner:
             yield row
 
 
-@dataclass
-class RecordPlan:
-    """How a record is run (`SweepRunner.plan`): ``ids [1, T]``; ``split`` tokens are prefilled (the
-    rest fed by decode steps); at most ``max_new`` new tokens; ``stop`` the benchmark's stop rule."""
-
-    ids: torch.Tensor
-    split: int
-    max_new: int
-    stop: str
-    sampled: bool
-
-    @property
-    def T(self) -> int:
-        return self.ids.shape[1]
-
-
-def _context_length(bench, rec: dict, tok, prefilled: int) -> int:
-    """Tokens of the prompt's context (before the question), at most the ``prefilled`` tokens."""
-    q = bench.question_start_text(rec)
-    if q is None:
-        return prefilled
-    from .benchmarks import encode_text
-
-    return min(encode_text(tok, bench.prompt_text(rec)[:q]).shape[1], prefilled)
 
 
 def _rounded(value: float | None, digits: int = 2) -> float | None:
     return None if value is None else round(value, digits)
-
-
-def _stable_seed(*parts) -> int:
-    import hashlib
-
-    return int(hashlib.sha256(repr(parts).encode()).hexdigest()[:8], 16)
-
-
-def _pad_id(tok, eos) -> int:
-    p = getattr(tok, "pad_token_id", None)
-    if p is not None:
-        return p
-    return min(eos) if eos else 0
-
-
-PROTOCOL_TEXT = {
-    "dense-question": "Each record's full prompt (context + question) is prefilled once with dense attention; the "
-                      "first answer token is the greedy argmax of the prefill logits, shared by all arms; every arm "
-                      "then decodes the remaining tokens from its own fork of the prefilled cache (sparse decode for "
-                      "sparse arms). Generation stops at max_new_tokens, EOS, a degenerate loop, or the benchmark's "
-                      "stop rule (benchmark.stop).",
-    "sparse-question": "Each record's context is prefilled once with dense attention; every arm then feeds the "
-                       "question tokens one by one through its own decode steps (sparse for sparse arms) before "
-                       "generating greedily.",
-    "sampled": "The prompt minus its last token is prefilled once densely; each arm and sample generates from a fork, "
-               "the last prompt token being the first (sparse) decode step; sampling settings per arm as configured.",
-}
-
-
-# ----------------------------------------------------------------------------------------------------
-# merge
-#: Decode-traffic columns of scores.csv (means over the cell's generations) and their rounding.
-TRAFFIC = {"attended_fraction": 4, "attended_tokens": 1, "read_bytes": 0}
-
-def merge(run_dir) -> dict:
-    """Combine every shard's predictions into ``results.jsonl`` / ``scores.csv`` / ``timing.csv``.
-
-    The merged files depend only on the predictions, not on how the work was sharded.
-    """
-    run_dir = Path(run_dir)
-    if not (run_dir / "predictions").is_dir():
-        raise FileNotFoundError(f"{run_dir} is not a sweep run folder (no predictions/ in it): check --out")
-    cfg = read_json(run_dir / "config.json", fix=CONFIG_FIX) if (run_dir / "config.json").exists() else {}
-    arm_order = {a["name"]: i for i, a in enumerate(cfg.get("arms", []))}
-    rows: dict[tuple, dict] = {}
-    timing: dict[str, list] = defaultdict(lambda: [0.0, 0])
-    for path in sorted((run_dir / "predictions").glob("shard-*.jsonl")):
-        for r in _rows(path, PREDICTION_KEYS, appended=True):
-            key = (r["id"], r["arm"], r.get("sample", 0))
-            if key not in rows:
-                rows[key] = r
-                timing[r["arm"]][0] += r.get("seconds", 0.0)
-                timing[r["arm"]][1] += 1
-    order = {rid: i for i, rid in enumerate(_record_order(run_dir))}
-    keyf = lambda k: (order.get(k[0], len(order)), k[0], arm_order.get(k[1], len(arm_order)), k[1], k[2])
-    merged = [{k: v for k, v in rows[key].items() if k not in VOLATILE} for key in sorted(rows, key=keyf)]
-    _write_atomic(run_dir / "results.jsonl", "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in merged))
-
-    # per (task, length, arm): mean score x 100 (avg over samples first, then records: avg@k)
-    agg: dict[tuple, list] = defaultdict(list)
-    per_rec: dict[tuple, list] = defaultdict(list)
-    traffic = {name: defaultdict(list) for name in TRAFFIC}
-    meta = {}
-    for r in merged:
-        per_rec[(r["task"], r["length"], r["arm"], r["id"])].append(r.get("score", 0.0))
-        for name, values in traffic.items():
-            if r.get(name) is not None:
-                values[(r["task"], r["length"], r["arm"])].append(r[name])
-        meta[r["arm"]] = (r["family"], r["budget"], r["selector"])
-    for (task, length, arm, _), scores in per_rec.items():
-        agg[(task, length, arm)].append(sum(scores) / len(scores))
-    lines = ["task,length,arm,family,budget,selector,n,score," + ",".join(TRAFFIC)]
-    for (task, length, arm) in sorted(agg, key=lambda k: (str(k[1]), k[0], arm_order.get(k[2], 999), k[2])):
-        vals = agg[(task, length, arm)]
-        fam, bud, sel = meta[arm]
-        means = []
-        for name, digits in TRAFFIC.items():
-            got = traffic[name].get((task, length, arm))
-            means.append("" if not got else str(round(sum(got) / len(got), digits)))
-        lines.append(f"{task},{'' if length is None else length},{arm},{fam},{'' if bud is None else bud},{sel},"
-                     f"{len(vals)},{round(100 * sum(vals) / len(vals), 2)}," + ",".join(means))
-    _write_atomic(run_dir / "scores.csv", "\n".join(lines) + "\n")
-    tl = ["arm,generations,seconds_total,seconds_per_generation"]
-    for arm in sorted(timing, key=lambda a: arm_order.get(a, 999)):
-        s, c = timing[arm]
-        tl.append(f"{arm},{c},{round(s, 1)},{round(s / max(c, 1), 2)}")
-    _write_atomic(run_dir / "timing.csv", "\n".join(tl) + "\n")
-    return {"rows": len(merged), "cells": len(agg)}
-
-
-def _record_order(run_dir: Path) -> list[str]:
-    ids = []
-    for path in sorted((run_dir / "records").glob("*.jsonl")):
-        ids += [r["id"] for r in _rows(path)]
-    return ids
-
-
-def read_scores(run_dir) -> list[dict]:
-    with open(Path(run_dir) / "scores.csv") as f:
-        return list(csv.DictReader(f))

@@ -21,7 +21,7 @@ arm's rule (summaries, re-ranked keys, attended K/V), so that time and traffic c
 With graphs, the script also checks that a replayed step gives the logits of the same step run
 eagerly (the cache rewound by one token in between). CUDA-event medians after warm-up.
 
-    python scripts/bench_decode_step.py --graphs cuda --contexts 128K,512K --out docs/decode_step_h200_graphs.json
+    python scripts/bench_decode_step.py --graphs cuda --contexts 128K,512K --out results/h200/decode_step_h200_graphs.json
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ For jobs a and b the table gives wall time, decode tokens/s, warm-up (CUDA-graph
 Triton compiles) and peak memory for both engines, and an identity check: both engines on a small
 subset at a covering budget (every page selected), greedy, in float32 (same weights), same tokens.
 
-    python scripts/bench_sweep.py --jobs a,b --out docs/bench_sweep_h200.json
-    python scripts/bench_sweep.py --jobs memory --context 512K --out docs/bench_sweep_memory.json
+    python scripts/bench_sweep.py --jobs a,b --out results/h200/bench_sweep_h200.json
+    python scripts/bench_sweep.py --jobs memory --context 512K --out results/h200/bench_sweep_memory.json
 """
 
 from __future__ import annotations

@@ -3,8 +3,11 @@ the markers that split the suite.
 
 Markers (registered in pyproject.toml): ``interpret`` for the Triton kernel tests, which run in
 Triton's CPU interpreter without a GPU and take most of the suite's time; ``slow`` for tests that load
-a real model or run a long job; ``gpu`` for tests that need CUDA (skipped without it). CI runs
-everything; the fast developer loop is ``python -m pytest -m "not interpret and not slow"``.
+a real model or run a long job; ``gpu`` for the GPU suite (``python -m pytest -m gpu -n auto`` on a
+CUDA machine): a test marked ``gpu`` in its file needs CUDA with compiled kernels and is skipped
+without (here, not by a ``skipif`` of its own; tests/test_gpu_markers.py checks), and every test of the
+kernel test files (`KERNEL_TEST_FILES`) is marked ``gpu`` here: compiled on a GPU, interpreted without
+one. CI runs everything; the fast developer loop is ``python -m pytest -m "not interpret and not slow"``.
 """
 
 import os
@@ -30,15 +33,22 @@ from locks_hf.models import TINY_ARCHS, tiny_model
 #: Test files whose tests run Triton kernels (interpreted on a CPU machine): marked ``interpret``.
 INTERPRETER_TEST_FILES = frozenset({"test_kernels.py", "test_page_update.py", "test_eigh.py",
                                     "test_score_variants.py", "test_rerank_kernels.py"})
+#: Test files that run the kernels compiled on a GPU and interpreted without one: in the GPU suite
+#: (marked ``gpu``) without needing CUDA.
+KERNEL_TEST_FILES = INTERPRETER_TEST_FILES | {"test_select_attend_fast.py"}
+#: The kernels are compiled (not run by Triton's interpreter) on a CUDA device.
+COMPILED_CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def pytest_collection_modifyitems(config, items):
-    has_cuda = torch.cuda.is_available()
     for item in items:
+        needs_cuda = item.get_closest_marker("gpu") is not None  # marked in its file
         if item.path.name in INTERPRETER_TEST_FILES:
             item.add_marker(pytest.mark.interpret)
-        if item.get_closest_marker("gpu") is not None and not has_cuda:
-            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+        if item.path.name in KERNEL_TEST_FILES:
+            item.add_marker(pytest.mark.gpu)
+        if needs_cuda and not COMPILED_CUDA:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device and compiled kernels (TRITON_INTERPRET unset)"))
 
 
 def tiny(arch: str, attn: str = "locks", dtype=torch.float64, seed: int = 0, **overrides):

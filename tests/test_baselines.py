@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 from conftest import tiny
+from selector_lists import fits, selectors
 
 from locks_hf import LocksCache, LocksConfig, LocksConfigError
 from locks_hf.baselines.rocketkv import POOL_KERNEL, hybrid_scores, rocket_budgets, snapkv_keep
@@ -129,7 +130,8 @@ def test_rocketkv_needs_a_prefill_with_queries():
         _decode(model, cache, _ids(1), 2)
 
 
-@pytest.mark.parametrize("selector", ["rocketkv", "rkv", "lazy_eviction", "shadowkv", "triattention"])
+# every token-level method that decodes straight from generate() (KVzip needs its context pass first)
+@pytest.mark.parametrize("selector", selectors(token_level=True, needs_context_scores=False))
 def test_covering_budget_generates_the_dense_tokens(arch, selector):
     ids = _ids(40)
     ref = tiny(arch, "sdpa").generate(ids, max_new_tokens=8, do_sample=False)
@@ -144,6 +146,10 @@ def test_covering_budget_generates_the_dense_tokens(arch, selector):
 # 128 generated tokens; ShadowKV: its smallest budget and a prompt beyond its 48 outlier chunks)
 SPARSE_RUN = {"rocketkv": (300, 64, 10), "rkv": (300, 64, 140), "lazy_eviction": (300, 64, 40),
               "shadowkv": (1000, 512, 6), "triattention": (30, 64, 120)}
+
+
+def test_sparse_runs_cover_every_generate_method():
+    assert set(SPARSE_RUN) == set(selectors(token_level=True, needs_context_scores=False))
 
 
 # Runs of 100+ generated tokens take most of this file's time: `slow` (CI runs them).
@@ -285,13 +291,14 @@ def test_triattention_needs_the_model_config():
 
 
 # -- the sweep -------------------------------------------------------------------------------------
-SWEEP_FAMILIES = ["rocketkv", "rkv", "lazy_eviction", "triattention", "kvzip"]
+SWEEP_FAMILIES = [s for s in selectors(token_level=True) if fits(s, 64)]  # the sweep runs them at budget 64
 
 
 def test_sweep_rows_report_attended_tokens_and_bytes(tmp_path):
     from locks_hf.eval.arms import parse_arms
     from locks_hf.eval.benchmarks import RulerBenchmark
-    from locks_hf.eval.runner import SweepRunner, merge, read_scores
+    from locks_hf.eval.merge import merge, read_scores
+    from locks_hf.eval.runner import SweepRunner
     from locks_hf.eval.testing import ByteTokenizer
     from locks_hf.models import tiny_model
 

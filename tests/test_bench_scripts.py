@@ -53,7 +53,7 @@ def test_bench_generate_runs_on_cpu(tmp_path):
 
 @pytest.mark.slow  # an ahead-of-time Triton compile: tens of seconds of CPU
 def test_compile_time_script_compiles_the_rolled_fma_kernel_for_sm90():
-    """scripts/compile_time.py (docs/compile_time.md) drives Triton's private AOT API: keep it working.
+    """scripts/dev/compile_time.py (docs/compile_time.md) drives Triton's private AOT API: keep it working.
     Rank 8 takes the rolled chunk loop, which compiles in seconds and fits in 128 registers."""
     import os
     import re
@@ -66,7 +66,7 @@ def test_compile_time_script_compiles_the_rolled_fma_kernel_for_sm90():
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
         pytest.skip("this Triton has no bundled ptxas")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(SCRIPT.parent / "compile_time.py"), "--ranks", "8"],
+    run = subprocess.run([sys.executable, str(SCRIPT.parent / "dev" / "compile_time.py"), "--ranks", "8"],
                          capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     m = re.search(r"rank 8 bits \d+: ([\d.]+) s \{'registers': (\d+), 'local_bytes': (\d+)", run.stdout)
@@ -101,7 +101,7 @@ def test_bench_sweep_runs_on_cpu(tmp_path):
 
 
 def test_soak_script_runs_on_cpu(tmp_path):
-    spec = importlib.util.spec_from_file_location("soak_decode", SCRIPT.with_name("soak_decode.py"))
+    spec = importlib.util.spec_from_file_location("soak_decode", SCRIPT.parent / "dev" / "soak_decode.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     out = tmp_path / "soak.json"

@@ -1,4 +1,4 @@
-"""The published evaluation runs in docs/eval/data: their compressed raw predictions re-derive the
+"""The published evaluation runs in results/eval: their compressed raw predictions re-derive the
 shipped score tables, and reading them never rewrites the folder."""
 
 import csv
@@ -11,7 +11,7 @@ import pytest
 from locks_hf.eval.jsonl import read_jsonl, resolve
 from locks_hf.eval.report import load_cells
 
-DATA = Path(__file__).resolve().parents[1] / "docs" / "eval" / "data"
+DATA = Path(__file__).resolve().parents[1] / "results" / "eval"
 RUNS = sorted(p for p in DATA.glob("ruler-*") if (p / "results.jsonl.gz").exists())
 
 

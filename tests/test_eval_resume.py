@@ -7,7 +7,7 @@ import json
 import pytest
 
 from locks_hf.eval.jsonl import InputFileError, end_last_line, read_jsonl
-from locks_hf.eval.runner import merge
+from locks_hf.eval.merge import merge
 
 ROW = {"id": "vt-4096-0", "task": "vt", "length": 4096, "arm": "full", "family": "full", "budget": None,
        "selector": "full", "sample": 0, "pred": "", "score": 1.0}

@@ -8,7 +8,9 @@ from conftest import count_forwards
 
 from locks_hf.eval.arms import parse_arms
 from locks_hf.eval.benchmarks import RulerBenchmark
-from locks_hf.eval.runner import SweepRunner, looping, merge
+from locks_hf.eval.merge import merge
+from locks_hf.eval.runner import SweepRunner
+from locks_hf.eval.stopping import looping
 from locks_hf.eval.testing import ByteTokenizer
 from locks_hf.models import tiny_model
 
@@ -46,7 +48,7 @@ def test_arms():
 
 
 def test_stop_rules():
-    from locks_hf.eval.runner import stop_position
+    from locks_hf.eval.stopping import stop_position
 
     assert stop_position(": 7380814. I've seen", "sentence") == len(": 7380814.")
     assert stop_position(": 1. 4380047 2. 3", "sentence") is None  # a list number is no sentence end
@@ -60,7 +62,7 @@ def test_looping_stop_rule():
     assert not looping("7045277") and not looping("1000000") and not looping("dba2610d-4cf8-4f1f-ac61-f4e402ef8128")
     assert looping(": 1. 2. 3. 4. 5. 6.") and not looping(": 1. 2. 3. 4. 5.")  # counting run-on
     assert not looping(": 4380047, 4021361, 2962394, 4232619, 1234567")  # up to 5 numbers: an answer list
-    from locks_hf.eval.runner import loop_cut
+    from locks_hf.eval.stopping import loop_cut
 
     assert loop_cut(": 1. 2. 3. 4. 5. 6. 7. 8.") == ": 1. 2. 3. 4. 5. 6."
 

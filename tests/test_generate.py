@@ -3,6 +3,7 @@
 import pytest
 import torch
 from conftest import tiny
+from selector_lists import selectors
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from locks_hf import LocksCache, LocksConfig, LocksLayer
@@ -18,7 +19,7 @@ def _ids(n=PROMPT, b=1, seed=1):
     return torch.randint(3, 256, (b, n), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("selector", ["locks", "oracle", "quest", "full"])
+@pytest.mark.parametrize("selector", selectors(token_level=False))
 def test_covering_budget_gives_dense_tokens(arch, selector):
     ids = _ids()
     ref = tiny(arch, "sdpa").generate(ids, max_new_tokens=8, do_sample=False)
@@ -44,7 +45,7 @@ def test_sparse_path_with_every_page_equals_dense():
     assert torch.allclose(out, want.transpose(1, 2), atol=1e-6)
 
 
-@pytest.mark.parametrize("selector", ["locks", "oracle", "quest"])
+@pytest.mark.parametrize("selector", selectors(token_level=False, dense=False))
 def test_small_budget_attends_at_most_k_pages_each_step(arch, selector):
     model = tiny(arch)
     cfg = LocksConfig(budget=64, selector=selector)  # k = 4 pages of 16
@@ -80,7 +81,7 @@ def _brute_sparse_output(layer, q, scale):
     return out
 
 
-@pytest.mark.parametrize("selector", ["locks", "quest"])
+@pytest.mark.parametrize("selector", selectors(token_level=False, dense=False))
 def test_sparse_output_equals_attention_over_selected_tokens(selector):
     model = tiny("llama")
     cache = LocksCache(model.config, LocksConfig(budget=64, selector=selector))
@@ -239,7 +240,8 @@ def test_batch_repeat_and_select_keep_rows_consistent():
     assert layer.last_selection.shape[0] == 2
 
 
-@pytest.mark.parametrize("selector", ["shared_basis", "shared_all"])
+# the page selectors whose state is fitted on the whole sequence (no static layout)
+@pytest.mark.parametrize("selector", selectors(token_level=False, static_cache=False))
 def test_shared_basis_controls_decode(selector):
     model = tiny("qwen3")
     cfg = LocksConfig(budget=64, selector=selector, rank=12)

@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
 
 from conftest import page_lists_as_mask  # noqa: E402
+from selector_lists import selectors
 
 from locks_hf import kernels  # noqa: E402
 from locks_hf.config import LocksConfig  # noqa: E402
@@ -208,7 +209,8 @@ def test_selection_with_a_device_budget_matches_reference(per_head, k):
         assert (pages[:, k:] == kernels.SENTINEL).all()
 
 
-@pytest.mark.parametrize("method", ["locks", "quest", "oracle"])
+# the kernels' scoring modes: every kernel selector that keeps its own summaries (not dense)
+@pytest.mark.parametrize("method", selectors(kernel=True, dense=False, summary_of=None))
 def test_score_then_select_over_many_blocks(method):
     """Partials folded over several scoring programs and selection chunks (sink kept out of the LSE)."""
     c = Cache(3, pages=70, G=4)
@@ -356,7 +358,8 @@ def test_layer_glue_matches_reference_path(monkeypatch, static, selector):
     assert ((got.double() - ref.double()).norm() / ref.double().norm()).item() < 1e-5
 
 
-@pytest.mark.parametrize("selector", ["locks", "quest"])
+# the kernel selectors with per-page summaries of their own (the oracle reads keys, no summary)
+@pytest.mark.parametrize("selector", selectors(kernel=True, dense=False, reads_keys=False, summary_of=None))
 def test_static_per_step_page_summary_glue(monkeypatch, selector):
     """`backend.kernel_update_newest_page` on a `LocksStaticLayer` = the layer's reference per-step summary
     for the page a step completes; on a step that completes none it writes nothing."""
@@ -402,8 +405,7 @@ def test_static_per_step_page_summary_glue(monkeypatch, selector):
 # generate() dispatches to the kernels only for CUDA tensors; on the CPU each kernel is checked above
 # under the interpreter.
 @pytest.mark.gpu
-@pytest.mark.skipif(DEV != "cuda", reason="TRITON_INTERPRET=1 is set: the kernels are not compiled")
-@pytest.mark.parametrize("selector", ["locks", "quest", "oracle"])
+@pytest.mark.parametrize("selector", selectors(kernel=True, dense=False, summary_of=None))
 def test_generate_on_gpu_matches_reference_path(monkeypatch, selector):
     """A left-padded batch through generate(): kernels and the PyTorch reference give the same tokens."""
     from locks_hf.config import LocksConfig
@@ -476,7 +478,7 @@ def test_locks_fma_rejects_bad_tiles():
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
-@pytest.mark.parametrize("selector", ["locks", "locks_rerank", "quest", "oracle"])
+@pytest.mark.parametrize("selector", selectors(kernel=True, dense=False))
 @pytest.mark.parametrize("rows", ["with_a_long_row", "padded_row_only"])
 def test_left_padding_filling_whole_pages_on_the_kernels(monkeypatch, static, selector, rows):
     """A row of 5 real tokens behind 6 whole pages of left padding, at a budget of two pages: paged

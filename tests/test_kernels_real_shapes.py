@@ -6,7 +6,6 @@ in test_kernels.py cover the same kernels on the CPU. Inputs are synthetic (rand
 per-page offset, so that pages differ); the references are the library's PyTorch code in float64.
 """
 
-import os
 
 import pytest
 import torch
@@ -15,11 +14,7 @@ from locks_hf.config import LocksConfig
 from locks_hf.selectors import QuestSelector, select_pages as reference_select
 from locks_hf.summaries import build_summary as reference_build, dequantize_summary, estimated_page_lse, exact_page_lse
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
-                       reason="real shapes need a CUDA GPU (the interpreter tests use small shapes)"),
-]
+pytestmark = pytest.mark.gpu  # real shapes need a CUDA GPU (the interpreter tests use small shapes)
 
 DEV = "cuda"
 SHAPES = {"llama3.1-8b": (32, 8, 128), "glm4-9b": (32, 2, 128)}  # query heads, KV heads, head_dim

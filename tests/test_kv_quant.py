@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 from conftest import tiny
+from selector_lists import selectors
 
 from locks_hf import LocksCache, LocksConfig, LocksConfigError, LocksStaticCache
 from locks_hf.attention import reference_decode
@@ -257,7 +258,7 @@ def test_covering_budget_equals_full_on_the_same_quantized_kv(arch):
         assert torch.equal(out, outs["full"]), family
 
 
-@pytest.mark.parametrize("selector", ["locks", "oracle", "quest", "locks_rerank"])
+@pytest.mark.parametrize("selector", selectors(kernel=True, dense=False))
 @pytest.mark.parametrize("order", ["post", "pre"])
 def test_sparse_path_with_every_page_equals_dense_over_the_quantized_kv(selector, order):
     """The gather-and-dequantize path (not the dense shortcut) gives dense attention over the
@@ -532,8 +533,9 @@ def test_sweep_runs_quantized_arms_and_reports_them(tmp_path):
     """`locks-hf-eval sweep` arms end to end (one dense bf16 prefill per record, each arm a fork)."""
     from locks_hf.eval.arms import parse_arms
     from locks_hf.eval.benchmarks import RulerBenchmark
+    from locks_hf.eval.merge import merge
     from locks_hf.eval.report import write_report
-    from locks_hf.eval.runner import SweepRunner, merge
+    from locks_hf.eval.runner import SweepRunner
     from locks_hf.eval.testing import ByteTokenizer
     from locks_hf.models import tiny_model
 

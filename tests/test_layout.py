@@ -10,10 +10,12 @@ import logging
 import pytest
 import torch
 from conftest import tiny
+from selector_lists import selectors
 from transformers import CompileConfig
 from transformers.cache_utils import DynamicSlidingWindowLayer, StaticSlidingWindowLayer
 
 from locks_hf import LocksCache, LocksConfig, LocksConfigError, LocksLayer, LocksStaticCache, layout
+from locks_hf.selectors import selector_class
 from locks_hf.static_cache import LocksStaticLayer
 
 #: cache API, generate() with padding, beams and sampling, layouts, fork: checked on every supported version.
@@ -145,7 +147,7 @@ def test_fork_and_budget_switch_in_place():
     assert all(layer.config is base.locks_config for layer in base.locks_layers)
 
 
-@pytest.mark.parametrize("selector", ["quest", "shared_basis"])
+@pytest.mark.parametrize("selector", selectors(token_level=False, dense=False))
 def test_fork_to_another_selector(selector, caplog):
     """From a dense-prefilled static cache (as the sweeps prefill once), a fork to another selector
     rebuilds its summaries (static layout) or, for a selector the static layout cannot serve,
@@ -163,8 +165,9 @@ def test_fork_to_another_selector(selector, caplog):
         outs.append(model.generate(torch.cat([ids, first], 1), max_new_tokens=8, do_sample=False,
                                    past_key_values=fork))
     assert torch.equal(outs[0], outs[1])
-    assert fork.is_static == (selector == "quest")
-    assert ("dynamic layout" in caplog.text) == (selector == "shared_basis")
+    static = selector_class(selector).static_cache
+    assert fork.is_static == static
+    assert ("dynamic layout" in caplog.text) == (not static)
 
 
 def test_static_layout_refuses_assisted_decoding():
@@ -240,14 +243,14 @@ def _cuda_model():
     return model
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels and CUDA graphs need a GPU")
+@pytest.mark.gpu  # the compiled kernels and CUDA graphs
 def test_one_liner_compiles_once_across_budgets_on_cuda():
     """The README one-liner takes the static layout by itself; generate() compiles its decode step
     (inductor + CUDA graphs) once; budgets up to ``max_budget`` switch without a recompile; the tokens
     equal the same layout's uncompiled decode at every budget, and the dynamic layout's over 40
     tokens; memory stays flat however many tokens are decoded.
 
-    Over 150 tokens the dynamic layout may part from the static one (scripts/check_layouts_gpu.py):
+    Over 150 tokens the dynamic layout may part from the static one (scripts/dev/check_layouts_gpu.py):
     its pages are summarized by the batched build, the static layout's in place by the per-step
     update, and a last-bit difference in a basis can move an int4 code and flip a near-tie page."""
     import torch._dynamo
@@ -280,7 +283,7 @@ def test_one_liner_compiles_once_across_budgets_on_cuda():
     assert max(allocated) - min(allocated) < 1 << 20, allocated  # 40 or 150 new tokens: same memory
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels and CUDA graphs need a GPU")
+@pytest.mark.gpu  # the compiled kernels and CUDA graphs
 def test_one_liner_grows_during_compiled_decode_on_cuda():
     """Without max_cache_len the one-liner sizes its buffers at the prompt and grows them (once here)
     between two compiled steps: one recompile, no write out of bounds, the dynamic layout's tokens."""

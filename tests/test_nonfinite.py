@@ -4,12 +4,29 @@ other rows of the batch are untouched, and nothing raises."""
 import pytest
 import torch
 from conftest import tiny
+from selector_lists import all_selectors
 
 from locks_hf import LocksCache, LocksConfig
-from locks_hf.selectors import LocksSelector, select_pages
+from locks_hf.config import BudgetDoesNotFit
+from locks_hf.selectors import LocksSelector, select_pages, selector_class
 from locks_hf.summaries import build_summary
 
-SELECTORS = ["locks", "quest", "oracle", "shared_basis", "shared_all"]
+SELECTORS = all_selectors()  # every registered method: page selectors, dense, token-level baselines
+
+
+def _fitting_config(selector: str) -> LocksConfig:
+    """The smallest power-of-two budget from 32 up that ``selector`` accepts (a method with fixed
+    blocks, such as ShadowKV's, refuses small ones)."""
+    budget = 32
+    while True:
+        try:
+            return LocksConfig(selector=selector, budget=budget, rank=4)
+        except BudgetDoesNotFit:
+            budget *= 2
+
+
+def _needs_context_scores(selector: str) -> bool:
+    return bool(getattr(selector_class(selector), "needs_context_scores", False))
 
 
 @pytest.mark.parametrize("selector,poison", [(s, float("nan")) for s in SELECTORS] + [("locks", float("inf"))])
@@ -18,9 +35,19 @@ def test_a_nonfinite_row_decodes_like_dense_and_spares_the_others(selector, pois
     for m in (dense, model):
         with torch.no_grad():
             m.model.embed_tokens.weight[7] = poison  # token 7 puts NaN / Inf into the keys of its row
-    ids = torch.randint(8, 256, (2, 120), generator=torch.Generator().manual_seed(0))
+    cfg = _fitting_config(selector)
+    length = max(120, 4 * cfg.budget)  # the budget selects: the prompt is longer
+    ids = torch.randint(8, 256, (2, length), generator=torch.Generator().manual_seed(0))
     ids[1, 50] = 7
-    cfg = LocksConfig(selector=selector, budget=32, rank=4)
+    if _needs_context_scores(selector):  # KVzip scores the context of one row at a time (`score_context`)
+        want = dense.generate(ids[1:], max_new_tokens=6, do_sample=False, output_scores=True,
+                              return_dict_in_generate=True)
+        got = _generate_scored(model, ids[1:], cfg)
+        assert torch.equal(got.sequences, want.sequences)
+        assert all(torch.isnan(s).all() for s in got.scores) == all(torch.isnan(s).all() for s in want.scores)
+        clean = _generate_scored(model, ids[:1], cfg)  # the row without the poison stays finite
+        assert all(torch.isfinite(s).all() for s in clean.scores)
+        return
     want = dense.generate(ids, max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True)
     got = model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=LocksCache(model.config, cfg),
                          output_scores=True, return_dict_in_generate=True)
@@ -28,6 +55,19 @@ def test_a_nonfinite_row_decodes_like_dense_and_spares_the_others(selector, pois
     assert torch.equal(got.sequences[1], want.sequences[1])
     assert all(torch.isnan(s[1]).all() for s in got.scores) == all(torch.isnan(s[1]).all() for s in want.scores)
     assert torch.equal(got.sequences[:1], alone)
+
+
+def _generate_scored(model, ids, cfg):
+    """Generate from a dense prefill of ``ids`` scored by the method's context pass (`score_context`)."""
+    from locks_hf.baselines.kvzip import score_context
+    from locks_hf.eval.testing import ByteTokenizer
+
+    base = LocksCache(model.config, LocksConfig(selector="full"))
+    with torch.no_grad():
+        model(ids[:, :-1], past_key_values=base, use_cache=True)
+    score_context(model, ByteTokenizer(), base, ids[:, :-1])
+    return model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=base.fork(cfg),
+                          output_scores=True, return_dict_in_generate=True)
 
 
 def test_summary_of_a_nonfinite_page_scores_nan_and_is_always_selected():

@@ -13,6 +13,8 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no CUDA: run the Triton kernel tests with TRITON_INTERPRET=1", allow_module_level=True)
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
 
+from selector_lists import selectors  # noqa: E402
+
 from locks_hf import kernels  # noqa: E402
 from locks_hf.config import LocksConfig  # noqa: E402
 from locks_hf.kernels.build import summary_shapes  # noqa: E402
@@ -23,6 +25,8 @@ from locks_hf.summaries import dequantize_summary, estimated_page_lse, exact_pag
 
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 D, P = 64, 4  # head dim, pages per row
+#: The kernel selectors that keep per-page summaries of their own (the page update builds them).
+SUMMARY_METHODS = selectors(kernel=True, dense=False, reads_keys=False, summary_of=None)
 
 
 class Paged:
@@ -155,7 +159,7 @@ def test_only_rows_that_complete_a_page_are_written(B, method):
         _check_step(c, length)
 
 
-@pytest.mark.parametrize("method", ["locks", "quest"])
+@pytest.mark.parametrize("method", SUMMARY_METHODS)
 def test_rows_with_no_tokens_are_untouched(method):
     """n = length - row_start <= 0 (a row whose first real slot lies at or past the length)."""
     for row_start in ((0, 32), (0, 40)):
@@ -164,7 +168,7 @@ def test_rows_with_no_tokens_are_untouched(method):
         _check_step(c, 32)
 
 
-@pytest.mark.parametrize("method", ["locks", "quest"])
+@pytest.mark.parametrize("method", SUMMARY_METHODS)
 def test_custom_op_matches_launcher(method):
     c = Paged(4, 16, method, rank=8, bits=4, row_start=(0, 16))
     for length in (32, 40):

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from selector_lists import selectors
 
 from locks_hf import LocksCache, LocksConfig
 from locks_hf.models import encode_prompt, load_model
@@ -26,7 +27,7 @@ def test_covering_budget_decodes_exactly_like_sdpa(smollm2):
     assert torch.equal(out, ref)
 
 
-@pytest.mark.parametrize("selector", ["locks", "quest", "oracle"])
+@pytest.mark.parametrize("selector", selectors(kernel=True, dense=False, summary_of=None))
 def test_small_budget_attends_at_most_k_pages(smollm2, selector):
     locks, _, ids = smollm2
     cfg = LocksConfig(budget=128, selector=selector)

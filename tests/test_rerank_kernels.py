@@ -133,7 +133,6 @@ def test_kernels_build_and_update_the_locks_summaries(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(DEV != "cuda", reason="TRITON_INTERPRET=1 is set: the kernels are not compiled")
 @pytest.mark.parametrize("rerank", [2, 8])
 def test_generate_on_gpu_matches_reference_path(monkeypatch, rerank):
     """A left-padded batch through generate() (on the GPU: the static layout, compiled decode):

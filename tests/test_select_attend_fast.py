@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
 
 from conftest import page_lists_as_mask  # noqa: E402
+from selector_lists import selectors
 
 from locks_hf import kernels  # noqa: E402
 from locks_hf.kernels.select import STATE_WIDTH, radix_state  # noqa: E402
@@ -276,7 +277,8 @@ def test_mark_lists_is_the_lists_mask(rows, P, W):
         mark_lists(mask.to(DEV), pages.long().to(DEV))
 
 
-@pytest.mark.parametrize("selector", ["locks", "quest", "full"])
+# static kernel selectors whose step keeps per-page summaries of their own, or none (dense)
+@pytest.mark.parametrize("selector", selectors(static_cache=True, kernel=True, reads_keys=False, summary_of=None))
 def test_static_layer_step_keeps_its_bookkeeping_in_the_launches(monkeypatch, selector):
     """A static layer with the kernels' buffers (a GPU's; given by hand here): the decode launches
     write what the glue wrote before (page mask, statistics per row and in all, complete pages
@@ -325,7 +327,7 @@ def test_static_layer_step_keeps_its_bookkeeping_in_the_launches(monkeypatch, se
 
 
 def test_kernels_compile_for_sm90_without_spills():
-    """The interpreter runs what the compiler may reject: `scripts/check_kernels_compile.py` compiles
+    """The interpreter runs what the compiler may reject: `scripts/dev/check_kernels_compile.py` compiles
     the selection and attention kernels for an sm_90 target (no GPU needed) and checks that none
     spills registers."""
     import pathlib
@@ -340,6 +342,6 @@ def test_kernels_compile_for_sm90_without_spills():
         pytest.skip("this Triton has no bundled ptxas")
     root = pathlib.Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(root / "scripts" / "check_kernels_compile.py")], env=env,
+    run = subprocess.run([sys.executable, str(root / "scripts" / "dev" / "check_kernels_compile.py")], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr[-2000:]

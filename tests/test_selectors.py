@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from selector_lists import selectors
 
 from locks_hf import LocksConfig
 from locks_hf.selectors import QuestSelector, combine_group, select_pages
@@ -119,7 +120,7 @@ def test_quest_scores_match_brute_force():
                 assert torch.isclose(got[0, j, gq, p].double(), want, atol=1e-5)
 
 
-@pytest.mark.parametrize("selector", ["shared_basis", "shared_all"])
+@pytest.mark.parametrize("selector", selectors(token_level=False, static_cache=False))
 def test_shared_basis_controls_exact_at_full_rank_and_frozen(selector):
     """A full-rank unquantized shared basis reconstructs every key: exact page LSE."""
     from locks_hf.selectors import make_selector

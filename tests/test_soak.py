@@ -1,6 +1,6 @@
 """Soak: a long sparse decode on the CPU keeps its memory flat per token beyond the K/V and the page
 summaries the cache must hold (sized for CI: a few thousand tokens; the GPU soak is
-``scripts/soak_decode.py``)."""
+``scripts/dev/soak_decode.py``)."""
 
 import gc
 

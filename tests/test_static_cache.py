@@ -3,6 +3,7 @@
 import pytest
 import torch
 from conftest import tiny
+from selector_lists import selectors
 from transformers import CompileConfig
 
 from locks_hf import LocksCache, LocksConfig, LocksConfigError, LocksStaticCache
@@ -17,7 +18,7 @@ def _ids(n=PROMPT, b=1, seed=1):
     return torch.randint(3, 256, (b, n), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("selector", ["locks", "oracle", "quest", "full"])
+@pytest.mark.parametrize("selector", selectors(static_cache=True))
 def test_static_equals_dynamic_at_a_small_budget(arch, selector):
     """Same pages, same tokens: the static layout (capacity-wide page axis, per-step rebuild of the
     newest page) changes nothing but where the state lives."""
@@ -159,7 +160,7 @@ def test_static_cache_crop_equals_dynamic():
 
 
 @pytest.mark.gpu  # CUDA graphs and the compiled kernels
-@pytest.mark.parametrize("selector", ["locks", "quest", "oracle", "full"])
+@pytest.mark.parametrize("selector", selectors(static_cache=True, summary_of=None))
 def test_generate_auto_compiles_the_kernel_decode_step_on_cuda(selector):
     """On a GPU, generate() with a LocksStaticCache compiles the decode step (inductor + CUDA graphs,
     the kernels as custom ops): same tokens as the eager static cache and as the dynamic LocksCache

@@ -12,7 +12,8 @@ from conftest import count_forwards, tiny
 from locks_hf.eval.arms import parse_arms
 from locks_hf.eval.benchmarks import STOP_NEWLINE, Benchmark, RulerBenchmark
 from locks_hf.eval.engine import Row, StaticEngine, choose_tokens, hash_uniform
-from locks_hf.eval.runner import SweepRunner, merge
+from locks_hf.eval.merge import merge
+from locks_hf.eval.runner import SweepRunner
 from locks_hf.eval.testing import ByteTokenizer
 
 TOK = ByteTokenizer()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the lent GPU machine: the complete decode step under CUDA graphs (with a kernel profile of eager
 # steps when PROFILE > 0). Writes under ${OUT:-out}.
-source scripts/gpu_env.sh
+source scripts/dev/gpu_env.sh || exit 1
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 scripts/bench_decode_step.py --shape "${SHAPE:-llama3.1-8b}" --graphs "${GRAPHS:-cuda}" \

@@ -7,7 +7,7 @@ with Triton) for the specializations a decode step uses at the GLM-4-9B and Llam
 and reads each kernel's register count from the cubin (255: spills). Exit status 1 when a kernel
 does not compile or spills. Must run without ``TRITON_INTERPRET=1``.
 
-    python scripts/check_kernels_compile.py
+    python scripts/dev/check_kernels_compile.py
 """
 
 from __future__ import annotations

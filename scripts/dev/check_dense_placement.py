@@ -1,13 +1,25 @@
 #!/usr/bin/env python
 """Is dense decode (PyTorch SDPA) token-identical on one GPU and on a model split over two?
 
-Companion of multi_gpu_generate.py (same model, prompt and helpers; dense arm only, 16 tokens):
+Companion of scripts/multi_gpu_generate.py (same model, prompt and helpers; dense arm only, 16 tokens):
 run to run on one GPU, with and without the cuDNN SDPA backend, and split over 2 GPUs without it.
 
-    python scripts/check_dense_placement.py
+    python scripts/dev/check_dense_placement.py
 """
+import sys
+from pathlib import Path
+
 import torch
-from multi_gpu_generate import SHAPES, LlamaConfig, LlamaForCausalLM, LocksConfig, run_arm, split_over_gpus
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: multi_gpu_generate
+from multi_gpu_generate import (  # noqa: E402
+    SHAPES,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LocksConfig,
+    run_arm,
+    split_over_gpus,
+)
 
 config = LlamaConfig(**SHAPES["llama3.1-8b"], max_position_embeddings=2**21, bos_token_id=1, eos_token_id=2)
 torch.manual_seed(0)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Several GPUs of one machine: a RULER sweep split by `accelerate launch` vs one process, then
 # generate() on a model split over both GPUs vs one GPU. Writes under ${OUT:-out}.
-source scripts/gpu_env.sh
+source scripts/dev/gpu_env.sh || exit 1
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 nvidia-smi -L

@@ -3,16 +3,13 @@
 # through a growth, the sweep engine's graph / compiled steps and their replay across budgets), then
 # the sweep benchmark's jobs (default: the 17-arm warm-up, cold Triton cache) and, with GENERATE set,
 # a generate() row. Writes under ${OUT:-out}. Parts: SKIP_TESTS=1, JOBS=warmup,b, GENERATE=32K:8.
-source scripts/gpu_env.sh
+source scripts/dev/gpu_env.sh || exit 1
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 if [ -z "$SKIP_TESTS" ]; then
     rm -rf /tmp/pk/tests && cp -r tests /tmp/pk/tests
-    (cd /tmp/pk && timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -n "${WORKERS:-6}" -v -rfE -p no:cacheprovider \
-        tests/test_layout.py::test_one_liner_compiles_once_across_budgets_on_cuda \
-        tests/test_layout.py::test_one_liner_grows_during_compiled_decode_on_cuda \
-        tests/test_sweep_engine.py::test_cuda_graph_and_compiled_steps_equal_the_eager_step_on_cuda \
-        tests/test_sweep_engine.py::test_steps_replayed_across_budgets_equal_fresh_steps_on_cuda \
+    (cd /tmp/pk && timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -m gpu -n "${WORKERS:-6}" -v -rfE -p no:cacheprovider \
+        tests/test_layout.py tests/test_sweep_engine.py \
         > "$OUT/pytest_fastpath.txt" 2>&1; tail -15 "$OUT/pytest_fastpath.txt" | cut -c1-220)
 fi
 # a cold Triton cache: the warm-up figure includes every kernel compile of the sweep

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: bench_decode, bench_decode_step
 import bench_decode as BD  # noqa: E402  (loads locks_hf, with or without transformers)
 
 from locks_hf.kernels import decode as decode_mod  # noqa: E402

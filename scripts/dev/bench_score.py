@@ -15,10 +15,10 @@ Phases (each can be skipped; a failing candidate is reported and skipped, never 
 
 Prints markdown tables and writes JSON::
 
-    python scripts/bench_score.py --out runs/score.json
-    python scripts/bench_score.py --dry-run      # the plan, no GPU needed
+    python scripts/dev/bench_score.py --out runs/score.json
+    python scripts/dev/bench_score.py --dry-run      # the plan, no GPU needed
 
-``--ncu-one``: one launch of each variant at the given shape (for ``ncu``; see scripts/gpu_score.sh).
+``--ncu-one``: one launch of each variant at the given shape (for ``ncu``; see scripts/dev/gpu_score.sh).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 MODELS = {"llama3.1-8b": (32, 8, 128), "glm4-9b": (32, 2, 128)}  # query heads, KV heads, head_dim

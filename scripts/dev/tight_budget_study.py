@@ -27,8 +27,8 @@ decode queries (``<out>/<record id>.pt``);
 
 Prints one table per budget and writes ``<out>/study.json``.
 
-    python scripts/tight_budget_study.py capture --tasks niah_single_1,vt --num-samples 4 --steps 16 --out runs/cap
-    python scripts/tight_budget_study.py study --captures runs/cap --out runs/cap
+    python scripts/dev/tight_budget_study.py capture --tasks niah_single_1,vt --num-samples 4 --steps 16 --out runs/cap
+    python scripts/dev/tight_budget_study.py study --captures runs/cap --out runs/cap
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ launch gaps), then CUDA-graph medians of the attention variants (separate merge,
 split counts), each compared with a float64 reference of the same page lists, and of the page
 mask (one launch against the memset + scatter + copy it replaced). Writes JSON.
 
-    python scripts/profile_attend.py --models llama3.1-8b,glm4-9b --context 512K --out profile_attend.json
+    python scripts/dev/profile_attend.py --models llama3.1-8b,glm4-9b --context 512K --out profile_attend.json
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]  # scripts/
 spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "bench_decode.py")
 bd = importlib.util.module_from_spec(spec)
 sys.modules["bench_decode"] = bd

@@ -2,9 +2,9 @@
 """Ahead-of-time compile of the Locks scoring kernels ("fma", "mma") for sm_90 on a machine without a
 GPU: seconds per compile stage, registers, spills and SASS size (docs/compile_time.md).
 
-    python scripts/compile_time.py --ranks 4,8                              # "fma", the installed Triton
-    PYTHONPATH=/path/to/triton-3.6 python scripts/compile_time.py --ranks 8
-    python scripts/compile_time.py --kernel mma --groups 4,16 --ranks 2,4,8 --bits 4
+    python scripts/dev/compile_time.py --ranks 4,8                              # "fma", the installed Triton
+    PYTHONPATH=/path/to/triton-3.6 python scripts/dev/compile_time.py --ranks 8
+    python scripts/dev/compile_time.py --kernel mma --groups 4,16 --ranks 2,4,8 --bits 4
 
 Launch arguments mirror `score_pages` at d = 128, 16-token pages, 32,768 pages, bf16 queries and the
 default tiles (``G = 4``: the Llama-3.1-8B shape with 8 KV heads; other groups: 2 KV heads).

@@ -2,7 +2,7 @@
 """Misuse cases a careful user tries, on tiny random models: each ends as a clear error, a correct
 result, a silent wrong result, or a crash (an error from deep inside torch / transformers).
 
-    python scripts/misuse_cases.py --out runs/misuse.json      # a table on stdout, every case in the JSON
+    python scripts/dev/misuse_cases.py --out runs/misuse.json      # a table on stdout, every case in the JSON
 
 A case's function returns ``"correct"`` or ``"silent: <why>"``; a library error (`LocksConfigError`,
 `UnsupportedModelError`, a ValueError / FileNotFoundError with a message from locks_hf, or an argparse
@@ -227,7 +227,7 @@ def _prediction(**changes):
 
 @case("merge after a kill tore a line inside a UTF-8 character")
 def _():
-    from locks_hf.eval.runner import merge
+    from locks_hf.eval.merge import merge
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "predictions" / "shard-0-of-1.jsonl"
@@ -239,7 +239,7 @@ def _():
 
 @case("merge of a JSON row without id")
 def _():
-    from locks_hf.eval.runner import merge
+    from locks_hf.eval.merge import merge
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "predictions" / "shard-0-of-1.jsonl"

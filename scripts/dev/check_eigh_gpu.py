@@ -1,6 +1,6 @@
 """GPU check of kernels/eigh.py: accuracy vs float64, timing at the 128K Llama/GLM shapes, CUDA graph capture.
 
-Run from the repository root on a CUDA machine: ``python3 scripts/check_eigh_gpu.py`` (loads kernels/ directly).
+Run from the repository root on a CUDA machine: ``python3 scripts/dev/check_eigh_gpu.py`` (loads kernels/ directly).
 """
 import importlib
 import statistics

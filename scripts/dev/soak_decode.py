@@ -8,8 +8,8 @@ a `LocksCache`. Every ``--sample-every`` tokens it records the allocated memory 
 process RSS on the CPU) and the bytes the cache's Locks layers hold; the summary is the growth per
 token beyond the cache (ideally 0) as a table and JSON.
 
-    python scripts/soak_decode.py --new-tokens 16384 --out runs/soak_h200.json      # ~8B shape on a GPU
-    python scripts/soak_decode.py --shape tiny --device cpu --new-tokens 2000       # a CPU smoke run
+    python scripts/dev/soak_decode.py --new-tokens 16384 --out runs/soak_h200.json      # ~8B shape on a GPU
+    python scripts/dev/soak_decode.py --shape tiny --device cpu --new-tokens 2000       # a CPU smoke run
 """
 
 from __future__ import annotations

@@ -1,0 +1,17 @@
+# Source on the lent GPU machine (no package index there): makes the working tree importable as
+# locks_hf beside the image's own torch and transformers (its transformers 5.17 is in the supported
+# range), plus the wheels carried in .whl/ (pytest-xdist for the parallel GPU suite):
+#   source scripts/dev/gpu_env.sh || exit 1
+# (.whl/ is git-ignored; fill it on this side with
+#  pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#      pytest-xdist execnet -d .whl ; scripts/dev/gpu_check.sh runs the tests on -n 14)
+# Each step that fails says so and returns 1, leaving the caller's shell options as they were.
+if compgen -G ".whl/*.whl" >/dev/null; then
+    pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
+        || { echo "gpu_env: installing the wheels of .whl/ failed" >&2; return 1; }
+fi
+{ rm -rf /tmp/pk && mkdir -p /tmp/pk && cp -r locks_hf /tmp/pk/ && cp -r kernels /tmp/pk/locks_hf/kernels \
+    && cp -r eval /tmp/pk/locks_hf/eval; } || { echo "gpu_env: copying the tree to /tmp/pk failed" >&2; return 1; }
+export PYTHONPATH=/tmp/site:/tmp/pk
+python3 -c "import torch, transformers, locks_hf; print(f'gpu_env: torch {torch.__version__}, transformers {transformers.__version__}, locks_hf from {locks_hf.__file__}')" \
+    || { echo "gpu_env: importing locks_hf from /tmp/pk failed" >&2; return 1; }
