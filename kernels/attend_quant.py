@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from ._common import LOG2E, as_length, dot_precision, next_pow2, slot_ok, sm_count
 from .attend import MAX_SPLITS, _combine_kernel, default_splits
@@ -147,12 +148,37 @@ def _quant_attn_kernel(q_ptr, q_sb, q_sh,
                  o.to(out_ptr.dtype.element_ty), mask=gm)
 
 
+#: Largest tile (slots x head_dim) whose loads are software-pipelined (``num_stages=2``) by default, by
+#: the (query, K/V storage) element sizes in bytes. Each pipeline stage holds the tile's dequantization
+#: inputs (codes, per-slot key scales and zero points, the full-precision tails) in shared memory, so
+#: 4-byte storage needs about twice bf16's: AOT compiles for sm_90 (Triton 3.6.0) at head_dim 64-256 use
+#: at most ~190 KB within these bounds, while e.g. float32 at 64 slots x 128 channels needs 250 KB, over
+#: an H100/H200's 227 KB a block (``scripts/check_quant_attention_compile.py``).
+STAGED_ELEMS = {(2, 2): 16384, (4, 2): 8192, (2, 4): 4096, (4, 4): 4096}
+
+
 def _tile_pages(page_size: int, tile_pages: int | None) -> int:
     """Pages per tile: as `attend.sparse_attention`, and at least 16 slots (the products' K side)."""
     if tile_pages:
         return tile_pages
     tp = 4 if page_size <= 16 else max(1, 64 // page_size)
     return max(tp, 16 // page_size)
+
+
+def launch_tiles(page_size: int, head_dim: int, query_dtype: torch.dtype, storage_dtype: torch.dtype,
+                 tile_pages: int | None = None, num_stages: int | None = None) -> tuple[int, int]:
+    """``(tile_pages, num_stages)`` of a launch: those given, else `attend.sparse_attention`'s tile (the
+    bf16 default: 64 slots at pages <= 64, two stages), halved down to 16 slots until it is within
+    `STAGED_ELEMS`, and one stage for a tile still past it (large pages)."""
+    limit = STAGED_ELEMS.get((torch.empty((), dtype=query_dtype).element_size(),
+                              torch.empty((), dtype=storage_dtype).element_size()), min(STAGED_ELEMS.values()))
+    tp = _tile_pages(page_size, tile_pages)
+    if not tile_pages:
+        while tp > 1 and tp * page_size * head_dim > limit and tp * page_size > 16:
+            tp //= 2
+    if num_stages is None:
+        num_stages = 2 if tp * page_size * head_dim <= limit else 1
+    return tp, num_stages
 
 
 def _quantized_counts(quantized, device) -> torch.Tensor:
@@ -168,7 +194,7 @@ def quantized_attention(query: torch.Tensor, pages: torch.Tensor | None, *, key_
                         value_tail: torch.Tensor, quantized, bits: int, group: int, slot_valid: torch.Tensor,
                         row_start: torch.Tensor, length: int | torch.Tensor, scale: float, page_size: int,
                         n_pages: int | None = None, counts: torch.Tensor | None = None, splits: int | None = None,
-                        tile_pages: int | None = None, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                        tile_pages: int | None = None, num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
     """Attention of one decode query over the listed pages of KIVI-quantized K/V (module docstring).
 
     ``query [b, Hq, d]`` (or ``[b, Hq, 1, d]``), ``Hq = G * h``; ``pages`` int32 ``[b, h, W]`` or
@@ -176,8 +202,9 @@ def quantized_attention(query: torch.Tensor, pages: torch.Tensor | None, *, key_
     ``n_pages``; ``quantized``: ``(qk, qv)`` as ints or an ``int32 [2]`` device tensor; ``slot_valid
     [b, cap]`` (False = padding), ``row_start`` int32 ``[b]``, ``length`` the slots written (int or
     ``int32 [1]``). ``counts`` (int64, optional): ``counts[0]`` grows by the real tokens attended, summed
-    over rows and KV heads (as `attend.sparse_attention`'s). Returns the output in the query's shape and
-    dtype.
+    over rows and KV heads (as `attend.sparse_attention`'s). ``tile_pages`` / ``num_stages``: pages a tile
+    and software-pipeline stages, by default `launch_tiles`'s for the dtypes and head_dim. Returns the
+    output in the query's shape and dtype.
     """
     b, hq, d = query.shape[0], query.shape[1], query.shape[-1]
     q = query.reshape(b, hq, d)
@@ -214,7 +241,15 @@ def quantized_attention(query: torch.Tensor, pages: torch.Tensor | None, *, key_
         rows, W = pages.shape
     dev = query.device
     B = page_size
-    TP = _tile_pages(B, tile_pages)
+    if B < 1 or B & (B - 1) or (tile_pages is not None and (tile_pages < 1 or tile_pages & (tile_pages - 1))):
+        raise ValueError(f"quantized_attention: page_size ({B}) and tile_pages ({tile_pages}) must be powers of two")
+    if tile_pages is not None and tile_pages * B < 16:
+        raise ValueError(f"quantized_attention: a tile of tile_pages={tile_pages} pages of {B} slots is under the "
+                         f"16 slots of a product: pass tile_pages >= {16 // B}")
+    if num_stages is not None and num_stages < 1:
+        raise ValueError(f"quantized_attention: num_stages must be >= 1, got {num_stages}")
+    storage = max((key_scale, value_scale, key_tail, value_tail), key=lambda t: t.element_size()).dtype
+    TP, stages = launch_tiles(B, d, q.dtype, storage, tile_pages, num_stages)
     out = torch.empty((b, hq, d), dtype=query.dtype, device=dev)
     if splits is None:
         splits = default_splits(rows, W, TP, dense, sm_count(dev))
@@ -229,18 +264,26 @@ def quantized_attention(query: torch.Tensor, pages: torch.Tensor | None, *, key_
     kt = key_tail if key_tail.numel() else key_scale
     vt = value_tail if value_tail.numel() else value_scale
     valid = slot_valid.view(torch.uint8) if slot_valid.dtype == torch.bool else slot_valid
-    _quant_attn_kernel[(rows, splits)](
-        q, q.stride(0), q.stride(1),
-        key_codes, key_codes.stride(0), key_codes.stride(1), key_codes.stride(2),
-        key_scale, key_zero, key_scale.stride(0), key_scale.stride(1), key_scale.stride(2),
-        value_codes, value_codes.stride(0), value_codes.stride(1), value_codes.stride(2),
-        value_scale, value_zero, value_scale.stride(0), value_scale.stride(1), value_scale.stride(2),
-        kt, kt.stride(0), kt.stride(1), kt.stride(2), vt, vt.stride(0), vt.stride(1), vt.stride(2),
-        _quantized_counts(quantized, dev), row_start if dense else pages, W, valid, slot_valid.stride(0),
-        row_start, as_length(length, dev), h, float(scale), part_o, part_l, out, out.stride(0), out.stride(1),
-        pps, splits, row_start if counts is None else counts,
-        G=G, GP=max(16, next_pow2(G)), D=d, B=B, TP=TP, BITS=bits, QG=group, SPLIT=splits > 1,
-        DOT_PREC=dot_precision(q.dtype), DENSE=dense, COUNT=counts is not None, num_warps=num_warps, num_stages=num_stages)
+    try:
+        _quant_attn_kernel[(rows, splits)](
+            q, q.stride(0), q.stride(1),
+            key_codes, key_codes.stride(0), key_codes.stride(1), key_codes.stride(2),
+            key_scale, key_zero, key_scale.stride(0), key_scale.stride(1), key_scale.stride(2),
+            value_codes, value_codes.stride(0), value_codes.stride(1), value_codes.stride(2),
+            value_scale, value_zero, value_scale.stride(0), value_scale.stride(1), value_scale.stride(2),
+            kt, kt.stride(0), kt.stride(1), kt.stride(2), vt, vt.stride(0), vt.stride(1), vt.stride(2),
+            _quantized_counts(quantized, dev), row_start if dense else pages, W, valid, slot_valid.stride(0),
+            row_start, as_length(length, dev), h, float(scale), part_o, part_l, out, out.stride(0), out.stride(1),
+            pps, splits, row_start if counts is None else counts,
+            G=G, GP=max(16, next_pow2(G)), D=d, B=B, TP=TP, BITS=bits, QG=group, SPLIT=splits > 1,
+            DOT_PREC=dot_precision(q.dtype), DENSE=dense, COUNT=counts is not None, num_warps=num_warps,
+            num_stages=stages)
+    except OutOfResources as e:  # raised when the compiled kernel is loaded, before it runs
+        raise ValueError(
+            f"quantized_attention: the kernel for a {q.dtype} query over {storage} K/V, head_dim {d}, "
+            f"tiles of tile_pages={TP} pages of {B} slots and num_stages={stages} needs more {e.name} than this "
+            f"GPU has ({e.required} > {e.limit}): pass a smaller tile_pages (>= {max(1, 16 // B)}) or "
+            "num_stages=1") from e
     if splits > 1:
         _combine_kernel[(rows * G,)](part_o, part_l, out, out.stride(0), out.stride(1), h, splits, G=G, D=d,
                                      SBLK=min(32, max(16, next_pow2(splits))), num_warps=4)

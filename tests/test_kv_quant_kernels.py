@@ -119,7 +119,9 @@ class QuantCache:
         return n
 
     def reference(self, query, pages, scale):
-        """Float64 attention of ``query [b, Hq, d]`` over ``pages [b, h, W]`` (``< 0`` = none)."""
+        """Float64 attention of ``query [b, Hq, d]`` over ``pages [b, h, W]`` (``< 0`` = none), with the
+        K/V rounded to the query's dtype as the kernel rounds them before its products (for a bf16 query
+        that rounding alone is ~5e-3 of the output, as large as the products' tolerance)."""
         b, hq, d = query.shape
         G = hq // self.h
         out = torch.empty(b, hq, d, dtype=torch.float64)
@@ -130,7 +132,7 @@ class QuantCache:
                          + torch.arange(B)).flatten()
                 ok = (slots < self.L) & self.slot_valid[i, slots.clamp(max=self.L - 1)]
                 slots = slots[ok]
-                k, v = self.k64[i, j, slots], self.v64[i, j, slots]
+                k, v = (x[i, j, slots].to(query.dtype).double() for x in (self.k64, self.v64))
                 for gq in range(G):
                     logits = scale * k @ query[i, j * G + gq].double()
                     out[i, j * G + gq] = torch.softmax(logits, 0) @ v
@@ -221,7 +223,7 @@ def test_a_swapped_code_order_is_caught():
 
 def _padding_mask(valid: torch.Tensor) -> torch.Tensor:
     b, T = valid.shape
-    return torch.zeros(b, 1, T, T).masked_fill(~valid[:, None, None, :], torch.finfo(torch.float32).min)
+    return torch.zeros(b, 1, T, T, device=valid.device).masked_fill(~valid[:, None, None, :], torch.finfo(torch.float32).min)
 
 
 def test_a_quantized_layer_is_read_through_packed_kv():
@@ -232,7 +234,8 @@ def test_a_quantized_layer_is_read_through_packed_kv():
     g = torch.Generator().manual_seed(3)
     keys = torch.randn(b, h, T + steps, d, generator=g) * torch.where(torch.rand(d, generator=g) < 0.1, 8.0, 1.0)
     values = torch.randn(b, h, T + steps, d, generator=g)
-    valid = torch.ones(b, T, dtype=torch.bool)
+    keys, values = keys.to(DEV), values.to(DEV)  # the layer keeps its K/V where they come from
+    valid = torch.ones(b, T, dtype=torch.bool, device=DEV)
     valid[1, :11] = False
     layer = LocksLayer(LocksConfig(selector="quest", budget=64, kv_bits=4, kv_group=32, kv_residual=64,
                                    summary_from="pre"))
@@ -245,8 +248,9 @@ def test_a_quantized_layer_is_read_through_packed_kv():
     packed = layer.packed_kv()
     qk, qv = packed["quantized"].tolist()
     assert 0 < qk < layer.length and 0 < qv < layer.length
-    pages = torch.tensor([[[0, 4, 8, -1], [1, 7, 9, 3]], [[0, 8, 2, -1], [-1, 6, 9, 5]]], dtype=torch.int32)
-    q = torch.randn(b, h * G, d, generator=g)
+    pages = torch.tensor([[[0, 4, 8, -1], [1, 7, 9, 3]], [[0, 8, 2, -1], [-1, 6, 9, 5]]], dtype=torch.int32,
+                         device=DEV)
+    q = torch.randn(b, h * G, d, generator=g).to(DEV)
     got = kernels.quantized_attention(q, pages, scale=0.3, **packed)
 
     k = layer.page_keys(pages.clamp(min=0)).flatten(2, 3).double()  # [b, h, W*B, d]
@@ -257,7 +261,7 @@ def test_a_quantized_layer_is_read_through_packed_kv():
     assert rel(got, want.view(b, h * G, d)) < 1e-5
 
     # the custom op takes the same keywords: wiring a decode step is one call
-    counts = torch.zeros(2, dtype=torch.int64)
+    counts = torch.zeros(2, dtype=torch.int64, device=DEV)
     assert torch.equal(torch.ops.locks_hf.quantized_attention(q, pages, scale=0.3, counts=counts, **packed), got)
     assert counts[0] == int(ok.sum())
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -280,3 +284,66 @@ def test_refusals():
         kernels.quantized_attention(c.query(1), None, n_pages=2, scale=0.3, **dict(kw, bits=8))
     with pytest.raises(ValueError, match="packed codes"):
         kernels.quantized_attention(c.query(1), None, n_pages=2, scale=0.3, **dict(kw, bits=2))
+
+
+def test_tiles_fit_the_dtypes():
+    """bf16 keeps `attend.sparse_attention`'s tiles and two pipeline stages; 4-byte operands (whose stages
+    need twice the shared memory) take tiles of fewer slots, large pages one stage; what is given stays."""
+    from locks_hf.kernels.attend_quant import launch_tiles
+
+    bf, f32 = torch.bfloat16, torch.float32
+    assert [launch_tiles(B, 128, bf, bf) for B in (8, 16, 32, 64)] == [(4, 2), (4, 2), (2, 2), (1, 2)]
+    assert launch_tiles(16, 256, bf, bf) == (4, 2) and launch_tiles(128, 256, bf, bf) == (1, 1)
+    assert launch_tiles(16, 128, f32, bf) == (4, 2) and launch_tiles(16, 256, f32, bf) == (2, 2)
+    assert [launch_tiles(16, d, f32, f32) for d in (64, 128, 256)] == [(4, 2), (2, 2), (1, 2)]
+    assert launch_tiles(64, 128, f32, f32) == (1, 1)
+    assert launch_tiles(16, 128, f32, f32, tile_pages=4, num_stages=3) == (4, 3)
+
+
+def test_launches_it_cannot_run_are_refused(monkeypatch):
+    """Tiles Triton cannot build and the GPU's out-of-resources error come back as ValueErrors naming
+    the arguments to change."""
+    from triton.runtime.errors import OutOfResources
+
+    from locks_hf.kernels import attend_quant
+
+    c = QuantCache(4, 32, "empty", b=1, h=1, d=64)
+    q, kw = c.query(1).to(DEV), dict(c.kwargs(), n_pages=2, scale=0.3)
+    with pytest.raises(ValueError, match="powers of two"):
+        kernels.quantized_attention(q, None, tile_pages=3, **kw)
+    with pytest.raises(ValueError, match="tile_pages >= 2"):
+        kernels.quantized_attention(q, None, **dict(kw, page_size=8), tile_pages=1)
+    with pytest.raises(ValueError, match="num_stages"):
+        kernels.quantized_attention(q, None, num_stages=0, **kw)
+
+    class OutOfShared:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                raise OutOfResources(249952, 232448, "shared memory")
+            return launch
+
+    monkeypatch.setattr(attend_quant, "_quant_attn_kernel", OutOfShared())
+    with pytest.raises(ValueError, match=r"shared memory .*249952 > 232448.*smaller tile_pages.*num_stages=1"):
+        kernels.quantized_attention(q, None, tile_pages=8, **kw)
+
+
+def test_compiles_for_sm90_within_shared_memory():
+    """The interpreter runs tiles the GPU cannot launch (float32's took 250 KB of shared memory, over an
+    H200's 227 KB): `scripts/check_quant_attention_compile.py` compiles the kernel for sm_90 (no GPU
+    needed) at these tests' launches and checks each compiles and fits."""
+    import pathlib
+    import subprocess
+
+    import triton
+
+    if DEV == "cuda":
+        pytest.skip("with a GPU the other tests run the kernel compiled")
+    if not (pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this Triton has no bundled ptxas: it cannot compile for CUDA here")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, [env.get("PYTHONPATH")])])
+    run = subprocess.run([sys.executable, str(root / "scripts" / "check_quant_attention_compile.py")], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr[-2000:]
+    assert run.stdout.count("ok  ") == 7, run.stdout
