@@ -153,7 +153,7 @@ def _quant_attn_kernel(q_ptr, q_sb, q_sh,
 #: inputs (codes, per-slot key scales and zero points, the full-precision tails) in shared memory, so
 #: 4-byte storage needs about twice bf16's: AOT compiles for sm_90 (Triton 3.6.0) at head_dim 64-256 use
 #: at most ~190 KB within these bounds, while e.g. float32 at 64 slots x 128 channels needs 250 KB, over
-#: an H100/H200's 227 KB a block (``scripts/check_quant_attention_compile.py``).
+#: an H100/H200's 227 KB a block (``scripts/dev/check_quant_attention_compile.py``).
 STAGED_ELEMS = {(2, 2): 16384, (4, 2): 8192, (2, 4): 4096, (4, 4): 4096}
 
 

@@ -329,7 +329,7 @@ def test_launches_it_cannot_run_are_refused(monkeypatch):
 
 def test_compiles_for_sm90_within_shared_memory():
     """The interpreter runs tiles the GPU cannot launch (float32's took 250 KB of shared memory, over an
-    H200's 227 KB): `scripts/check_quant_attention_compile.py` compiles the kernel for sm_90 (no GPU
+    H200's 227 KB): `scripts/dev/check_quant_attention_compile.py` compiles the kernel for sm_90 (no GPU
     needed) at these tests' launches and checks each compiles and fits."""
     import pathlib
     import subprocess
@@ -343,7 +343,7 @@ def test_compiles_for_sm90_within_shared_memory():
     root = pathlib.Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, [env.get("PYTHONPATH")])])
-    run = subprocess.run([sys.executable, str(root / "scripts" / "check_quant_attention_compile.py")], env=env,
+    run = subprocess.run([sys.executable, str(root / "scripts" / "dev" / "check_quant_attention_compile.py")], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr[-2000:]
     assert run.stdout.count("ok  ") == 7, run.stdout

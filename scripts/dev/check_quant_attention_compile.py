@@ -11,9 +11,9 @@ the cubin). Exit status 1 when a kernel does not compile or needs more shared me
 ``--limit``. Must run without ``TRITON_INTERPRET=1``. The H200 runs Triton 3.6: to compile with it,
 
     pip install --no-deps --target /tmp/triton36 triton==3.6.0
-    PYTHONPATH=/tmp/triton36 python scripts/check_quant_attention_compile.py
+    PYTHONPATH=/tmp/triton36 python scripts/dev/check_quant_attention_compile.py
 
-    python scripts/check_quant_attention_compile.py --only 0,3      # the listed cases
+    python scripts/dev/check_quant_attention_compile.py --only 0,3      # the listed cases
 """
 
 from __future__ import annotations
