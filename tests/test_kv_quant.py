@@ -13,7 +13,7 @@ import torch
 from conftest import tiny
 
 from locks_hf import LocksCache, LocksConfig, LocksConfigError, LocksStaticCache
-from locks_hf.attention import reference_decode
+from locks_hf.backends.reference import reference_decode
 from locks_hf.cache import LocksLayer
 from locks_hf.config import BudgetDoesNotFit
 from locks_hf.kv_cache import QuantizedLocksLayer
