@@ -307,3 +307,16 @@ def test_the_package_has_no_import_cycles():
 
 def test_the_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+
+
+def test_backends_read_layers_through_public_accessors():
+    """No backend module reads a layer's private fields (``layer._...``)."""
+    import ast
+    from pathlib import Path
+
+    import locks_hf.backends
+
+    for path in Path(locks_hf.backends.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "layer":
+                assert not node.attr.startswith("_"), f"{path.name}:{node.lineno} reads layer.{node.attr}"
