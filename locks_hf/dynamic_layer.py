@@ -48,7 +48,10 @@ class LocksLayer(DynamicLayer, PolicyInputs, PagedLayer):
         # (`locks_hf.kv_cache`, loaded with the package), so that every place that builds a layer
         # from a config honours kv_bits.
         if cls is LocksLayer and config is not None and config.kv_bits not in cls.stored_kv_bits:
-            cls = next(sub for sub in LocksLayer.__subclasses__() if config.kv_bits in sub.stored_kv_bits)
+            storing = [sub for sub in LocksLayer.__subclasses__() if config.kv_bits in sub.stored_kv_bits]
+            if not storing:
+                raise LocksConfigError(f"no Locks layer stores kv_bits={config.kv_bits}")
+            cls = storing[0]
         return super().__new__(cls)
 
     def __init__(self, config: LocksConfig, selector: PageSelector | None = None) -> None:
