@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from locks_hf import LocksConfig, LocksStaticCache, backend
+from locks_hf import LocksConfig, LocksStaticCache, traffic
 from locks_hf.kv_quant import kv_token_bytes
 from locks_hf.selectors import make_selector, static_selector_names
 
@@ -293,14 +293,12 @@ class PrefilledBatch:
         page_bytes = sum(t[0, 0, 0].numel() * t.element_size() for t in layers[0].summary.values())
         estimate = 0
         selector = make_selector(locks)
-        if selector is not None:
-            for length in range(prompt + 1, prompt + steps + 1):  # tokens cached at each step
-                if length > locks.page_slots * B:
-                    pages = length // B
-                    estimate += h * (length * key_bytes if selector.reads_keys else
-                                     pages * page_bytes + selector.candidate_key_pages(pages) * B * key_bytes)
+        for length in range(prompt + 1, prompt + steps + 1):  # tokens cached at each step
+            if length > locks.page_slots * B:
+                reads = traffic.selection_reads(selector, length // B, length, B)
+                estimate += h * traffic.selection_read_bytes(reads, length // B * page_bytes, key_bytes)
         head_steps = len(layers) * steps * h
-        read = attended * (key_bytes + value_bytes) + len(layers) * estimate
+        read = traffic.attended_kv_bytes(attended, key_bytes, value_bytes) + len(layers) * estimate
         return {"attended_tokens": attended / head_steps, "read_bytes": read / head_steps}
 
     def _check(self, host: list[list[int]], pre, checked, results) -> bool:
@@ -333,7 +331,7 @@ class PrefilledBatch:
         if mode != "eager":
             # the reference path (settings the kernels do not implement) syncs with the host (an SVD
             # per completed page), which neither a captured graph nor cudagraph trees allow
-            reference = [layer for layer in self.cache.locks_layers if not backend.uses_kernels(layer)]
+            reference = [layer for layer in self.cache.locks_layers if not layer.backend.graph_safe]
             if reference and self.engine.requested_step != "auto":
                 raise ValueError(f"step={mode!r} needs the GPU kernels, which do not implement "
                                  f"{self.cache.locks_config.label} here: use step='eager'")

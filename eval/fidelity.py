@@ -1,7 +1,7 @@
 """Selection fidelity (paper §3, Table 1 / Fig. 1) on real queries and keys captured while decoding.
 
 For every captured decode step (layer, query heads, the cache as it was at that step) and every arm
-(selector x budget) we rebuild the arm's page set exactly as `locks_hf.attention.sparse_decode` does
+(selector x budget) we rebuild the arm's page set exactly as `locks_hf.backends.reference.reference_decode` does
 (summaries of the complete pages, `page_scores`, `select_pages`) and measure against exact attention:
 
 * ``mass``      retained attention mass gamma_S: share of the exact softmax mass on the selected pages,
@@ -79,7 +79,7 @@ def selection_metrics(keys: torch.Tensor, values: torch.Tensor, valid: torch.Ten
 
 def arm_selection(config, keys: torch.Tensor, valid: torch.Tensor, n_complete: int, query: torch.Tensor,
                   scale: float, n_fit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The page set ``[b,h,P]`` an arm attends at this step, as `sparse_decode` builds it; and the forced pages.
+    """The page set ``[b,h,P]`` an arm attends at this step, as `reference_decode` builds it; and the forced pages.
 
     ``full`` (or a context of at most ``k`` pages) selects every real page. Selectors with
     sequence-level state (the shared-basis controls) fit it on the first ``n_fit`` pages (the pages

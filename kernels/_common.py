@@ -18,14 +18,6 @@ BIG_PAGE = tl.constexpr(2**30)
 NO_KEY = tl.constexpr(-(2**31))
 LOG2E = tl.constexpr(1.4426950408889634)
 
-#: Per-page summary tensors each scoring method reads, in the order the custom ops (`ops`) take them.
-SUMMARY_NAMES = {"locks": ("basis", "basis_scale", "coef", "coef_scale", "mu", "mu_scale"),
-                 "quest": ("upper", "lower"), "oracle": (), "full": ()}
-SUMMARY_NAMES["locks_rerank"] = SUMMARY_NAMES["locks"]  # Locks summaries; exact re-ranking reads keys too
-#: The scoring mode of the summaries' scan for each decode method (re-ranking scans as Locks).
-SCAN_METHOD = {"locks_rerank": "locks"}
-
-
 def on_device(device: torch.device):
     """Make ``device`` current for the launches (Triton launches on the current CUDA device)."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

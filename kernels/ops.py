@@ -10,43 +10,42 @@ from __future__ import annotations
 
 import torch
 
-from ._common import SUMMARY_NAMES
 from .build import build_summary, summary_shapes
 from .decode import decode_step
 from .page_update import update_completed_pages
+from .score import SUMMARY_NAMES
 from .select import page_list_width
 
 
-@torch.library.custom_op("locks_hf::decode_step", mutates_args=("counts", "workspace", "row_counts", "selection"))
+@torch.library.custom_op("locks_hf::decode_step", mutates_args=("counts", "row_counts", "selection"))
 def decode_step_op(method: str, query: torch.Tensor, key_buf: torch.Tensor, value_buf: torch.Tensor,
                    slot_valid: torch.Tensor, row_start: torch.Tensor, n_complete: torch.Tensor,
                    length: torch.Tensor, summary: list[torch.Tensor], n_pages: int, slots: int, scale: float,
                    page_size: int, basis_bits: int, counts: torch.Tensor,
-                   active_slots: torch.Tensor | None, workspace: torch.Tensor | None,
-                   row_counts: torch.Tensor | None, pad: torch.Tensor | None,
-                   selection: torch.Tensor | None, rerank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                   active_slots: torch.Tensor | None, row_counts: torch.Tensor | None, pad: torch.Tensor | None,
+                   selection: torch.Tensor | None, per_head: bool, rerank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """`decode.decode_step` with the summary passed as the list ``SUMMARY_NAMES[method]``; ``counts[0]``
     (int64) grows by the tokens attended. ``slots`` sizes the page lists; ``active_slots`` (``int32 [1]``
-    or ``None`` for ``slots``) is the budget selected with, read on the device. ``workspace``,
-    ``row_counts``, ``pad`` and ``selection``: a static layer's buffers (see `decode.decode_step`);
-    ``rerank`` the candidate multiple of ``"locks_rerank"``.
+    or ``None`` for ``slots``) is the budget selected with, read on the device. ``row_counts``, ``pad``
+    and ``selection``: a static layer's buffers (see `decode.decode_step`); ``per_head`` and ``rerank``
+    what the selector declares (per-head lists; the candidate multiple of exact re-ranking, 0 for none).
 
     The mutated arguments have no defaults on purpose: torch before 2.12 drops trailing arguments equal
     to their default before its in-place version bump, which then indexes past the end of ``args``."""
-    named = dict(zip(SUMMARY_NAMES[method], summary))
+    named = dict(zip(SUMMARY_NAMES.get(method, ()), summary))
     return decode_step(method, query, key_buf=key_buf, value_buf=value_buf, slot_valid=slot_valid,
                        row_start=row_start, n_complete=n_complete, length=length, n_pages=n_pages, slots=slots,
                        scale=scale, page_size=page_size, summary=named, basis_bits=basis_bits, counts=counts,
-                       active_slots=active_slots, workspace=workspace, row_counts=row_counts, pad=pad,
-                       selection=selection, rerank=rerank)
+                       active_slots=active_slots, row_counts=row_counts, pad=pad,
+                       selection=selection, per_head=per_head, rerank=rerank)
 
 
 @decode_step_op.register_fake
 def _(method, query, key_buf, value_buf, slot_valid, row_start, n_complete, length, summary, n_pages, slots,
-      scale, page_size, basis_bits, counts, active_slots, workspace, row_counts, pad, selection, rerank=0):
+      scale, page_size, basis_bits, counts, active_slots, row_counts, pad, selection, per_head, rerank=0):
     b, hq, d = query.shape[0], query.shape[1], query.shape[-1]
     h = key_buf.shape[1]
-    width = 0 if method == "full" else page_list_width(method, slots, hq // h)
+    width = 0 if method == "full" else page_list_width(per_head, slots, hq // h)
     return query.new_empty((b, 1, hq, d)), query.new_empty((b * h, width), dtype=torch.int32)
 
 

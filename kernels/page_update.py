@@ -24,9 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import SCAN_METHOD, SUMMARY_NAMES, next_pow2, on_device, slot_ok, take_rows
+from ._common import next_pow2, on_device, slot_ok, take_rows
 from .build import store_summary, summary_shapes
 from .eigh import ascending_rank, default_sweeps, jacobi_eigh, lower_symmetric
+from .score import SUMMARY_NAMES
 
 #: Page sizes the kernel builds (the Jacobi eigensolver needs a power of two <= 32).
 PAGE_SIZES = (4, 8, 16, 32)
@@ -155,7 +156,6 @@ def update_completed_pages(method: str, key_buf: torch.Tensor, slot_valid: torch
     """
     if method not in SUMMARY_NAMES:
         raise ValueError(f"update_completed_pages: unknown method {method!r}")
-    method = SCAN_METHOD.get(method, method)  # the summaries of the method's scan
     if not SUMMARY_NAMES[method]:
         if n_complete is not None:
             raise ValueError(f"update_completed_pages({method!r}): keeps no summary and launches nothing, so it "

@@ -50,6 +50,24 @@ __all__ = ["BY_TOKEN_MIN_PAGE_ROWS", "LOCKS", "METHODS", "ORACLE", "QUEST", "ROL
 
 #: Scoring method names -> ``METHOD`` codes of `_score_kernel`.
 METHODS = {"locks": LOCKS, "oracle": ORACLE, "quest": QUEST}
+#: Per-page summary tensors each scoring method reads, in the order the custom ops (`ops`) take them.
+SUMMARY_NAMES = {"locks": ("basis", "basis_scale", "coef", "coef_scale", "mu", "mu_scale"),
+                 "quest": ("upper", "lower"), "oracle": ()}
+#: Basis bits the Locks scoring kernels unpack (coefficients and centroids are int8).
+_QUANTIZED = (2, 4, 8)
+
+
+def scores(method: str, *, head_dim: int, basis_bits: int = 4, coef_bits: int = 8, centroid_bits: int = 8) -> bool:
+    """Whether `score_pages` scores with ``method`` for this head dim and summary quantization: Locks
+    summaries must be int4/int2/int8-packed bases with int8 coefficients and centroids; the tiles need
+    a power-of-two head dim of at least 16 (packed) entries."""
+    if method not in METHODS:
+        return False
+    locks = METHODS[method] == LOCKS
+    if locks and (basis_bits not in _QUANTIZED or coef_bits != 8 or centroid_bits != 8):
+        return False
+    per = 8 // basis_bits if locks else 1
+    return not (head_dim & (head_dim - 1)) and head_dim // per >= 16
 
 
 def _as_u8(t: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from collections.abc import Callable, Iterator
 
 import torch
@@ -18,11 +17,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils import is_torchdynamo_compiling, logging
 
-from . import backend
-from .cache import take_handoff
+from .handoff import take_handoff
 from .models_support import ATTENTION_NAME, REFUSED_GENERATION, UnsupportedModelError, check_attention_dispatch
-from .paged import PagedLayer
-from .token_policy import policy_decode
 
 logger = logging.get_logger(__name__)
 
@@ -44,13 +40,6 @@ USE_CACHE_FALSE = (
 )
 
 
-def kernel_path(layer: PagedLayer, query: torch.Tensor | None = None):
-    """Deprecated: `locks_hf.backend.kernels_for`."""
-    warnings.warn("locks_hf.attention.kernel_path is deprecated: use locks_hf.backend.kernels_for",
-                  DeprecationWarning, stacklevel=2)
-    return backend.kernels_for(layer, query)
-
-
 #: Callbacks of `observe_decode_queries`, called on every decode step of a Locks layer.
 _DECODE_OBSERVERS: list[Callable[[int | None, int, torch.Tensor, float], None]] = []
 
@@ -67,56 +56,6 @@ def observe_decode_queries(callback: Callable[[int | None, int, torch.Tensor, fl
         yield
     finally:
         _DECODE_OBSERVERS.remove(callback)
-
-
-def sparse_decode(layer: PagedLayer, query: torch.Tensor, scale: float) -> torch.Tensor:
-    """One decode step attending only the selected pages: ``query [b, Hq, 1, d]`` -> ``[b, 1, Hq, d]``,
-    on the kernels where `locks_hf.backend` says so, else `reference_decode`."""
-    if backend.uses_kernels(layer, query):
-        return backend.kernel_decode(layer, query, scale)
-    return reference_decode(layer, query, scale)
-
-
-def reference_decode(layer: PagedLayer, query: torch.Tensor, scale: float) -> torch.Tensor:
-    """One decode step attending only the selected pages, in PyTorch (the reference path).
-
-    ``query [b, Hq, 1, d]`` -> output ``[b, 1, Hq, d]``.
-    """
-    cfg, selector = layer.config, layer.selector
-    b, hq, _, d = query.shape
-    h = layer.keys.shape[1]
-    G = hq // h
-    q = query.reshape(b, h, G, d)
-
-    valid = layer.page_validity()  # [b, 1, P, B]
-    P = valid.shape[2]
-    if selector is None:  # "full" (a static cache's dense decode): every page with a real token
-        selected = valid[:, 0].any(-1)[:, None].expand(b, h, P)
-        width = P
-    else:
-        # 1-2. Score every page from its summary (the oracle reads the keys instead) and select: sink +
-        # most recent + best k - 2 complete pages, one set per KV head.
-        keys = layer.all_page_keys() if selector.reads_keys or selector.reads_candidate_keys else None
-        selected = selector.choose_pages(layer.summary_view(), keys, valid, q, scale, layer.complete_pages(), cfg)
-        width = min(P, cfg.page_slots * (G if selector.per_head else 1))
-
-    # 3. Attend the selected pages with the original K/V, softmax renormalised over them.
-    acc = torch.promote_types(query.dtype, torch.float32)  # fp32 accumulation (fp64 stays fp64)
-    pages = torch.sort(selected.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :width]
-    taken = selected.gather(-1, pages)  # [b, h, W]: False for padding of the fixed width
-    if selector is not None:
-        layer.note_selection(torch.where(taken, pages, -1))
-    k_sel = layer.page_keys(pages).flatten(2, 3).to(acc)  # [b, h, W*B, d]
-    v_sel = layer.page_keys(pages, values=True).flatten(2, 3).to(acc)
-    tok_ok = (layer.page_validity_of(pages) & taken[..., None]).flatten(2)  # [b, h, W*B]
-
-    # Unwritten slots of the last page may hold anything, NaN included (0 * NaN = NaN): mask V too.
-    v_sel = v_sel.masked_fill(~tok_ok[..., None], 0.0)
-    logits = scale * torch.einsum("bhgd,bhnd->bhgn", q.to(acc), k_sel)
-    probs = torch.softmax(logits.masked_fill(~tok_ok[:, :, None], float("-inf")), dim=-1)
-    out = torch.einsum("bhgn,bhnd->bhgd", probs, v_sel)
-    layer.record_step(tok_ok.sum(), valid.sum() * h)
-    return out.reshape(b, 1, hq, -1).to(query.dtype)
 
 
 def locks_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -161,13 +100,9 @@ def locks_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
             layer.record_step(real, real)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    # eviction / per-token policies: their own reference path on any device (a static cache's "full"
-    # reaches this point on the kernels, with no selector)
-    if layer.selector is not None and layer.selector.token_level:
-        return policy_decode(layer, query, scaling), None
-    out = sparse_decode(layer, query, scaling)
-    layer.record_selection_traffic()
-    return out, None
+    # Sparse decode (score the pages from their summaries, select, attend the selection) or a token
+    # policy's step, on the backend the layer chose when its buffers were allocated.
+    return layer.backend.decode(layer, query, scaling), None
 
 
 def locks_mask(*args, config=None, **kwargs):

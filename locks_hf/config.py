@@ -7,6 +7,7 @@ import numbers
 import re
 from dataclasses import dataclass, fields as dataclass_fields, replace
 
+from .errors import BudgetDoesNotFit, LocksConfigError  # noqa: F401  (BudgetDoesNotFit: public here too)
 from .kv_quant import validate_kv
 
 GROUP_COMBINES = ("share_average", "group_max", "group_mass")
@@ -21,15 +22,6 @@ SELECTOR_SETTINGS = ("lazy_alpha", "rerank")
 #: An arm label's budget suffix, as in ``locks-r8i4-b128`` (`LocksConfig.label`).
 _BUDGET_SUFFIX = re.compile(r"^(?P<family>.+)-b(?P<budget>\d+)$")
 
-
-
-class LocksConfigError(ValueError):
-    """A `LocksConfig` field has a value the method cannot run with."""
-
-
-class BudgetDoesNotFit(LocksConfigError):
-    """The method's fixed token blocks do not fit in the budget (e.g. ShadowKV below 424 tokens):
-    a sweep reports such an arm as not run."""
 
 
 @dataclass(frozen=True)
@@ -137,7 +129,7 @@ class LocksConfig:
                 if getattr(self, name) is None and selector.own_settings[name] is not None:
                     object.__setattr__(self, name, selector.own_settings[name])
             elif getattr(self, name) is not None:
-                from .selectors import selector_names
+                from .selectors.registry import selector_names
 
                 owners = [n for n in selector_names() if name in _selector_class(n).own_settings]
                 raise LocksConfigError(
@@ -154,14 +146,14 @@ class LocksConfig:
     def summary_layout(self) -> tuple:
         """What the per-page summaries depend on (the selector's declared `summary_fields`): configs with
         equal layouts (e.g. differing only in budget or group rule) share the same summaries."""
-        from .selectors import summary_layout
+        from .selectors.registry import summary_layout
 
         return summary_layout(self)
 
     @property
     def label(self) -> str:
         """Short name of the arm, e.g. ``locks-r8i4-b128`` or ``quest-b128`` (``full``: no budget)."""
-        from .selectors import family_of
+        from .selectors.labels import family_of
 
         family = family_of(self)
         return family if _selector_class(self.selector).dense else f"{family}-b{self.budget}"
@@ -173,7 +165,7 @@ class LocksConfig:
         optionally with a budget suffix (``quest-b64``: `label`'s inverse)."""
         if not isinstance(label, str):
             raise LocksConfigError(f"a summary label is a str such as 'r8i4', got {label!r}")
-        from .selectors import family_help, parse_family
+        from .selectors.labels import family_help, parse_family
 
         family, fields = label, {}
         suffix = _BUDGET_SUFFIX.match(label)
@@ -198,15 +190,17 @@ class LocksConfig:
 
 
 def _selector_class(name: str):
-    # Imported here: the selectors' modules may import this one.
-    from .selectors import selector_class
+    # Imported here: the registry imports every selector module, which a config need not load to exist.
+    from .selectors.registry import selector_class
 
     return selector_class(name)
 
 
-def __getattr__(name: str):
-    if name == "SELECTORS":  # the registered selector names (a tuple here before the registry)
-        from .selectors import selector_names
+def config_for_family(family: str, budget: int = 128, page_size: int = 16, **extra) -> LocksConfig:
+    """The `LocksConfig` of an arm family at ``budget`` (a dense family ignores the budget)."""
+    from .selectors.labels import parse_family
 
-        return selector_names()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    cls, fields = parse_family(family)
+    if cls.dense:
+        budget = max(budget, 2 * page_size)
+    return LocksConfig(selector=cls.name, page_size=page_size, budget=budget, **fields, **extra)

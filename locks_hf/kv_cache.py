@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import torch
 
-from .cache import LocksLayer, _resized
+from .buffers import resized_keeping as _resized
+from .dynamic_layer import LocksLayer
 from .kv_quant import (
     builds_summaries,
     check_kv_head_dim,
@@ -50,6 +51,7 @@ from .kv_quant import (
 class QuantizedLocksLayer(LocksLayer):
     """A `LocksLayer` storing its K/V KIVI-quantized (see the module docstring)."""
 
+    stored_kv_bits = (2, 4)
     _STORAGE = ("_kcodes", "_kscale", "_kzero", "_vcodes", "_vscale", "_vzero", "_kres", "_vres")
 
     def _clear(self) -> None:
@@ -350,7 +352,7 @@ def to_quantized(layer: LocksLayer, config) -> QuantizedLocksLayer:
         layer.summarize_completed()
     new = QuantizedLocksLayer(config)
     new.__dict__.update({name: value for name, value in vars(layer).items()
-                         if name not in ("config", "selector", "keys", "values", "_kbuf", "_vbuf")})
+                         if name not in ("config", "selector", "backend", "keys", "values", "_kbuf", "_vbuf")})
     new.reset_stats()
     if not layer.is_initialized:
         return new

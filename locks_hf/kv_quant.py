@@ -37,7 +37,7 @@ KV_FIELDS = tuple(KV_DEFAULTS)
 
 
 def _error(message: str):
-    from .config import LocksConfigError
+    from .errors import LocksConfigError
 
     return LocksConfigError(message)
 
@@ -70,7 +70,7 @@ def validate_kv(config) -> None:
         raise _error(f"kv_residual={residual} must be a multiple of page_size={config.page_size}: keys are "
                      "quantized in whole pages, so that a page's summary is built from one precision; use a "
                      f"residual of k * {max(group, config.page_size)} tokens")
-    from .selectors import selector_class
+    from .selectors.registry import selector_class
 
     cls = selector_class(config.selector)
     if config.summary_from != "post" and not builds_summaries(cls):

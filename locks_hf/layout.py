@@ -28,9 +28,11 @@ from transformers.cache_utils import (
     StaticSlidingWindowLayer,
 )
 
-from . import backend
+from .backends import KERNELS_ENV, kernels_available, kernels_enabled
+from .buffers import mark_static, resized
 from .config import LocksConfig
 from .selectors import static_selector_names
+from .static_layer import LocksStaticLayer
 
 logger = logging.getLogger(__name__)
 
@@ -67,16 +69,16 @@ def device_refusal() -> str | None:
     Triton, or the kernels switched off with ``LOCKS_HF_KERNELS=0``."""
     if not torch.cuda.is_available():
         return "no CUDA device"
-    if not backend.kernels_enabled():
-        return f"{backend.KERNELS_ENV}=0"
-    return None if backend.kernels_available() else "Triton (locks_hf.kernels) cannot be imported"
+    if not kernels_enabled():
+        return f"{KERNELS_ENV}=0"
+    return None if kernels_available() else "Triton (locks_hf.kernels) cannot be imported"
 
 
 def choose_layout(layout: str, locks: LocksConfig, layer_types: list[str] | None) -> bool:
     """True for the static layout. ``"auto"`` picks it when the machine runs the compiled decode and
     the configuration allows it, and logs why not when only the configuration stands in the way;
     ``"static"`` insists (a `LocksConfigError` says why it cannot); ``"dynamic"`` never."""
-    from .config import LocksConfigError
+    from .errors import LocksConfigError
 
     if layout not in LAYOUTS:
         raise LocksConfigError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -164,28 +166,9 @@ class CapacityPlan:
 def build_static_layers(layer_types: list[str], layer_kwargs: list[dict], locks: LocksConfig, capacity: int,
                         max_slots: int | None = None) -> list:
     """The static layers of a model: `LocksStaticLayer` for full attention, transformers' otherwise."""
-    from .static_cache import LocksStaticLayer
-
     return [LocksStaticLayer(capacity, locks, max_slots=max_slots) if kind == "full_attention"
             else STATIC_LAYER_TYPE_MAPPING[kind](max_cache_len=capacity, **kw)
             for kind, kw in zip(layer_types, layer_kwargs)]
-
-
-def mark_static(*tensors: torch.Tensor) -> None:
-    """Fixed addresses (CUDA graphs) and fixed shapes (a new size recompiles, never goes symbolic)."""
-    for t in tensors:
-        torch._dynamo.mark_static_address(t)
-        torch._dynamo.mark_static(t)
-
-
-def resized(t: torch.Tensor, dim: int, size: int, fill=0) -> torch.Tensor:
-    """A new tensor: ``t`` with axis ``dim`` cut or extended (with ``fill``) to ``size``."""
-    keep = min(size, t.shape[dim])
-    shape = list(t.shape)
-    shape[dim] = size
-    out = t.new_full(shape, fill)
-    out.narrow(dim, 0, keep).copy_(t.narrow(dim, 0, keep))
-    return out
 
 
 def reallocate_hf_layer(layer: StaticLayer, capacity: int | None = None, rows: torch.Tensor | None = None,

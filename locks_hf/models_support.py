@@ -9,14 +9,11 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from .compat import get_layer_types_and_kwargs
 from .config import LocksConfig, LocksConfigError
+from .errors import UnsupportedModelError
 from .kv_quant import check_kv_head_dim
-from .selectors import selector_class
+from .selectors.registry import selector_class
 
 ATTENTION_NAME = "locks"
-
-
-class UnsupportedModelError(ValueError):
-    """The model (or one attention call) uses a feature Locks' sparse decode cannot reproduce exactly."""
 
 
 # Config attributes whose presence (non-None / truthy) means the attention is not plain softmax

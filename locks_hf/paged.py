@@ -3,12 +3,12 @@
 A Locks layer keeps a key and a value buffer ``[b, h, capacity, d]`` and per-row page bookkeeping:
 page ``j`` of row ``i`` holds slots ``row_start[i] + j*B ...`` (a left-padded row is paged exactly as
 if it ran alone), and ``n_complete[i]`` of its pages are complete. Everything the attention function,
-the kernels' glue (`locks_hf.backend`) and the selectors read from a layer is derived here from
+its decode backend (`locks_hf.backends`) and the selectors read from a layer is derived here from
 three accessors a storage class provides: `kv_buffers` (the key and value buffers), `row_tensors`
 and `length_tensor` (all tensors, so the same code runs in an eager dynamic cache and in a compiled
 static one).
 
-Subclasses (`locks_hf.cache.LocksLayer`, `locks_hf.static_cache.LocksStaticLayer`) keep only storage,
+Subclasses (`locks_hf.dynamic_layer.LocksLayer`, `locks_hf.static_layer.LocksStaticLayer`) keep only storage,
 prefill and per-step summarizing, as transformers' ``DynamicLayer`` / ``StaticLayer`` do.
 """
 
@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from . import backend
+from .backends import DecodeBackend, choose_backend
 
 
 def slot_validity(attention_mask: torch.Tensor | None, query_len: int, batch: int, device) -> torch.Tensor:
@@ -46,8 +46,11 @@ class PagedLayer(ABC):
     Attributes a subclass sets: ``config`` (`LocksConfig`), ``selector`` (`PageSelector` or ``None``
     for dense), ``summary`` (the selector's page-axis tensors ``[b, h, pages, ...]``), ``shared`` (its
     sequence-level state ``[b, h, ...]``), ``slot_valid [b, capacity]`` (False for padding slots),
-    ``counts`` (``int64 [2]`` statistics or ``None``) and ``device``.
+    ``counts`` (``int64 [2]`` statistics or ``None``) and ``device``; ``backend``, the `DecodeBackend`
+    its decode steps run on, is set by `refresh_backend`.
     """
+
+    backend: DecodeBackend
 
     #: Set by ``Cache.activate_past_recording`` (assisted / prompt-lookup decoding): a multi-token
     #: forward is then a verification of drafted tokens, which Locks refuses (see `attention`).
@@ -61,6 +64,21 @@ class PagedLayer(ABC):
     def kv_buffers(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The key and value storage, ``[b, h, capacity, d]`` each (``None`` before the first update);
         slots at or past the length are unwritten memory."""
+
+    def refresh_backend(self) -> None:
+        """(Re)choose where this layer's decode runs (`locks_hf.backends.choose_backend`): called when
+        its buffers are (re)allocated and when its settings change, never per step."""
+        self.backend = choose_backend(self)
+
+    @property
+    def kv_batch(self) -> int:
+        """Rows cached."""
+        return self.keys.shape[0]
+
+    @property
+    def kv_heads(self) -> int:
+        """KV heads cached."""
+        return self.keys.shape[1]
 
     def key_buffer(self) -> torch.Tensor | None:
         """All key slots ``[b, h, capacity, d]`` (see `kv_buffers`)."""
@@ -129,9 +147,9 @@ class PagedLayer(ABC):
 
     def kernel_buffers(self) -> dict[str, torch.Tensor | None] | None:
         """Buffers that let the kernels keep this layer's per-step bookkeeping in their launches
-        (`locks_hf.backend.kernel_decode`), or ``None`` (the glue keeps it): ``row_start``,
+        (`locks_hf.backends.triton.kernel_decode`), or ``None`` (the glue keeps it): ``row_start``,
         ``n_complete`` (written by the per-step page update; ``None`` where none runs), ``pad``,
-        ``row_counts``, ``selection`` (the page mask) and ``workspace`` (zeros the kernels leave zero)."""
+        ``row_counts`` and ``selection`` (the page mask)."""
         return None
 
     def page_slots(self) -> tuple[int, torch.Tensor | None]:
@@ -223,5 +241,5 @@ class PagedLayer(ABC):
 
     def summarize_pages(self, keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
         """The selector's per-page tensors for ``keys [b, h, n, B, d]`` (``valid [b, h, n, B]``), built
-        where `locks_hf.backend` says (GPU kernels or the selector's reference)."""
-        return backend.build_summary(self, keys, valid)
+        where the layer's backend builds them (GPU kernels or the selector's reference)."""
+        return self.backend.build_summary(self, keys, valid)

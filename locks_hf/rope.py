@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .models_support import UnsupportedModelError
+from .errors import UnsupportedModelError
 
 
 def rope_frequencies(text_config, layer_type: str = "full_attention") -> torch.Tensor:

@@ -35,7 +35,7 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
-from locks_hf import LocksCache, LocksConfig, LocksStaticCache
+from locks_hf import LocksCache, LocksConfig, LocksStaticCache, traffic
 from locks_hf.selectors import config_for_family, make_selector
 
 SHAPES = {
@@ -94,18 +94,16 @@ def read_bytes_per_step(locks: LocksConfig, config, context: int, dtype: torch.d
     token = d * torch.finfo(dtype).bits // 8  # one token's key (or value)
     selector = make_selector(locks)
     if selector is None:
-        return n * h * context * 2 * token
+        return n * h * traffic.attended_kv_bytes(context, token, token)
     if selector.token_level:
         return None
     B = locks.page_size
     pages = context // B
-    if selector.reads_keys:
-        estimate = context * token
-    else:
-        probe = selector.summarize(torch.zeros(1, 1, 1, B, d, dtype=dtype), torch.ones(1, 1, 1, B, dtype=torch.bool))
-        estimate = pages * sum(t.numel() * t.element_size() for t in probe.values())
-        estimate += selector.candidate_key_pages(pages) * B * token
-    return n * h * (estimate + locks.page_slots * B * 2 * token)
+    reads = traffic.selection_reads(selector, pages, context, B)
+    probe = selector.summarize(torch.zeros(1, 1, 1, B, d, dtype=dtype), torch.ones(1, 1, 1, B, dtype=torch.bool))
+    estimate = traffic.selection_read_bytes(reads, pages * sum(t.numel() * t.element_size() for t in probe.values()),
+                                            token)
+    return n * h * (estimate + traffic.attended_kv_bytes(locks.page_slots * B, token, token))
 
 
 def make_cache(graphs: str, config, name: str, locks: LocksConfig, capacity: int):

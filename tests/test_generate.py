@@ -7,7 +7,6 @@ from selector_lists import selectors
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from locks_hf import LocksCache, LocksConfig, LocksLayer
-from locks_hf.attention import sparse_decode
 
 #: cache API, generate() with padding, beams and sampling, layouts, fork: checked on every supported version.
 pytestmark = pytest.mark.compat
@@ -38,7 +37,7 @@ def test_sparse_path_with_every_page_equals_dense():
     layer = cache.layers[0]
     layer.config = layer.config.replace(budget=2048)  # k > pages: selection takes every page
     q = torch.randn(1, 4, 1, 16, dtype=torch.float64)
-    out = sparse_decode(layer, q, 0.25)
+    out = layer.backend.decode(layer, q, 0.25)
     k = layer.keys.repeat_interleave(2, dim=1)
     v = layer.values.repeat_interleave(2, dim=1)
     want = torch.softmax(0.25 * q @ k.transpose(-1, -2), -1) @ v
@@ -88,7 +87,7 @@ def test_sparse_output_equals_attention_over_selected_tokens(selector):
     model(_ids(250), past_key_values=cache)
     layer = cache.layers[1]
     q = torch.randn(1, 4, 1, 16, dtype=torch.float64)
-    out = sparse_decode(layer, q, 0.25)
+    out = layer.backend.decode(layer, q, 0.25)
     assert torch.allclose(out, _brute_sparse_output(layer, q, 0.25), atol=1e-10)
 
 

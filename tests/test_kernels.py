@@ -328,13 +328,13 @@ def test_decode_step_matches_reference_pipeline():
 @pytest.mark.parametrize("static,selector", [(False, "locks"), (True, "locks"), (False, "quest"), (True, "quest"),
                                              (True, "full"), ("wide", "locks"), ("wide", "quest")])
 def test_layer_glue_matches_reference_path(monkeypatch, static, selector):
-    """`backend.kernel_decode` on a `LocksLayer` / `LocksStaticLayer` (run directly, on this device) =
+    """`backends.triton.kernel_decode` on a `LocksLayer` / `LocksStaticLayer` (run directly, on this device) =
     the reference path on the same layer: output, page set, token statistics. (``"full"`` decodes on
     the page path only in the static cache: a dynamic cache hands it to SDPA.) ``"wide"``: a static
     layer whose page lists are sized for a larger budget, decoding at its own (read on the device)."""
     monkeypatch.setenv("LOCKS_HF_KERNELS", "0")  # the reference calls below must not dispatch
-    from locks_hf.attention import reference_decode
-    from locks_hf.backend import kernel_decode
+    from locks_hf.backends.reference import reference_decode
+    from locks_hf.backends.triton import kernel_decode
     from locks_hf.cache import LocksLayer
     from locks_hf.static_cache import LocksStaticLayer
 
@@ -361,10 +361,10 @@ def test_layer_glue_matches_reference_path(monkeypatch, static, selector):
 # the kernel selectors with per-page summaries of their own (the oracle reads keys, no summary)
 @pytest.mark.parametrize("selector", selectors(kernel=True, dense=False, reads_keys=False, summary_of=None))
 def test_static_per_step_page_summary_glue(monkeypatch, selector):
-    """`backend.kernel_update_newest_page` on a `LocksStaticLayer` = the layer's reference per-step summary
+    """`backends.triton.kernel_update_newest_page` on a `LocksStaticLayer` = the layer's reference per-step summary
     for the page a step completes; on a step that completes none it writes nothing."""
     monkeypatch.setenv("LOCKS_HF_KERNELS", "0")  # the layer's own calls take the reference path
-    from locks_hf.backend import kernel_update_newest_page
+    from locks_hf.backends.triton import kernel_update_newest_page
     from locks_hf.static_cache import LocksStaticLayer
 
     c = Cache(7, b=2, pages=20, pad=(0, 0), hole=False)
@@ -487,8 +487,8 @@ def test_left_padding_filling_whole_pages_on_the_kernels(monkeypatch, static, se
     to a long row that selects pages, both paths agree on that row too. A dynamic layer holding only
     the padded row decodes densely (SDPA), as the row alone would."""
     monkeypatch.setenv("LOCKS_HF_KERNELS", "0")  # the layer's own calls take the reference path
-    from locks_hf.attention import reference_decode
-    from locks_hf.backend import kernel_decode, kernel_update_newest_page
+    from locks_hf.backends.reference import reference_decode
+    from locks_hf.backends.triton import kernel_decode, kernel_update_newest_page
     from locks_hf.cache import LocksLayer
     from locks_hf.static_cache import LocksStaticLayer
 

@@ -14,7 +14,7 @@ from conftest import tiny
 from selector_lists import selectors
 
 from locks_hf import LocksCache, LocksConfig, LocksConfigError, LocksStaticCache
-from locks_hf.attention import reference_decode
+from locks_hf.backends.reference import reference_decode
 from locks_hf.cache import LocksLayer
 from locks_hf.config import BudgetDoesNotFit
 from locks_hf.kv_cache import QuantizedLocksLayer

@@ -73,7 +73,7 @@ def test_decode_step_matches_reference_pipeline():
     """Score + short list + re-rank + attend, chained."""
     c = Cache(11, pages=70)
     summ = {n: v.to(DEV) for n, v in c.summary(4, 4).items()}
-    out, pages = kernels.decode_step("locks_rerank", c.dev("query"), key_buf=c.dev("keys"), value_buf=c.dev("values"),
+    out, pages = kernels.decode_step("locks", c.dev("query"), key_buf=c.dev("keys"), value_buf=c.dev("values"),
                                      summary=summ, slots=4, scale=SCALE, basis_bits=4, rerank=3, **c.kw())
     scores, _ = _scored(c)
     assert torch.equal(page_lists_as_mask(pages, c.b, c.h, c.P), _reference(c, scores, 4, 12))
@@ -83,11 +83,11 @@ def test_decode_step_matches_reference_pipeline():
 
 @pytest.mark.parametrize("static", [False, True, "wide"])
 def test_layer_glue_matches_reference_path(monkeypatch, static):
-    """`backend.kernel_decode` on a dynamic / static / wide-list static layer = the reference path:
+    """`backends.triton.kernel_decode` on a dynamic / static / wide-list static layer = the reference path:
     output, page set, token statistics."""
     monkeypatch.setenv("LOCKS_HF_KERNELS", "0")  # the reference calls below must not dispatch
-    from locks_hf.attention import reference_decode
-    from locks_hf.backend import kernel_decode
+    from locks_hf.backends.reference import reference_decode
+    from locks_hf.backends.triton import kernel_decode
     from locks_hf.cache import LocksLayer
     from locks_hf.static_cache import LocksStaticLayer
 
@@ -111,7 +111,7 @@ def test_layer_glue_matches_reference_path(monkeypatch, static):
 
 def test_kernels_build_and_update_the_locks_summaries(monkeypatch):
     """Re-ranking keeps the Locks layout: the custom ops build it and the per-step update writes it."""
-    from locks_hf.backend import kernel_update_newest_page
+    from locks_hf.backends.triton import kernel_update_newest_page
     from locks_hf.static_cache import LocksStaticLayer
 
     monkeypatch.setenv("LOCKS_HF_KERNELS", "0")
@@ -127,8 +127,8 @@ def test_kernels_build_and_update_the_locks_summaries(monkeypatch):
     (a, b) = layers.values()
     assert set(a.summary) == set(b.summary) and a.summary["coef"].abs().sum() > 0
     assert all(torch.equal(a.summary[n], b.summary[n]) for n in a.summary)
-    assert kernels.implements("locks_rerank", dtype=torch.float32, head_dim=64, page_size=16)
-    assert not kernels.implements("locks_rerank", dtype=torch.float32, head_dim=64, page_size=16,
+    assert kernels.implements("locks", dtype=torch.float32, head_dim=64, page_size=16)
+    assert not kernels.implements("locks", dtype=torch.float32, head_dim=64, page_size=16,
                                   group_combine="group_max")
 
 

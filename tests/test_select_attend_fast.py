@@ -1,4 +1,4 @@
-"""The latency-bound selection (``algorithm="radix"``) and the fused split-K attention against
+"""The selection with a device budget and the fused split-K attention against
 brute force: the page sets of the paper's rule (`locks_hf.selectors.select_pages`) and float64
 attention over exactly the selected tokens.
 
@@ -22,7 +22,6 @@ from conftest import page_lists_as_mask  # noqa: E402
 from selector_lists import selectors
 
 from locks_hf import kernels  # noqa: E402
-from locks_hf.kernels.select import STATE_WIDTH, radix_state  # noqa: E402
 from locks_hf.selectors import select_pages as ref_select  # noqa: E402
 
 pytestmark = pytest.mark.interpret
@@ -105,38 +104,11 @@ class Rows:
 
 
 def _select(c, scores, k, per_head=False, span=8, **kw):
-    kw.setdefault("algorithm", "radix")  # the file's subject; "chunks" is the default and the comparison
     return kernels.select_pages(scores.to(DEV), c.partials(scores, span).to(DEV), slots=k, per_head=per_head,
                                 row_start=c.row_start.to(DEV), length=c.length, heads=c.h, page_size=c.B, **kw)
 
 
-@pytest.mark.parametrize("G,B,k,kind,chunk,ties_held", [
-    (4, 16, 9, "randn", 8, 1024),     # several programs per row
-    (4, 16, 9, "ties", 8, 1024),      # equal keys across programs: earlier pages first
-    (16, 8, 17, "randn", 16, 1024),   # GLM's group; k - 2 > one program's pages
-    (1, 32, 5, "ties", 256, 16),      # one program; the tie buffer overflows: the in-order pass
-    (8, 16, 40, "randn", 8, 1024),    # k above the candidates: every candidate
-    (4, 16, 2, "randn", 8, 1024),     # k = 2: sink and recent only
-    (4, 8, 12, "flat", 8, 4),         # every page equal, ties past the buffer
-])
-def test_radix_selection_is_the_reference_rule(G, B, k, kind, chunk, ties_held):
-    c = Rows(G + k + B, G=G, B=B, pages=30 if B < 32 else 14)
-    scores = c.scores(kind)
-    state = radix_state(c.b * c.h, DEV)
-    pages = _select(c, scores, k, chunk=chunk, tie_capacity=ties_held, state=state)
-    assert pages.shape == (c.b * c.h, k)
-    assert torch.equal(page_lists_as_mask(pages, c.b, c.h, c.P), c.want(scores, k, False))
-    assert not state.any(), "the launch leaves its state zero for the next one"
-    # fixed layout: sink, recent, the rest in page order, then padding
-    for row in pages.cpu().tolist():
-        rest = [p for p in row[2:] if p >= 0]
-        assert rest == sorted(rest) and all(p < 0 for p in row[2 + len(rest):])
-    again = _select(c, scores, k, chunk=chunk, tie_capacity=ties_held, state=state)
-    assert torch.equal(again, pages)
-    assert torch.equal(_select(c, scores, k, algorithm="chunks"), pages)
-
-
-def test_radix_selection_short_rows_and_device_budget():
+def test_selection_short_rows_and_device_budget():
     """A row with fewer complete pages than the budget, a padded row, and the budget read on the
     device (lists sized for a wider one)."""
     c = Rows(5, G=4, B=16, pages=6, pad=(0, 70))
@@ -148,35 +120,9 @@ def test_radix_selection_short_rows_and_device_budget():
         assert torch.equal(page_lists_as_mask(pages, c.b, c.h, c.P), c.want(scores, k, False))
 
 
-def test_radix_selection_per_head_union():
-    c = Rows(11, G=4, B=16, pages=20)
-    scores = c.scores("ties")
-    pages = _select(c, scores, 6, per_head=True, chunk=16)
-    assert torch.equal(page_lists_as_mask(pages, c.b, c.h, c.P), c.want(scores, 6, True))
-    assert torch.equal(pages, _select(c, scores, 6, per_head=True, algorithm="chunks"))
-
-
-def test_radix_selection_of_a_nan_row_is_todays():
-    """A NaN page poisons its row's softmax as in the chunked kernel: both select the same pages
-    (the NaN page among them), and the other rows are untouched."""
-    c = Rows(3, G=4, B=16, pages=20)
-    scores = c.scores()
-    scores[1, 2, 7] = float("nan")
-    pages = _select(c, scores, 8, chunk=8)
-    assert torch.equal(pages, _select(c, scores, 8, algorithm="chunks"))
-    assert 7 in pages[1].tolist()
-    clean = c.want(scores.nan_to_num(0.0), 8, False)
-    mask = page_lists_as_mask(pages, c.b, c.h, c.P)
-    assert torch.equal(mask[0, 0], clean[0, 0]) and torch.equal(mask[1], clean[1])
-
-
-def test_radix_selection_rejects_bad_input():
+def test_selection_rejects_bad_input():
     c = Rows(1, pages=4)
     scores = c.scores()
-    with pytest.raises(ValueError, match="algorithm"):
-        _select(c, scores, 4, algorithm="sort")
-    with pytest.raises(ValueError, match="state"):
-        _select(c, scores, 4, state=torch.zeros(1, STATE_WIDTH, dtype=torch.int32, device=DEV))
     with pytest.raises(ValueError, match="float32"):
         kernels.select_pages(scores.double(), c.partials(scores, 8), slots=4, per_head=False, row_start=c.row_start,
                              length=c.length, heads=c.h, page_size=c.B)
@@ -248,20 +194,6 @@ def test_attention_rejects_bad_input():
         kernels.sparse_attention(q, k, v, pages, splits=2, semaphore=torch.zeros(1, dtype=torch.int32), **kw)
 
 
-@pytest.mark.parametrize("per_head", [False, True])
-def test_radix_selection_marks_the_page_mask(per_head):
-    """``mask_out`` ends up as the listed pages' mask, whatever it held before."""
-    from locks_hf.paged import pages_to_mask
-
-    c = Rows(17, G=4, B=16, pages=20)
-    scores = c.scores()
-    mask = torch.rand(c.b * c.h, c.P, generator=c.gen).to(DEV) > 0.5
-    pages = _select(c, scores, 6, per_head=per_head, chunk=8, mask_out=mask)
-    assert torch.equal(mask.cpu(), pages_to_mask(pages.cpu(), c.P))
-    with pytest.raises(ValueError, match="radix"):
-        _select(c, scores, 6, algorithm="chunks", mask_out=mask)
-
-
 @pytest.mark.parametrize("rows, P, W", [(3, 1000, 7), (2, 1100, 130), (1, 17, 40)])
 def test_mark_lists_is_the_lists_mask(rows, P, W):
     """One launch overwrites a mask with the listed pages (``SENTINEL`` and pages past ``P`` mark none)."""
@@ -282,13 +214,11 @@ def test_mark_lists_is_the_lists_mask(rows, P, W):
 def test_static_layer_step_keeps_its_bookkeeping_in_the_launches(monkeypatch, selector):
     """A static layer with the kernels' buffers (a GPU's; given by hand here): the decode launches
     write what the glue wrote before (page mask, statistics per row and in all, complete pages
-    through the page update), equal to the reference path on the same layer; the workspace is left
-    zero."""
+    through the page update), equal to the reference path on the same layer."""
     monkeypatch.setenv("LOCKS_HF_KERNELS", "0")  # the reference calls below must not dispatch
-    from locks_hf.attention import reference_decode
-    from locks_hf.backend import kernel_decode, kernel_update_newest_page
+    from locks_hf.backends.reference import reference_decode
+    from locks_hf.backends.triton import kernel_decode, kernel_update_newest_page
     from locks_hf.config import LocksConfig
-    from locks_hf.kernels.decode import workspace_size
     from locks_hf.static_cache import LocksStaticLayer
 
     c = Rows(21, b=2, h=2, G=4, B=16, pages=12, pad=(0, 0), d=64)
@@ -298,7 +228,6 @@ def test_static_layer_step_keeps_its_bookkeeping_in_the_launches(monkeypatch, se
     layer = LocksStaticLayer(L + 3 * 16, cfg)
     keys, values = c.keys.to(DEV), c.values.to(DEV)
     layer.update(keys[:, :, :L], values[:, :, :L])
-    layer.workspace = torch.zeros(workspace_size(c.b * c.h), dtype=torch.int32, device=DEV)
     layer.prepare(None, L)
     assert layer.kernel_buffers() is not None and torch.equal(layer.n_complete, layer.row_tensors()[1])
     layer.update(keys[:, :, L: L + 1], values[:, :, L: L + 1])
@@ -310,7 +239,6 @@ def test_static_layer_step_keeps_its_bookkeeping_in_the_launches(monkeypatch, se
     q = c.query.to(DEV)
     got = kernel_decode(layer, q, 0.3)
     got_sel, got_counts, got_rows = layer.last_selection.clone(), layer.counts.clone(), layer.row_counts.clone()
-    assert not layer.workspace.any()
     layer.reset_stats()
     layer.last_selection.fill_(True)
     context = ((layer.length_t - layer.pad) * c.h).to(torch.int64)  # what the reference glue's prepare adds

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import LocksConfigError
-from ..selectors.registry import register_selector
+from ..errors import LocksConfigError
 from ..token_policy import TokenPolicy
 
 CHUNK = 2048
@@ -109,7 +108,6 @@ def score_context(model, tokenizer, cache, context_ids: torch.Tensor) -> None:
         layer.prefill_scores["kvzip"] = store
 
 
-@register_selector
 class KVzipPolicy(TokenPolicy):
     """KVzip at budget ``b`` per (layer, KV head): the best ``b`` context tokens, question and
     generated tokens beyond it."""

@@ -19,8 +19,7 @@ import math
 
 import torch
 
-from ..config import LocksConfigError
-from ..selectors.registry import register_selector
+from ..errors import LocksConfigError
 from ..token_policy import PolicyState, TokenPolicy
 
 #: The published attention threshold per model family (``model_type`` prefix): Qwen3 1e-4, Llama 5e-4.
@@ -68,7 +67,6 @@ def evicted(keep: torch.Tensor, score: torch.Tensor, budget: int, window: int) -
     return torch.where((keep.sum(-1) > budget).unsqueeze(-1), best | newest, keep)
 
 
-@register_selector
 class LazyEvictionPolicy(TokenPolicy):
     """LazyEviction at per-query-head capacity ``b`` with window ``W = 0.243 b``."""
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..selectors.registry import register_selector
 from ..token_policy import PolicyState, TokenPolicy, gather_slots, kept_indices, slots_mask
 
 OBSERVATION = 8  # the last decode queries that score importance (R-KV's alpha)
@@ -53,7 +52,6 @@ def rkv_scores(keys: torch.Tensor, window: torch.Tensor, scale: float) -> torch.
     return MIX_LAMBDA * importance - (1 - MIX_LAMBDA) * redundancy(k)[..., :-w]
 
 
-@register_selector
 class RKVPolicy(TokenPolicy):
     """R-KV at budget ``b`` (buffer 128, 8 observation queries, lambda 0.1)."""
 

@@ -26,8 +26,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..config import LocksConfigError
-from ..selectors.registry import register_selector
+from ..errors import LocksConfigError
 from ..token_policy import TokenPolicy, gather_slots, kept_indices, slots_mask
 
 OBSERVATION_WINDOW = 32
@@ -96,7 +95,6 @@ def hybrid_scores(keys: torch.Tensor, ok: torch.Tensor, query: torch.Tensor, rat
     return s_hat.mean(2), chunk, channels
 
 
-@register_selector
 class RocketKVPolicy(TokenPolicy):
     """RocketKV at token budget ``b``: stage-1 prompt eviction, stage-2 top-``b/2`` selection."""
 

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import BudgetDoesNotFit
-from ..selectors.registry import register_selector
+from ..errors import BudgetDoesNotFit
 from ..token_policy import TokenPolicy, slots_mask
 
 CHUNK = 8
@@ -48,7 +47,6 @@ def chunk_scores(landmarks: torch.Tensor, query: torch.Tensor, scale: float) -> 
     return torch.softmax(logits, dim=-1).amax(-2)
 
 
-@register_selector
 class ShadowKVPolicy(TokenPolicy):
     """ShadowKV at budget ``b >= 424``: 384 outlier tokens + 32 local + ``b - 416`` selected."""
 

@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from ..config import LocksConfigError
+from ..errors import LocksConfigError
 from ..rope import rope_frequencies
-from ..selectors.registry import register_selector
 from ..token_policy import TokenPolicy, gather_slots, kept_indices, slots_mask
 
 DIVIDE_LENGTH = 128
@@ -47,7 +46,6 @@ def trig_scores(keys: torch.Tensor, q_mean: torch.Tensor, q_abs_mean: torch.Tens
     return base + extra
 
 
-@register_selector
 class TriAttentionPolicy(TokenPolicy):
     """TriAttention at budget ``b`` (prompt protected, group max, every 128 positions)."""
 

@@ -13,8 +13,8 @@ page set of the paper's §2 and §4: sink and most recent page forced, the best 
 pages added.
 
 What a selector can do is declared on its class (read by `LocksConfig` validation, the static
-cache, the kernel dispatch in `locks_hf.backend`, the sweep's arm labels and the reports), so a new
-selector is one module that subclasses `PageSelector` and registers it (`registry.register_selector`).
+cache, the kernel dispatch in `locks_hf.backends`, the sweep's arm labels and the reports), so a new
+selector is one module that subclasses `PageSelector`, listed in `registry.BUILTIN`.
 """
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ class SelectionMethod:
     reads_candidate_keys: ClassVar[bool] = False
     #: Usable by `LocksStaticCache`: per-page state only, no state fitted on the whole sequence.
     static_cache: ClassVar[bool] = True
-    #: The kernels' scoring mode (``locks_hf.kernels.implements``) or ``None``: reference path only.
+    #: The scoring kernel's mode for this selector's page scan (``locks_hf.kernels.score_pages``:
+    #: ``"locks"``, ``"quest"``, ``"oracle"``; ``"full"`` for dense decode), or ``None``: reference path
+    #: only. The kernels read it with `per_head` and, for `reads_candidate_keys`, ``LocksConfig.rerank``.
     kernel_method: ClassVar[str | None] = None
     #: `LocksConfig` fields (besides ``page_size``) that define the summary layout: a cache fork
     #: rebuilds its summaries when one of them changes.
@@ -74,7 +76,7 @@ class SelectionMethod:
         """Selector-specific checks of ``config`` (and of the model's ``head_dim`` once known);
         raise `LocksConfigError` with what to change."""
         if head_dim is not None and cls.uses_rank and config.rank > head_dim:
-            from ..config import LocksConfigError
+            from ..errors import LocksConfigError
 
             raise LocksConfigError(f"rank={config.rank} exceeds the model's head_dim={head_dim}; "
                                    f"choose rank <= {head_dim}")

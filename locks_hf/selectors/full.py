@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 from .base import PageSelector
-from .registry import register_selector
 
 
-@register_selector
 class FullAttention(PageSelector):
     """Dense decode: `make_selector` returns ``None`` for it, so it is never instantiated to score."""
 

@@ -8,12 +8,10 @@ import torch
 
 from ..summaries import build_summary, estimated_page_lse, summary_factors
 from .base import PageSelector
-from .registry import register_selector
 
 _FAMILY = re.compile(r"^(?:locks-)?r(?P<rank>\d+)(?:i(?P<bits>\d+)|(?P<bf16>bf16))$")
 
 
-@register_selector
 class LocksSelector(PageSelector):
     """Estimated page LSE from the rank-r summary (the paper's method)."""
 
@@ -28,7 +26,7 @@ class LocksSelector(PageSelector):
     def validate(cls, config, head_dim=None):
         B = config.page_size
         if config.rank > B:
-            from ..config import LocksConfigError
+            from ..errors import LocksConfigError
 
             raise LocksConfigError(
                 f"rank must be in 1..page_size={B} (a page of {B} centered keys spans at most "

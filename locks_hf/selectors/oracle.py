@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from ..summaries import exact_page_lse
 from .base import PageSelector
-from .registry import register_selector
 
 
-@register_selector
 class OracleSelector(PageSelector):
     """Exact page LSE, reading every key (an upper reference, not a fast method)."""
 

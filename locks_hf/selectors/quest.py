@@ -5,11 +5,9 @@ from __future__ import annotations
 import torch
 
 from .base import PageSelector
-from .registry import register_selector
 from .selection import NEG_INF
 
 
-@register_selector
 class QuestSelector(PageSelector):
     """Quest: per-dimension key max/min per page, score ``sum_c max(q_c u_c, q_c l_c)``."""
 

@@ -1,20 +1,40 @@
 """The selector registry: ``LocksConfig.selector`` names -> `PageSelector` classes.
 
 Everything that depends on which selectors exist reads it here: `LocksConfig` validation, the static
-cache's allowed selectors, the kernel dispatch (`locks_hf.backend`), the sweep's arm labels
-(`config_for_family`), report ordering (`family_sort_key`) and the demo.
+cache's allowed selectors, the kernel dispatch (`locks_hf.backends`), the sweep's arm labels
+(`labels`), report ordering and the demo. The built-in methods are listed below, in the order of
+`selector_names()` and of arm-label parsing (the paper's baselines, token-level policies, after the
+page selectors); `register_selector` adds others (plugins, tests) after them.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .base import PageSelector
+from ..baselines.kvzip import KVzipPolicy
+from ..baselines.lazy_eviction import LazyEvictionPolicy
+from ..baselines.rkv import RKVPolicy
+from ..baselines.rocketkv import RocketKVPolicy
+from ..baselines.shadowkv import ShadowKVPolicy
+from ..baselines.triattention import TriAttentionPolicy
+from ..errors import LocksConfigError
+from .base import PageSelector, SelectionMethod
+from .full import FullAttention
+from .locks import LocksSelector
+from .oracle import OracleSelector
+from .quest import QuestSelector
+from .rerank import LocksRerankSelector
+from .shared_basis import SharedAllSelector, SharedBasisSelector
 
 if TYPE_CHECKING:
     from ..config import LocksConfig
 
-_REGISTRY: dict[str, type[PageSelector]] = {}
+#: The built-in methods, in registry order.
+BUILTIN: tuple[type[SelectionMethod], ...] = (
+    LocksSelector, LocksRerankSelector, OracleSelector, QuestSelector, FullAttention, SharedBasisSelector,
+    SharedAllSelector, KVzipPolicy, LazyEvictionPolicy, RKVPolicy, RocketKVPolicy, ShadowKVPolicy, TriAttentionPolicy)
+
+_REGISTRY: dict[str, type[PageSelector]] = {cls.name: cls for cls in BUILTIN}
 
 
 def register_selector(cls: type[PageSelector]) -> type[PageSelector]:
@@ -42,8 +62,6 @@ def selector_class(name: str) -> type[PageSelector]:
     """The class registered as ``name``; `LocksConfigError` listing the names otherwise."""
     cls = _REGISTRY.get(name) if isinstance(name, str) else None
     if cls is None:
-        from ..config import LocksConfigError
-
         raise LocksConfigError(f"selector must be one of {selector_names()}, got {name!r}")
     return cls
 
@@ -65,51 +83,6 @@ def summary_layout(config: LocksConfig) -> tuple:
     return (cls.summary_of or config.selector, config.page_size, *(getattr(config, f) for f in cls.summary_fields))
 
 
-# -- arm labels ----------------------------------------------------------------------------------------
-def parse_family(family: str) -> tuple[type[PageSelector], dict]:
-    """The selector and `LocksConfig` fields of an arm family label (``"locks-r8i4"``, ``"quest"``,
-    with quantized KV ``"locks-r8i4+kv4-post"``, ``"full+kv2"``)."""
-    from ..kv_quant import split_kv_label
-
-    base, kv_fields = split_kv_label(family)
-    for cls in _REGISTRY.values():
-        fields = cls.parse_family(base)
-        if fields is not None:
-            return cls, {**fields, **kv_fields}
-    raise ValueError(f"unknown arm {family!r}: use {family_help()}")
-
-
-def family_help() -> str:
-    """The arm labels every registered selector accepts, in words."""
-    from ..kv_quant import LABEL_GRAMMAR
-
-    labels = ", ".join(cls.family_grammar or cls.name for cls in _REGISTRY.values())
-    return f"{labels}; each optionally followed by {LABEL_GRAMMAR}"
-
-
-def config_for_family(family: str, budget: int = 128, page_size: int = 16, **extra) -> LocksConfig:
-    """The `LocksConfig` of an arm family at ``budget`` (a dense family ignores the budget)."""
-    from ..config import LocksConfig
-
-    cls, fields = parse_family(family)
-    if cls.dense:
-        budget = max(budget, 2 * page_size)
-    return LocksConfig(selector=cls.name, page_size=page_size, budget=budget, **fields, **extra)
-
-
-def family_of(config: LocksConfig) -> str:
-    """The arm family label of ``config`` (`parse_family`'s inverse)."""
-    from ..kv_quant import kv_label
-
-    cls = selector_class(config.selector)
-    return cls.family(config) + kv_label(config, cls)
-
-
-def family_sort_key(family: str) -> tuple:
-    """Report order of arm families: by selector (``report_order``), then larger summaries first;
-    labels no selector parses go last, by name."""
-    try:
-        cls, fields = parse_family(family)
-    except ValueError:
-        return (float("inf"), (), family)
-    return (cls.report_order, cls.family_sort_key(fields), family)
+def registered_classes() -> tuple[type[PageSelector], ...]:
+    """Every registered class, in registration order."""
+    return tuple(_REGISTRY.values())

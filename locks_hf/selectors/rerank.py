@@ -27,7 +27,6 @@ import torch
 
 from ..summaries import exact_page_lse
 from .locks import LocksSelector
-from .registry import register_selector
 from .selection import forced_pages, select_pages
 
 _FAMILY = re.compile(r"^(?:locks-)?r(?P<rank>\d+)(?:i(?P<bits>\d+)|(?P<bf16>bf16))-rr(?P<m>\d+)$")
@@ -68,12 +67,10 @@ def rerank_pages(scores: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, 
                         eligible=shortlist)
 
 
-@register_selector
 class LocksRerankSelector(LocksSelector):
     """Locks summaries shortlist ``m * k`` pages; their exact page LSE picks the ``k - 2`` free pages."""
 
     name = "locks_rerank"
-    kernel_method = "locks_rerank"
     own_settings = {"rerank": 8}  # 8k candidates unless set
     reads_candidate_keys = True
     summary_of = "locks"

@@ -13,10 +13,8 @@ import torch
 from ..quant import pack, quantize, unpack
 from ..summaries import estimated_page_lse
 from .base import PageSelector
-from .registry import register_selector
 
 
-@register_selector
 class SharedBasisSelector(PageSelector):
     """Control of the paper's Table 1: page centroids, one rank-r basis per (row, KV head) fitted on
     the prompt's page-centered keys and frozen after prefill. Scored like Locks."""
@@ -89,7 +87,6 @@ class SharedBasisSelector(PageSelector):
         return estimated_page_lse(mu, basis, coef, valid[:, :, :n], query.float(), scale)
 
 
-@register_selector
 class SharedAllSelector(SharedBasisSelector):
     """Control of the paper's Table 1: centroid and basis both fitted on the prompt (fully shared)."""
 

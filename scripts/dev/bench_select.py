@@ -5,8 +5,7 @@ against the previous ones, and the complete decode step's launches and time.
 ``--kernels``: one layer at the real attention shapes (synthetic cache, r4i4 summaries built by the
 GPU kernels), CUDA-graph medians over several cache copies (no warm L2), per configuration:
 
-* selection: ``chunks`` (per-chunk top-k + merge) vs ``radix`` (with and without a persistent state),
-  and a few chunk sizes of the radix pass; the page lists are compared first (they must be equal);
+* selection: per-chunk top-k + merge;
 * attention over the selected pages: the split merge in a second launch (the previous layout) vs
   merged by the last split, and a few split counts / tile sizes;
 * score + select + attend as the previous chain and as `decode_step` runs it now, against the
@@ -14,8 +13,7 @@ GPU kernels), CUDA-graph medians over several cache copies (no warm L2), per con
 
 ``--step``: the complete decode step of a random-weight model (`bench_decode_step`'s setup, CUDA
 graphs, static caches) for each arm, in two variants on one cache: ``new`` (today's kernels and the
-static layer's step without glue launches) and ``old`` (``chunks`` selection, a separate merge
-launch, and the glue launches of before), with torch.profiler's kernel count per step.
+static layer's step without glue launches) and ``old`` (a separate merge launch), with torch.profiler's kernel count per step.
 
 Prints markdown tables and writes JSON (``--out``), saved after every configuration; a failing
 candidate or configuration is logged and skipped.
@@ -42,9 +40,9 @@ import bench_decode as BD  # noqa: E402  (loads locks_hf, with or without transf
 
 from locks_hf.kernels import decode as decode_mod  # noqa: E402
 from locks_hf.kernels.attend import sparse_attention  # noqa: E402
-from locks_hf.kernels.decode import decode_step, workspace_size  # noqa: E402
+from locks_hf.kernels.decode import decode_step  # noqa: E402
 from locks_hf.kernels.score import score_pages  # noqa: E402
-from locks_hf.kernels.select import radix_chunk, radix_state, select_pages  # noqa: E402
+from locks_hf.kernels.select import select_pages  # noqa: E402
 
 B = 16
 RESULTS: dict = {"kernels": [], "step": [], "log": []}
@@ -89,7 +87,6 @@ def old_splits(rows: int, width: int, tp: int = 4) -> int:
 # ----------------------------------------------------------------------------------------------
 def kernel_config(model: str, ctx: int, batch: int, budget: int, reps: int, sweep: bool) -> dict:
     hq, h, d, _, _ = BD.MODELS[model]
-    P = ctx // B
     slots = math.ceil(budget / B)
     scale = d ** -0.5
     rows = batch * h
@@ -113,33 +110,15 @@ def kernel_config(model: str, ctx: int, batch: int, budget: int, reps: int, swee
         return score_pages("locks", s.query, summary=s.summaries["r4i4"], scale=scale, basis_bits=4, **s.kw())
 
     sp = [score(s) for s in sets]
-    states = [radix_state(rows, BD.DEV) for _ in sets]
-    ws = [torch.zeros(workspace_size(rows), dtype=torch.int32, device=BD.DEV) for _ in sets]
 
     def sel(i, **kw):
         s = sets[i]
         return select_pages(*sp[i], slots=slots, per_head=False, row_start=s.row_start, length=s.length, heads=h,
                             page_size=B, **kw)
 
-    # correctness on real data first: the algorithms' lists are equal
-    pages = [sel(i, algorithm="radix", state=states[i]) for i in range(nbuf)]
-    old_pages = [sel(i, algorithm="chunks") for i in range(nbuf)]
-    row["pages_equal"] = all(torch.equal(a, b) for a, b in zip(pages, old_pages))
-    log(f"  radix == chunks page lists: {row['pages_equal']}")
-
+    pages = [sel(i) for i in range(nbuf)]
     t = {}
-    t["select_chunks"] = timed([functools.partial(sel, i, algorithm="chunks") for i in range(nbuf)], reps)
-    t["select_radix"] = timed([functools.partial(sel, i, algorithm="radix", state=states[i]) for i in range(nbuf)],
-                              reps)
-    t["select_radix_memset"] = timed([functools.partial(sel, i, algorithm="radix") for i in range(nbuf)], reps)
-    if sweep:
-        ch0 = radix_chunk(P, rows, 4 * sms())
-        for ch, nw in [(ch0 // 2, None), (ch0 * 2, None), (ch0, 8 if ch0 <= 1024 else 4)]:
-            if ch < 128:
-                continue
-            t[f"select_radix_ch{ch}_w{nw or 'd'}"] = timed(
-                [functools.partial(sel, i, algorithm="radix", state=states[i], chunk=ch, num_warps=nw)
-                 for i in range(nbuf)], reps)
+    t["select_chunks"] = timed([functools.partial(sel, i) for i in range(nbuf)], reps)
 
     def att(i, **kw):
         s = sets[i]
@@ -149,16 +128,15 @@ def kernel_config(model: str, ctx: int, batch: int, budget: int, reps: int, swee
     W = pages[0].shape[1]
     osp = old_splits(rows, W)
     ref = att(0, splits=osp, fused_combine=False).float()
-    new = att(0, semaphore=ws[0][-rows:], fused_combine=True).float()
+    new = att(0, fused_combine=True).float()
     row["attend_rel_diff"] = float((new - ref).norm() / ref.norm())
     log(f"  fused vs separate merge: rel diff {row['attend_rel_diff']:.2e}")
-    sem = [w[-rows:] for w in ws]
     t["attend_old"] = timed([functools.partial(att, i, splits=osp, fused_combine=False) for i in range(nbuf)], reps)
-    t["attend_fused"] = timed([functools.partial(att, i, semaphore=sem[i], fused_combine=True) for i in range(nbuf)], reps)
+    t["attend_fused"] = timed([functools.partial(att, i, fused_combine=True) for i in range(nbuf)], reps)
     if sweep:
         for splits, tp, nw in [(8, 4, 4), (16, 4, 4), (32, 4, 4), (8, 8, 4), (16, 8, 4), (16, 8, 8), (4, 8, 4)]:
             t[f"attend_fused_s{splits}_tp{tp}_w{nw}"] = timed(
-                [functools.partial(att, i, semaphore=sem[i], splits=splits, tile_pages=tp, num_warps=nw, fused_combine=True)
+                [functools.partial(att, i, splits=splits, tile_pages=tp, num_warps=nw, fused_combine=True)
                  for i in range(nbuf)], reps)
 
     t["score"] = timed([functools.partial(score, s) for s in sets], reps)
@@ -167,7 +145,7 @@ def kernel_config(model: str, ctx: int, batch: int, budget: int, reps: int, swee
         s = sets[i]
         sc, pa = score(s)
         pg = select_pages(sc, pa, slots=slots, per_head=False, row_start=s.row_start, length=s.length, heads=h,
-                          page_size=B, algorithm="chunks")
+                          page_size=B)
         return sparse_attention(s.query, s.keys, s.values, pg, slot_valid=s.slot_valid, row_start=s.row_start,
                                 length=s.length, scale=scale, page_size=B, splits=osp, fused_combine=False)
 
@@ -175,8 +153,7 @@ def kernel_config(model: str, ctx: int, batch: int, budget: int, reps: int, swee
         s = sets[i]
         return decode_step("locks", s.query, key_buf=s.keys, value_buf=s.values, slot_valid=s.slot_valid,
                            row_start=s.row_start, n_complete=s.n_complete, length=s.length, n_pages=s.P,
-                           slots=slots, scale=scale, page_size=B, summary=s.summaries["r4i4"], basis_bits=4,
-                           workspace=ws[i])[0]
+                           slots=slots, scale=scale, page_size=B, summary=s.summaries["r4i4"], basis_bits=4)[0]
 
     t["total_old"] = timed([functools.partial(total_old, i) for i in range(nbuf)], reps)
     t["total_new"] = timed([functools.partial(total_new, i) for i in range(nbuf)], reps)
@@ -196,14 +173,14 @@ def kernel_config(model: str, ctx: int, batch: int, budget: int, reps: int, swee
     row["dense_candidates_ms"] = dense
     row["ms"] = t
     best = lambda prefix: min((v for k, v in t.items() if k.startswith(prefix) and v), default=None)  # noqa: E731
-    row["best_select_ms"], row["best_attend_ms"] = best("select_radix"), best("attend_fused")
+    row["best_select_ms"], row["best_attend_ms"] = best("select_chunks"), best("attend_fused")
     if row["dense_ms"] and t["total_new"]:
         row["speedup_new"] = row["dense_ms"] / t["total_new"]
     if row["dense_ms"] and t["total_old"]:
         row["speedup_old"] = row["dense_ms"] / t["total_old"]
     log("  " + ", ".join(f"{k} {v:.4f}" for k, v in t.items() if v) + f"; dense {row['dense_ms']} "
         f"({row['dense_backend']})")
-    for held in (sets, sp, pages, old_pages, states, ws):  # the closures keep the lists, not their tensors
+    for held in (sets, sp, pages):  # the closures keep the lists, not their tensors
         held.clear()
     gc.collect()
     if BD.DEV == "cuda":
@@ -212,19 +189,18 @@ def kernel_config(model: str, ctx: int, batch: int, budget: int, reps: int, swee
 
 
 def kernel_table(rows: list[dict]) -> str:
-    out = ["| model | ctx | batch | score | select chunks | select radix (best) | attend old | attend fused (best) "
-           "| total old | **total new** | dense (backend) | old x | **new x** | pages equal |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| model | ctx | batch | score | select | attend old | attend fused (best) "
+           "| total old | **total new** | dense (backend) | old x | **new x** |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     f = lambda x: "-" if x is None else f"{x:.4f}"  # noqa: E731
     for r in rows:
         t = r["ms"]
         out.append(f"| {r['model']} | {BD.fmt_ctx(r['context'])} | {r['batch']} | {f(t.get('score'))} | "
-                   f"{f(t.get('select_chunks'))} | {f(t.get('select_radix'))} ({f(r.get('best_select_ms'))}) | "
+                   f"{f(t.get('select_chunks'))} | "
                    f"{f(t.get('attend_old'))} | {f(t.get('attend_fused'))} ({f(r.get('best_attend_ms'))}) | "
                    f"{f(t.get('total_old'))} | **{f(t.get('total_new'))}** | {f(r.get('dense_ms'))} "
                    f"({r.get('dense_backend')}; ours, separate merge: {f(r.get('dense_kernel_separate_merge_ms'))}) | "
-                   f"{r.get('speedup_old', 0):.2f} | **{r.get('speedup_new', 0):.2f}** | "
-                   f"{r['pages_equal']} |")
+                   f"{r.get('speedup_old', 0):.2f} | **{r.get('speedup_new', 0):.2f}** |")
     return "\n".join(out)
 
 
@@ -233,20 +209,13 @@ def kernel_table(rows: list[dict]) -> str:
 # ----------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def previous_kernels(cache):
-    """The step as before: ``chunks`` selection, a separate merge launch, the glue's bookkeeping
-    launches (the static layers without their kernel buffers)."""
-    saved_sel, saved_att = decode_mod.select_pages, decode_mod.sparse_attention
-    decode_mod.select_pages = functools.partial(saved_sel, algorithm="chunks")
+    """The step as before: a separate merge launch."""
+    saved_att = decode_mod.sparse_attention
     decode_mod.sparse_attention = functools.partial(saved_att, fused_combine=False)
-    spaces = [(layer, layer.workspace) for layer in cache.locks_layers]
-    for layer, _ in spaces:
-        layer.workspace = None
     try:
         yield
     finally:
-        decode_mod.select_pages, decode_mod.sparse_attention = saved_sel, saved_att
-        for layer, w in spaces:
-            layer.workspace = w
+        decode_mod.sparse_attention = saved_att
 
 
 def step_shape(shape: str, ctx: int, arms: list[str], steps: int, budget: int, out: list[dict], saved) -> None:

@@ -68,20 +68,9 @@ def compile_sm90(fn, pointers: dict[str, str], constants: dict, floats=(), num_w
 
 
 def cases():
-    keys = {n: F32 for n in ("score_ptr", "part_ptr")} | {n: I32 for n in (
-        "row_start_ptr", "len_ptr", "sink_ptr", "state_ptr", "key_ptr")} | {"mask_ptr": "*i8"}
-    gather = {n: I32 for n in ("state_ptr", "key_ptr", "k_ptr", "list_ptr", "tie_key_ptr", "tie_page_ptr", "sink_ptr",
-                               "row_start_ptr", "len_ptr", "out_ptr")} | {"mask_ptr": "*i8"}
     att = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "sel_ptr": I32, "valid_ptr": "*u8",
            "row_start_ptr": I32, "len_ptr": I32, "part_o_ptr": F32, "part_l_ptr": F32, "out_ptr": "*bf16",
            "count_ptr": "*i64", "row_count_ptr": "*i64", "pad_ptr": I32, "sem_ptr": I32}
-    for G, CH, warps in ((16, 256, 4), (4, 512, 4), (4, 4096, 8)):
-        yield (f"radix keys G={G} CH={CH}", select._radix_keys_kernel, keys,
-               dict(PER_HEAD=False, G=G, GG=G, B=16, CH=CH, NBP=64, MARK=True), (), warps)
-        yield (f"radix gather CH={CH}", select._radix_gather_kernel, gather,
-               dict(PER_HEAD=False, G=G, B=16, CH=CH, KP=128, TC=512, TILE=512, MARK=True), (), 8)
-    yield ("radix keys per head", select._radix_keys_kernel, keys,
-           dict(PER_HEAD=True, G=4, GG=4, B=16, CH=512, NBP=64, MARK=True), (), 4)
     for G, dense, fused in ((16, False, True), (4, False, True), (16, True, True), (16, False, False)):
         yield (f"attention G={G} dense={dense} fused={fused}", attend._sparse_attn_kernel, att,
                dict(G=G, GP=max(16, G), D=128, B=16, TP=4, SPLIT=True, DOT_PREC="tf32", DENSE=dense, COUNT=True,

@@ -93,7 +93,7 @@ def main():
         for sp in [int(x) for x in args.splits.split(",") if x]:
             variants[f"separate_s{sp}"] = dict(splits=sp)
             variants[f"fused_s{sp}"] = dict(splits=sp, fused_combine=True)
-        # a static layer's launch: statistics in the launch, the merge counters from its workspace
+        # a static layer's launch: statistics in the launch (the fused merge's counters given by the caller)
         variants["separate_stats"] = dict(stats=True)
         variants["fused_stats"] = dict(stats=True, fused_combine=True)
         for st in steps:

@@ -1,0 +1,49 @@
+"""`DecodeBackend`: where a Locks layer's per-step work runs, as a small abstract interface.
+
+One instance per kind of backend (they keep no state); a layer holds the one chosen for it
+(`locks_hf.backends.choice.choose_backend`) as ``layer.backend`` and every decode step calls it. A
+backend reads and writes the layer only through `PagedLayer`'s public accessors.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from ..paged import PagedLayer
+
+
+class DecodeBackend(ABC):
+    """The per-layer decode operations: the sparse step, the static layer's per-step page summary and
+    the summary build."""
+
+    #: Short name for logs and reports.
+    name: ClassVar[str]
+    #: The step runs the dense ``"full"`` decode itself (flash-decoding over the written pages); without
+    #: it a static layer's ``"full"`` decode attends with SDPA.
+    decodes_densely: ClassVar[bool] = False
+    #: The launches count a static layer's per-row statistics (`PagedLayer.kernel_buffers`); otherwise
+    #: the layer counts them before the step.
+    counts_row_statistics: ClassVar[bool] = False
+    #: The step runs without a host synchronisation (a captured CUDA graph may hold it).
+    graph_safe: ClassVar[bool] = False
+
+    @abstractmethod
+    def decode(self, layer: PagedLayer, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """One decode step: ``query [b, Hq, 1, d]`` -> output ``[b, 1, Hq, d]``, with the layer's
+        bookkeeping (selection, statistics, traffic) recorded."""
+
+    @abstractmethod
+    def update_newest_page(self, layer: PagedLayer) -> None:
+        """A static layer's per-step summary: the page the newest token completed, written in place with
+        no host-side branch on whether one did."""
+
+    @abstractmethod
+    def build_summary(self, layer: PagedLayer, keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The layer's selector's per-page tensors for ``keys [b, h, n, B, d]`` (``valid [b, h, n, B]``)."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__}>"

@@ -1,0 +1,95 @@
+"""The PyTorch reference backend: every operation in plain tensor code, on any device.
+
+Each operation here has its kernel twin under the same name in `locks_hf.backends.triton`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .base import DecodeBackend
+
+if TYPE_CHECKING:
+    from ..paged import PagedLayer
+
+
+def reference_decode(layer: PagedLayer, query: torch.Tensor, scale: float) -> torch.Tensor:
+    """One decode step attending only the selected pages: ``query [b, Hq, 1, d]`` -> ``[b, 1, Hq, d]``
+    (the layer's selection and attended-token statistics recorded)."""
+    cfg, selector = layer.config, layer.selector
+    b, hq, _, d = query.shape
+    h = layer.kv_heads
+    G = hq // h
+    q = query.reshape(b, h, G, d)
+
+    valid = layer.page_validity()  # [b, 1, P, B]
+    P = valid.shape[2]
+    if selector is None:  # "full" (a static cache's dense decode): every page with a real token
+        selected = valid[:, 0].any(-1)[:, None].expand(b, h, P)
+        width = P
+    else:
+        # 1-2. Score every page from its summary (the oracle reads the keys instead) and select: sink +
+        # most recent + best k - 2 complete pages, one set per KV head.
+        keys = layer.all_page_keys() if selector.reads_keys or selector.reads_candidate_keys else None
+        selected = selector.choose_pages(layer.summary_view(), keys, valid, q, scale, layer.complete_pages(), cfg)
+        width = min(P, cfg.page_slots * (G if selector.per_head else 1))
+
+    # 3. Attend the selected pages with the original K/V, softmax renormalised over them.
+    acc = torch.promote_types(query.dtype, torch.float32)  # fp32 accumulation (fp64 stays fp64)
+    pages = torch.sort(selected.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :width]
+    taken = selected.gather(-1, pages)  # [b, h, W]: False for padding of the fixed width
+    if selector is not None:
+        layer.note_selection(torch.where(taken, pages, -1))
+    k_sel = layer.page_keys(pages).flatten(2, 3).to(acc)  # [b, h, W*B, d]
+    v_sel = layer.page_keys(pages, values=True).flatten(2, 3).to(acc)
+    tok_ok = (layer.page_validity_of(pages) & taken[..., None]).flatten(2)  # [b, h, W*B]
+
+    # Unwritten slots of the last page may hold anything, NaN included (0 * NaN = NaN): mask V too.
+    v_sel = v_sel.masked_fill(~tok_ok[..., None], 0.0)
+    logits = scale * torch.einsum("bhgd,bhnd->bhgn", q.to(acc), k_sel)
+    probs = torch.softmax(logits.masked_fill(~tok_ok[:, :, None], float("-inf")), dim=-1)
+    out = torch.einsum("bhgn,bhnd->bhgd", probs, v_sel)
+    layer.record_step(tok_ok.sum(), valid.sum() * h)
+    return out.reshape(b, 1, hq, -1).to(query.dtype)
+
+
+def reference_update_newest_page(layer: PagedLayer) -> None:
+    """Re-summarize the page holding each row's newest token, every step: a static graph cannot branch
+    on whether it just completed (an incomplete page is masked until it is, so writing it early is
+    harmless)."""
+    b, h = layer.kv_batch, layer.kv_heads
+    row_start = layer.row_tensors()[0]
+    newest = torch.div(layer.length_tensor().long() - 1 - row_start.long(), layer.config.page_size,
+                       rounding_mode="floor").clamp_min(0)  # [b]
+    pages = newest.view(b, 1, 1).expand(b, h, 1)
+    new = layer.summarize_pages(*layer.page_inputs(pages))
+    for name, tensor in new.items():
+        index = pages.view(b, h, 1, *([1] * (tensor.dim() - 3))).expand_as(tensor)
+        layer.summary[name].scatter_(2, index, tensor)
+
+
+def reference_summary(layer: PagedLayer, keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The selector's own `summarize` (with the layer's sequence-level state)."""
+    return layer.selector.summarize(keys, valid, layer.shared)
+
+
+class ReferenceBackend(DecodeBackend):
+    """PyTorch on any device: the CPU path, and the GPU path for settings the kernels do not implement."""
+
+    name = "reference"
+
+    def decode(self, layer: PagedLayer, query: torch.Tensor, scale: float) -> torch.Tensor:
+        out = reference_decode(layer, query, scale)
+        layer.record_selection_traffic()
+        return out
+
+    def update_newest_page(self, layer: PagedLayer) -> None:
+        reference_update_newest_page(layer)
+
+    def build_summary(self, layer: PagedLayer, keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+        return reference_summary(layer, keys, valid)
+
+
+REFERENCE = ReferenceBackend()
