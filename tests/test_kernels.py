@@ -358,6 +358,35 @@ def test_layer_glue_matches_reference_path(monkeypatch, static, selector):
     assert ((got.double() - ref.double()).norm() / ref.double().norm()).item() < 1e-5
 
 
+# every kernel selector the static layout serves, dense "full" included
+@pytest.mark.parametrize("selector", selectors(kernel=True, static_cache=True, reads_keys=False))
+def test_decode_step_op_schema_and_fake_match_what_selectors_declare(monkeypatch, selector):
+    """The custom op with the arguments the Triton backend derives from a selector's declarations
+    (scan mode, per-head lists, re-ranking) and a static layer's buffers: its schema holds (the
+    mutated buffers declared) and its fake implementation gives the real outputs' shapes."""
+    monkeypatch.setenv("LOCKS_HF_KERNELS", "0")  # the layer's prefill takes the reference path
+    from locks_hf.selectors import selector_class
+    from locks_hf.static_cache import LocksStaticLayer
+
+    declared = selector_class(selector)
+    cfg = LocksConfig(rank=4, basis_bits=4, budget=3 * B, selector=selector)
+    length, h, d = 5 * B + 3, 2, 64
+    gen = torch.Generator().manual_seed(3)
+    layer = LocksStaticLayer(length + 2 * B, cfg)
+    layer.update(*(torch.randn(1, h, length, d, generator=gen).to(DEV) for _ in range(2)))
+    layer.prepare(None, length)
+    bufs = layer.kernel_buffers()
+    row_start, n_complete = layer.row_tensors()
+    width, active = layer.page_slots()
+    method = declared.kernel_method
+    args = (method, torch.randn(1, 2 * h, 1, d, generator=gen).to(DEV), layer.key_buffer(), layer.value_buffer(),
+            layer.slot_valid, row_start, n_complete, layer.length_tensor(),
+            [layer.summary[n] for n in kernels.SUMMARY_NAMES.get(method, ())], layer.num_pages, width, 0.125, B, 4,
+            layer.count_buffer(), active, bufs["row_counts"], bufs["pad"],
+            None if declared.dense else bufs["selection"], declared.per_head, cfg.rerank or 0)
+    torch.library.opcheck(torch.ops.locks_hf.decode_step.default, args, test_utils=("test_schema", "test_faketensor"))
+
+
 # the kernel selectors with per-page summaries of their own (the oracle reads keys, no summary)
 @pytest.mark.parametrize("selector", selectors(kernel=True, dense=False, reads_keys=False, summary_of=None))
 def test_static_per_step_page_summary_glue(monkeypatch, selector):
