@@ -61,11 +61,11 @@ MMA_CODE_TILE_BYTES = 1 << 17
 
 
 def mma_chunk_words(block_pages: int, rank: int, basis_bits: int, query_bytes: int) -> int:
-    """Default ``words_per_chunk`` of variant ``"mma"``: 4, halved while the code tile of a chunk exceeds
-    `MMA_CODE_TILE_BYTES` and a chunk keeps at least 16 codes a row (the products' smallest K)."""
+    """Default ``words_per_chunk`` of variant ``"mma"``: 4, halved (down to 2: the int8 centroids' chunk then
+    holds 16 codes, the products' smallest K) while the code tile of a chunk exceeds `MMA_CODE_TILE_BYTES`."""
     codes = 32 // min(basis_bits, 4)  # codes a word unpacks to (int8: two nibbles a byte)
     kcw = 4
-    while kcw > 1 and (kcw // 2) * codes >= 16 and block_pages * rank * kcw * codes * query_bytes > MMA_CODE_TILE_BYTES:
+    while kcw > 2 and block_pages * rank * kcw * codes * query_bytes > MMA_CODE_TILE_BYTES:
         kcw //= 2
     return kcw
 
@@ -78,8 +78,9 @@ def mma_tiles(GG: int, block_pages, head_split, words_per_chunk, num_warps, num_
     each (at most 8 heads a thread by default), so ``block_pages * head_split`` is a multiple of
     ``32 * num_warps``; chunks of 4 words (16 bytes) of each packed row per tensor-core product, fewer
     where the chunk's codes would not fit in shared memory (`mma_chunk_words`; ``query_bytes``: 4 for a
-    float32 query, 2 for bf16/fp16).
+    float32 query, 2 for bf16/fp16), and half the warps and pages where even 2-word chunks would not.
     """
+    warps_default = num_warps is None
     if num_warps is None:
         num_warps = 4
     if head_split is None:
@@ -91,6 +92,9 @@ def mma_tiles(GG: int, block_pages, head_split, words_per_chunk, num_warps, num_
         raise ValueError(f"variant 'mma': head_split must divide the padded group size {GG}, got {head_split}")
     if block_pages is None:
         block_pages = max(1, 32 * num_warps // head_split)
+        if warps_default and words_per_chunk is None:  # rank 16 at 2 bits, float32 query: halve the block too
+            while num_warps > 1 and block_pages * rank * 64 // min(basis_bits, 4) * query_bytes > MMA_CODE_TILE_BYTES:
+                num_warps, block_pages = num_warps // 2, block_pages // 2
     if (block_pages * head_split) % (32 * num_warps) or block_pages & (block_pages - 1):
         raise ValueError("variant 'mma': block_pages must be a power of two and block_pages * head_split a "
                          "multiple of 32 * num_warps")

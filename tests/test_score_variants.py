@@ -204,8 +204,9 @@ def test_mma_narrow_chunks_of_wide_rows(rank, bits, G):
 
 def test_mma_default_tiles_keep_the_code_tile_within_shared_memory():
     """The default chunk keeps the basis product's code tile (``block_pages * rank`` rows of a chunk's codes
-    in the query's dtype, staged in shared memory) within `MMA_CODE_TILE_BYTES`, at the timed tiles
-    unchanged: 4-word chunks for bf16 r4i4/r8i4 at G = 4 and 16."""
+    in the query's dtype, staged in shared memory) within `MMA_CODE_TILE_BYTES` with chunks of at least
+    2 words (16 centroid codes), and the timed tiles unchanged: 4-word chunks for bf16 r4i4/r8i4 at
+    G = 4 and 16."""
     for GG in (1, 2, 4, 8, 16):
         for rank in (2, 4, 8, 16):
             for bits in (2, 4, 8):
@@ -213,7 +214,8 @@ def test_mma_default_tiles_keep_the_code_tile_within_shared_memory():
                     bp, hs, kcw, nw, ns = mma_tiles(GG, None, None, None, None, None, rank=rank, basis_bits=bits,
                                                     query_bytes=qb)
                     codes = kcw * 32 // min(bits, 4)
-                    assert codes >= 16 and bp * rank * codes * qb <= MMA_CODE_TILE_BYTES, (GG, rank, bits, qb, kcw)
+                    assert kcw >= 2 and bp * rank * codes * qb <= MMA_CODE_TILE_BYTES, (GG, rank, bits, qb, kcw)
+                    assert bp * hs == 32 * nw and nw == (2 if (rank, bits, qb) == (16, 2, 4) and GG < 16 else 4)
     for GG, rank in [(4, 4), (4, 8), (16, 4), (16, 8)]:
         want = (128, 1, 4, 4, 1) if GG == 4 else (64, 2, 4, 4, 1)
         assert mma_tiles(GG, None, None, None, None, None, rank=rank, basis_bits=4, query_bytes=2) == want
@@ -239,7 +241,7 @@ def test_mma_compiles_for_sm90_within_shared_memory():
     run = subprocess.run([sys.executable, str(root / "scripts" / "dev" / "check_score_mma_compile.py")], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr[-2000:]
-    assert run.stdout.count("ok  ") == 8, run.stdout
+    assert run.stdout.count("ok  ") == 5, run.stdout
 
 
 @pytest.mark.parametrize("rank,bits,G", [(4, 4, 4), (8, 4, 16), (2, 8, 3)])
