@@ -153,7 +153,8 @@ def score_pages(method: str, query: torch.Tensor, *, slot_valid: torch.Tensor, r
                          f"rank <= 16 (d={d}, page_size={B}, rank={R}, bits={bits})")
     if mma:
         block_pages, head_split, words_per_chunk, num_warps, num_stages = mma_tiles(
-            GG, block_pages, head_split, words_per_chunk, num_warps, num_stages)
+            GG, block_pages, head_split, words_per_chunk, num_warps, num_stages, rank=R, basis_bits=bits,
+            query_bytes=q.element_size())
         if not mma_supported(d, B, R, bits, words_per_chunk):
             raise ValueError(f"variant 'mma' needs d*bits % (32*words_per_chunk) == 0, d % (4*words_per_chunk) "
                              f"== 0, page_size*rank % 16 == 0 and a power-of-two rank <= 16 (d={d}, "

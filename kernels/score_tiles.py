@@ -50,14 +50,37 @@ def fma_tiles(block_pages, sub_blocks, num_warps, num_stages) -> tuple[int, int,
     return block_pages, 1 if sub_blocks is None else sub_blocks, num_warps, 1 if num_stages is None else num_stages
 
 
-def mma_tiles(GG: int, block_pages, head_split, words_per_chunk, num_warps, num_stages
-              ) -> tuple[int, int, int, int, int]:
+#: Bytes the default ``words_per_chunk`` keeps the basis product's code tile within: ``block_pages * rank``
+#: rows of one chunk's codes (``words_per_chunk * 32/min(bits, 4)`` of them) in the query's dtype, the
+#: tensor-core operand staged in shared memory. sm_90 AOT with Triton 3.6 (scripts/dev/check_score_mma_compile.py,
+#: d = 128, page 16): a block's shared memory is this tile plus at most ~1 KB (less where the compiler keeps
+#: the operand in registers), so 4-word chunks of a 2-bit basis at rank 8 in 128-page blocks need 256.3 KB
+#: with a float32 query (over the H200's 227 KB), 128.3 KB at 4 bits; 64 KB for the bf16 r8i4 G=4 tiles
+#: the H200 timings were taken with (below 128 KiB: unchanged).
+MMA_CODE_TILE_BYTES = 1 << 17
+
+
+def mma_chunk_words(block_pages: int, rank: int, basis_bits: int, query_bytes: int) -> int:
+    """Default ``words_per_chunk`` of variant ``"mma"``: 4, halved (down to 2: the int8 centroids' chunk then
+    holds 16 codes, the products' smallest K) while the code tile of a chunk exceeds `MMA_CODE_TILE_BYTES`."""
+    codes = 32 // min(basis_bits, 4)  # codes a word unpacks to (int8: two nibbles a byte)
+    kcw = 4
+    while kcw > 2 and block_pages * rank * kcw * codes * query_bytes > MMA_CODE_TILE_BYTES:
+        kcw //= 2
+    return kcw
+
+
+def mma_tiles(GG: int, block_pages, head_split, words_per_chunk, num_warps, num_stages, *, rank: int,
+              basis_bits: int, query_bytes: int) -> tuple[int, int, int, int, int]:
     """``(block_pages, head_split, words_per_chunk, num_warps, num_stages)`` of variant ``"mma"``.
 
     One (page, head group) pair per thread: ``head_split`` threads per page with ``GG/head_split`` heads
     each (at most 8 heads a thread by default), so ``block_pages * head_split`` is a multiple of
-    ``32 * num_warps``; 16-byte chunks (4 words) of each packed row per tensor-core product.
+    ``32 * num_warps``; chunks of 4 words (16 bytes) of each packed row per tensor-core product, fewer
+    where the chunk's codes would not fit in shared memory (`mma_chunk_words`; ``query_bytes``: 4 for a
+    float32 query, 2 for bf16/fp16), and half the warps and pages where even 2-word chunks would not.
     """
+    warps_default = num_warps is None
     if num_warps is None:
         num_warps = 4
     if head_split is None:
@@ -69,11 +92,15 @@ def mma_tiles(GG: int, block_pages, head_split, words_per_chunk, num_warps, num_
         raise ValueError(f"variant 'mma': head_split must divide the padded group size {GG}, got {head_split}")
     if block_pages is None:
         block_pages = max(1, 32 * num_warps // head_split)
+        if warps_default and words_per_chunk is None:  # rank 16 at 2 bits, float32 query: halve the block too
+            while num_warps > 1 and block_pages * rank * 64 // min(basis_bits, 4) * query_bytes > MMA_CODE_TILE_BYTES:
+                num_warps, block_pages = num_warps // 2, block_pages // 2
     if (block_pages * head_split) % (32 * num_warps) or block_pages & (block_pages - 1):
         raise ValueError("variant 'mma': block_pages must be a power of two and block_pages * head_split a "
                          "multiple of 32 * num_warps")
-    return (block_pages, head_split, 4 if words_per_chunk is None else words_per_chunk, num_warps,
-            1 if num_stages is None else num_stages)
+    if words_per_chunk is None:
+        words_per_chunk = mma_chunk_words(block_pages, rank, basis_bits, query_bytes)
+    return block_pages, head_split, words_per_chunk, num_warps, 1 if num_stages is None else num_stages
 
 
 # Page-rows (batch x KV heads x pages) from which a group of 16+ heads scores faster per token.

@@ -19,7 +19,7 @@ import test_kernels  # noqa: E402,F401  (chooses the interpreter before Triton i
 import torch
 
 from locks_hf import kernels  # noqa: E402
-from locks_hf.kernels.score_tiles import fma_supported, mma_supported  # noqa: E402
+from locks_hf.kernels.score_tiles import MMA_CODE_TILE_BYTES, fma_supported, mma_supported, mma_tiles  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 INTERPRETED = DEV == "cpu"
@@ -189,6 +189,59 @@ def test_mma_tiles_give_the_same_scores(tiles):
     got, part = run(summ, "mma", **tiles)
     assert_scores(got, want, 1e-5)
     check_partials(part, summ, want.view(summ.b * summ.h, summ.G, summ.P))
+
+
+@pytest.mark.parametrize("rank,bits,G", [(8, 2, 4), (8, 2, 1)])
+def test_mma_narrow_chunks_of_wide_rows(rank, bits, G):
+    """2-word chunks of a 2-bit basis (and of the int8 centroids: 16 codes a product), what the default tiles
+    take for float32 queries at rank 8 in 128-page blocks (`score_tiles.mma_chunk_words`)."""
+    summ = Summaries(rank * 10 + G, rank=rank, bits=bits, G=G)
+    want = summ.reference()
+    got, part = run(summ, "mma", words_per_chunk=2, **(dict(num_warps=1) if INTERPRETED else {}))
+    assert_scores(got, want, 1e-5)
+    check_partials(part, summ, want.view(summ.b * summ.h, G, summ.P))
+
+
+def test_mma_default_tiles_keep_the_code_tile_within_shared_memory():
+    """The default chunk keeps the basis product's code tile (``block_pages * rank`` rows of a chunk's codes
+    in the query's dtype, staged in shared memory) within `MMA_CODE_TILE_BYTES` with chunks of at least
+    2 words (16 centroid codes), and the timed tiles unchanged: 4-word chunks for bf16 r4i4/r8i4 at
+    G = 4 and 16."""
+    for GG in (1, 2, 4, 8, 16):
+        for rank in (2, 4, 8, 16):
+            for bits in (2, 4, 8):
+                for qb in (2, 4):
+                    bp, hs, kcw, nw, ns = mma_tiles(GG, None, None, None, None, None, rank=rank, basis_bits=bits,
+                                                    query_bytes=qb)
+                    codes = kcw * 32 // min(bits, 4)
+                    assert kcw >= 2 and bp * rank * codes * qb <= MMA_CODE_TILE_BYTES, (GG, rank, bits, qb, kcw)
+                    assert bp * hs == 32 * nw and nw == (2 if (rank, bits, qb) == (16, 2, 4) and GG < 16 else 4)
+    for GG, rank in [(4, 4), (4, 8), (16, 4), (16, 8)]:
+        want = (128, 1, 4, 4, 1) if GG == 4 else (64, 2, 4, 4, 1)
+        assert mma_tiles(GG, None, None, None, None, None, rank=rank, basis_bits=4, query_bytes=2) == want
+
+
+def test_mma_compiles_for_sm90_within_shared_memory():
+    """The interpreter runs tiles the GPU cannot launch (float32 queries on a 2-bit rank-8 basis took 256 KB
+    of shared memory, over an H200's 227 KB): `scripts/dev/check_score_mma_compile.py` compiles the kernel
+    for sm_90 (no GPU needed) at the widest default tiles and checks each compiles and fits."""
+    import pathlib
+    import subprocess
+    import sys
+
+    import triton
+
+    if DEV == "cuda":
+        pytest.skip("with a GPU the other tests run the kernel compiled")
+    if not (pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this Triton has no bundled ptxas: it cannot compile for CUDA here")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, [env.get("PYTHONPATH")])])
+    run = subprocess.run([sys.executable, str(root / "scripts" / "dev" / "check_score_mma_compile.py")], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr[-2000:]
+    assert run.stdout.count("ok  ") == 5, run.stdout
 
 
 @pytest.mark.parametrize("rank,bits,G", [(4, 4, 4), (8, 4, 16), (2, 8, 3)])

@@ -78,7 +78,8 @@ def compile_mma(rank: int, bits: int = 4, d: int = 128, page: int = 16, G: int =
     GG = 1 << max(0, (G - 1).bit_length())
     kv_heads = kv_heads or (8 if G == 4 else 2)
     bp, hs, kcw, nw, ns = mma_tiles(GG, tiles.get("block_pages"), tiles.get("head_split"),
-                                    tiles.get("words_per_chunk"), tiles.get("num_warps"), tiles.get("num_stages"))
+                                    tiles.get("words_per_chunk"), tiles.get("num_warps"), tiles.get("num_stages"),
+                                    rank=rank, basis_bits=bits, query_bytes=2)
     args = [MockTensor(torch.bfloat16), kv_heads * G * d, d, *_summary_args(rank, bits, d, page, pages, kv_heads)]
     args += [MockTensor(torch.uint8), pages * page, MockTensor(torch.int32), MockTensor(torch.int32),
              MockTensor(torch.int32), MockTensor(torch.float32), pages, MockTensor(torch.float32),
