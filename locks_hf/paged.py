@@ -15,10 +15,15 @@ prefill and per-step summarizing, as transformers' ``DynamicLayer`` / ``StaticLa
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import torch
 
 from .backends import DecodeBackend, choose_backend
+
+if TYPE_CHECKING:
+    from .config import LocksConfig
+    from .selectors import PageSelector
 
 
 def slot_validity(attention_mask: torch.Tensor | None, query_len: int, batch: int, device) -> torch.Tensor:
@@ -51,6 +56,16 @@ class PagedLayer(ABC):
     """
 
     backend: DecodeBackend
+    config: LocksConfig
+    selector: PageSelector | None
+    summary: dict[str, torch.Tensor]
+    shared: dict[str, torch.Tensor]
+    slot_valid: torch.Tensor | None
+    counts: torch.Tensor | None
+    device: torch.device
+    # Set by transformers' cache layer the storage class also derives from.
+    keys: torch.Tensor | None
+    is_initialized: bool
 
     #: Set by ``Cache.activate_past_recording`` (assisted / prompt-lookup decoding): a multi-token
     #: forward is then a verification of drafted tokens, which Locks refuses (see `attention`).
