@@ -228,7 +228,11 @@ def sparse_attention(query: torch.Tensor, key_buf: torch.Tensor, value_buf: torc
         raise ValueError("sparse_attention: pages=None (dense) needs n_pages")
     if pad is not None and (row_counts is None or counts is None):
         raise ValueError("sparse_attention: pad (the cached-token statistics) needs counts and row_counts")
-    rows, W = (b * h, n_pages) if dense else pages.shape
+    if pages is not None:
+        rows, W = pages.shape
+    else:
+        assert n_pages is not None  # checked above
+        rows, W = b * h, n_pages
     B = page_size
     TP = tile_pages or (4 if B <= 16 else max(1, 64 // B))
     if out is None:

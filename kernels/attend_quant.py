@@ -230,9 +230,9 @@ def quantized_attention(query: torch.Tensor, pages: torch.Tensor | None, *, key_
             raise ValueError(f"quantized_attention: {name} must be contiguous in its last dim")
     G = hq // h
     dense = pages is None
-    if dense and n_pages is None:
-        raise ValueError("quantized_attention: pages=None (dense) needs n_pages")
-    if dense:
+    if pages is None:
+        if n_pages is None:
+            raise ValueError("quantized_attention: pages=None (dense) needs n_pages")
         rows, W = b * h, n_pages
     else:
         pages = pages.reshape(b * h, -1)

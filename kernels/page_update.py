@@ -125,8 +125,8 @@ def _check_summary(method: str, summary: list[torch.Tensor], lead: tuple, key_bu
     names = SUMMARY_NAMES[method]
     d = key_buf.shape[-1]
     if method == "locks":
-        want = summary_shapes(lead, page_size, d, rank, basis_bits)
-        want = [want[n] for n in names]
+        shapes = summary_shapes(lead, page_size, d, rank, basis_bits)
+        want = [shapes[n] for n in names]
     else:
         want = [((*lead, d), key_buf.dtype)] * len(names)
     if len(summary) != len(names):

@@ -4,6 +4,8 @@ two threads, bad row indices) and the statistics."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from transformers import PretrainedConfig
 from transformers.utils import is_torchdynamo_compiling
@@ -16,11 +18,16 @@ from .handoff import check_handoff_taken, hand_over
 from .models_support import REFUSED_GENERATION, cache_model_mismatch, head_dim_of
 from .paged import PagedLayer
 
+if TYPE_CHECKING:
+    from transformers import Cache as _CacheBase  # the class a Locks cache mixes this into
+else:
+    _CacheBase = object
+
 EMPTY_INPUT = ("the input has no tokens (input_ids of shape [batch, 0]): a Locks cache needs at least one token per "
                "forward; pass a non-empty prompt (e.g. start it with the tokenizer's BOS token)")
 
 
-class LocksCacheMixin(CacheStatistics):
+class LocksCacheMixin(CacheStatistics, _CacheBase):
     """Shared by `LocksCache` and `LocksStaticCache`: the attention hand-off, the checks of every update
     and the statistics."""
 

@@ -38,7 +38,7 @@ class CacheStatistics:
         for layer in self.locks_layers:
             if not layer.decode_steps or layer.counts is None:
                 continue
-            b, h = layer.keys.shape[:2]
+            b, h = layer.kv_batch, layer.kv_heads
             tokens = int(layer.counts[0])
             head_steps += layer.decode_steps * b * h
             attended += tokens

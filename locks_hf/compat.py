@@ -13,7 +13,7 @@ try:  # transformers >= 5.23
     from transformers.masking_utils import find_first_full_attention_index
 except ImportError:  # older: the mask builders read the sizes of the first non-sliding layer
 
-    def find_first_full_attention_index(cache) -> int:
+    def find_first_full_attention_index(cache) -> int:  # type: ignore[misc]  # transformers' own, typed, when present
         """The layer whose ``get_mask_sizes`` the causal mask builders ask (0 if every layer slides)."""
         try:
             return list(cache.is_sliding).index(False)

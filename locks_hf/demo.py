@@ -46,6 +46,7 @@ def prefill(model, input_ids: torch.LongTensor, cache: LocksCache, chunk_size: i
             chunk = input_ids[:, start : start + chunk_size]
             logits = model(chunk, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
             bar.update(chunk.shape[1])
+    assert logits is not None, "prefill: the prompt has no tokens"
     return logits[:, -1].argmax(-1, keepdim=True)
 
 
@@ -55,13 +56,13 @@ class StopOnNewline:
     def __init__(self, tokenizer, start: int) -> None:
         self.tokenizer, self.start = tokenizer, start
 
-    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.Tensor:
         done = ["\n" in self.tokenizer.decode(row[self.start :]) for row in input_ids]
         return torch.tensor(done, device=input_ids.device)
 
 
 def decode_from(model, input_ids: torch.LongTensor, first_token: torch.LongTensor, cache: LocksCache,
-                max_new_tokens: int, tokenizer=None, stop_at_newline: bool = False) -> torch.LongTensor:
+                max_new_tokens: int, tokenizer=None, stop_at_newline: bool = False) -> torch.Tensor:
     """Greedy continuation of a prefilled ``cache``: the new tokens ``[b, n]``, ``first_token`` included.
 
     ``generate`` is given prompt + first token and feeds only the token not in the cache yet.

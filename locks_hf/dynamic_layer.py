@@ -43,6 +43,10 @@ class LocksLayer(DynamicLayer, PolicyInputs, PagedLayer):
     #: The ``kv_bits`` this class stores (a subclass declares the quantized ones it stores).
     stored_kv_bits: tuple[int, ...] = (16,)
 
+    #: The K/V buffers ``[b, h, capacity, d]`` (``None`` before the first update).
+    _kbuf: torch.Tensor | None
+    _vbuf: torch.Tensor | None
+
     def __new__(cls, config: LocksConfig | None = None, *args, **kwargs):
         # Quantized KV settings make the layer the subclass that declares it stores them
         # (`locks_hf.kv_cache`, loaded with the package), so that every place that builds a layer
@@ -102,6 +106,7 @@ class LocksLayer(DynamicLayer, PolicyInputs, PagedLayer):
     def key_read_bytes(self, tokens: int, every: bool = False) -> int:
         """Bytes of ``tokens`` stored keys per row and KV head, summed over rows and heads (``every``:
         the ``tokens`` are every written slot)."""
+        assert self._kbuf is not None  # full-precision storage (a quantized layer counts its own)
         b, h, _, d = self._kbuf.shape
         return tokens * b * h * d * self._kbuf.element_size()
 
@@ -149,6 +154,7 @@ class LocksLayer(DynamicLayer, PolicyInputs, PagedLayer):
         new_cap = math.ceil(new_cap / B) * B
         T = self.length
         self._resize_kv(new_cap, T)
+        assert self.slot_valid is not None  # grown after lazy_initialization only
         self.slot_valid = resized_keeping(self.slot_valid, 1, new_cap, T, fill=True)
         kept = max(self.n_summarized, default=0)
         self.summary = {n: resized_keeping(t, 2, new_cap // B + 1, kept) for n, t in self.summary.items()}
@@ -157,10 +163,12 @@ class LocksLayer(DynamicLayer, PolicyInputs, PagedLayer):
 
     def _resize_kv(self, capacity: int, length: int) -> None:
         """Re-allocate the K/V storage to ``capacity`` slots, keeping the first ``length``."""
+        assert self._kbuf is not None and self._vbuf is not None  # grown after lazy_initialization only
         self._kbuf = resized_keeping(self._kbuf, 2, capacity, length)
         self._vbuf = resized_keeping(self._vbuf, 2, capacity, length)
 
     def _check_batch(self, key_states: torch.Tensor) -> None:
+        assert self.slot_valid is not None  # checked after lazy_initialization only
         if key_states.shape[0] != self.slot_valid.shape[0]:
             raise ValueError(
                 f"LocksCache holds batch size {self.slot_valid.shape[0]} but got {key_states.shape[0]}: for "
@@ -168,6 +176,7 @@ class LocksLayer(DynamicLayer, PolicyInputs, PagedLayer):
             )
 
     def _refresh_views(self) -> None:
+        assert self._kbuf is not None and self._vbuf is not None  # allocated by lazy_initialization
         self.keys = self._kbuf[:, :, : self.length]
         self.values = self._vbuf[:, :, : self.length]
 
@@ -179,11 +188,13 @@ class LocksLayer(DynamicLayer, PolicyInputs, PagedLayer):
         T, t = self.length, key_states.shape[2]
         if T + t > self.capacity:
             self._grow(T + t)
+        assert self._kbuf is not None and self._vbuf is not None and self.slot_valid is not None  # allocated above
         self._kbuf[:, :, T : T + t].copy_(key_states)
         self._vbuf[:, :, T : T + t].copy_(value_states)
         self.slot_valid[:, T : T + t] = True
         self.length = T + t
         self._refresh_views()
+        assert self.keys is not None and self.values is not None  # the views just refreshed
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -196,6 +207,7 @@ class LocksLayer(DynamicLayer, PolicyInputs, PagedLayer):
         Called for multi-token forwards (prefill); decode tokens are real by construction.
         """
         t = valid.shape[1]
+        assert self.slot_valid is not None  # called after an update only
         self.slot_valid[:, self.length - t : self.length] = valid
         T = self.length
         slots = torch.arange(T, device=self.device)
@@ -228,6 +240,7 @@ class LocksLayer(DynamicLayer, PolicyInputs, PagedLayer):
 
     def real_tokens(self) -> torch.Tensor:
         """Real (non-padding) tokens cached in all rows, a scalar tensor."""
+        assert self.slot_valid is not None  # asked of an initialized layer only
         return self.slot_valid[:, : self.length].sum()
 
     # -- the attention function's hooks ------------------------------------------------------------
@@ -275,7 +288,7 @@ class LocksLayer(DynamicLayer, PolicyInputs, PagedLayer):
         hi = max(target)
         if hi <= lo or all(n >= t for n, t in zip(self.n_summarized, target)):
             return
-        b, h = self.keys.shape[:2]
+        b, h = self.kv_batch, self.kv_heads
         keys, valid = self.page_inputs(torch.arange(lo, hi, device=self.device).expand(b, h, -1))
         if not self.shared:  # the first pass (after prefill) fits any sequence-level state, frozen after
             self.shared = self.selector.fit_sequence(keys, valid)
@@ -327,6 +340,8 @@ class LocksLayer(DynamicLayer, PolicyInputs, PagedLayer):
         if config.kv_bits != 16:
             raise ValueError("LocksLayer.from_paged copies full-precision K/V: quantize the copy (`kv_cache.to_quantized`)")
         keys, values = layer.kv_buffers()
+        # (the copy of an initialized layer: `fork.dynamic_layers`)
+        assert keys is not None and values is not None and layer.slot_valid is not None
         new = cls(config)
         new.lazy_initialization(keys, values)
         new._kbuf = keys[:, :, :length].clone()
@@ -345,7 +360,9 @@ class LocksLayer(DynamicLayer, PolicyInputs, PagedLayer):
         if not self.is_initialized:
             return
         if self._kbuf is not None:  # (a quantized layer keeps its K/V in other tensors)
+            assert self._vbuf is not None  # allocated with the keys
             self._kbuf, self._vbuf = fn(self._kbuf), fn(self._vbuf)
+        assert self.slot_valid is not None  # set by lazy_initialization
         self.slot_valid = fn(self.slot_valid)
         self.summary = {n: fn(t) for n, t in self.summary.items()}
         self._summary_shared = False  # fn made new tensors

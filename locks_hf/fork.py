@@ -13,6 +13,7 @@ from .kv_cache import adopt_config, to_quantized
 from .kv_quant import full_precision
 from .layout import hf_copy, to_dynamic_layer
 from .paged import PagedLayer
+from .static_layer import LocksStaticLayer
 
 
 def copied_layer(layer, locks: LocksConfig | None, width: int | None):
@@ -21,7 +22,7 @@ def copied_layer(layer, locks: LocksConfig | None, width: int | None):
     if isinstance(layer, LocksLayer):
         new = layer.copy_sharing_summaries()
         return new if locks is None else adopt_config(new, locks)
-    if isinstance(layer, PagedLayer):  # a static Locks layer
+    if isinstance(layer, LocksStaticLayer):
         return layer.fork(locks, width)
     if isinstance(layer, StaticLayer):
         return hf_copy(layer)

@@ -9,6 +9,7 @@ attention is not "locks" (it never took the hand-off).
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import torch
 
@@ -20,7 +21,7 @@ class _Handoff(threading.local):
     def __init__(self) -> None:
         # Runs in every thread on first use: the attribute always exists, so a compiled graph's
         # guard on it does not flip (and recompile) the first time a cache sets it.
-        self.slot = None
+        self.slot: tuple[int, Any, int] | None = None
 
 
 _HANDOFF = _Handoff()

@@ -116,7 +116,7 @@ def split_kv_label(family: str) -> tuple[str, dict]:
     match = _SUFFIX.match(family)
     if match is None:
         return family, {}
-    fields = {"kv_bits": int(match["bits"])}
+    fields: dict[str, int | str] = {"kv_bits": int(match["bits"])}
     if match["group"]:
         fields["kv_group"] = int(match["group"])
     if match["res"]:

@@ -117,7 +117,7 @@ class CapacityPlan:
     def __init__(self, max_cache_len: int | None, page_size: int, growable: bool) -> None:
         self.page_size = page_size
         self.growable = growable
-        self.capacity = None if max_cache_len is None else round_up(max_cache_len, page_size)
+        self.capacity: int | None = None if max_cache_len is None else round_up(max_cache_len, page_size)
         self.limit = max_cache_len  # tokens the user asked for: the page rounding is storage, not capacity
         self.written = 0  # tokens written, counted on the host (exact after an eager forward)
         self.announced = 0  # tokens of the forward about to run
@@ -150,15 +150,17 @@ class CapacityPlan:
         return need
 
     def _needed(self, total: int) -> int | None:
-        if not self.growable and total > (self.limit or self.capacity):
+        capacity = self.capacity
+        assert capacity is not None  # allocated (`first_capacity`) before any write is planned
+        if not self.growable and total > (self.limit or capacity):
             raise ValueError(
-                f"the cache was created with max_cache_len={self.limit or self.capacity} tokens but {total} would be "
+                f"the cache was created with max_cache_len={self.limit or capacity} tokens but {total} would be "
                 "written: create it with max_cache_len >= prompt length + max_new_tokens")
-        if total <= self.capacity:
+        if total <= capacity:
             return None
         # Geometric (each growth recompiles the decode step): doubling up to 64K slots, then +25% so
         # that a long cache does not hold twice its size during the copy.
-        grown = self.capacity * 2 if self.capacity < 1 << 16 else self.capacity * 5 // 4
+        grown = capacity * 2 if capacity < 1 << 16 else capacity * 5 // 4
         return round_up(max(grown, total + MIN_HEADROOM), 256)
 
 
@@ -207,6 +209,7 @@ def to_dynamic_layer(layer: StaticLayer, length: int, window: int | None = None)
     new = DynamicSlidingWindowLayer(sliding_window=window) if window else DynamicLayer()
     if not layer.is_initialized:
         return new
+    assert layer.keys is not None and layer.values is not None  # an initialized layer holds both
     new.lazy_initialization(layer.keys, layer.values)
     keep = slice(max(held - window + 1, 0) if window else 0, held)
     new.keys, new.values = layer.keys[:, :, keep].clone(), layer.values[:, :, keep].clone()

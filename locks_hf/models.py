@@ -29,8 +29,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -332,7 +336,7 @@ def load_model(name: str = DEFAULT_MODEL, *, attn_implementation: str = "locks",
     if attn_implementation == ATTENTION_NAME:  # refused by name before transformers builds the model
         check_model(AutoConfig.from_pretrained(folder))
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation)
-    model.to(device).eval()
+    model.to(device).eval()  # type: ignore[arg-type]  # functools.wraps on transformers' `to` hides its self
     return model, tokenizer
 
 
@@ -363,6 +367,8 @@ def tiny_config(arch: str, **overrides):
     common = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=16, num_hidden_layers=2, vocab_size=256, max_position_embeddings=4096,
                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cls: type[PretrainedConfig]
+    extra: dict[str, Any]
     if arch == "llama":
         cls, extra = LlamaConfig, {}
     elif arch == "qwen3":

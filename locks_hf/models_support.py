@@ -64,7 +64,8 @@ def check_attention_dispatch(config: PretrainedConfig) -> None:
             f"{config.model_type}: {feature[1]} ({feature[0]}) is not supported by Locks sparse decode; "
             "load this model with attn_implementation='sdpa' and use a DynamicCache"
         )
-    class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(config, "model_type", None))
+    model_type = getattr(config, "model_type", None)
+    class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) if isinstance(model_type, str) else None
     model_class = getattr(transformers, class_name, None) if isinstance(class_name, str) else None
     if model_class is not None and not model_class.is_backend_compatible():
         raise UnsupportedModelError(

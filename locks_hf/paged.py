@@ -15,10 +15,15 @@ prefill and per-step summarizing, as transformers' ``DynamicLayer`` / ``StaticLa
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import torch
 
 from .backends import DecodeBackend, choose_backend
+
+if TYPE_CHECKING:
+    from .config import LocksConfig
+    from .selectors import PageSelector
 
 
 def slot_validity(attention_mask: torch.Tensor | None, query_len: int, batch: int, device) -> torch.Tensor:
@@ -51,6 +56,16 @@ class PagedLayer(ABC):
     """
 
     backend: DecodeBackend
+    config: LocksConfig
+    selector: PageSelector | None
+    summary: dict[str, torch.Tensor]
+    shared: dict[str, torch.Tensor]
+    slot_valid: torch.Tensor | None
+    counts: torch.Tensor | None
+    device: torch.device
+    # Set by transformers' cache layer the storage class also derives from.
+    keys: torch.Tensor | None
+    is_initialized: bool
 
     #: Set by ``Cache.activate_past_recording`` (assisted / prompt-lookup decoding): a multi-token
     #: forward is then a verification of drafted tokens, which Locks refuses (see `attention`).
@@ -73,11 +88,13 @@ class PagedLayer(ABC):
     @property
     def kv_batch(self) -> int:
         """Rows cached."""
+        assert self.keys is not None  # asked of an initialized layer only
         return self.keys.shape[0]
 
     @property
     def kv_heads(self) -> int:
         """KV heads cached."""
+        assert self.keys is not None  # asked of an initialized layer only
         return self.keys.shape[1]
 
     def key_buffer(self) -> torch.Tensor | None:
@@ -168,7 +185,9 @@ class PagedLayer(ABC):
     def attended_kv_bytes(self) -> int:
         """Bytes of the K/V the decode steps attended since the last ``reset_stats``, at their stored size."""
         keys, values = self.kv_buffers()
-        return int(self.attended) * (keys.shape[-1] + values.shape[-1]) * keys.element_size()
+        attended = self.attended
+        assert attended is not None and keys is not None and values is not None  # asked after decode steps
+        return int(attended) * (keys.shape[-1] + values.shape[-1]) * keys.element_size()
 
     def observe_prompt_queries(self, query: torch.Tensor, scale: float) -> None:
         """Prefill hook (``query [b, Hq, t, d]``, t > 1): layers that keep prompt queries override it."""
@@ -202,10 +221,12 @@ class PagedLayer(ABC):
         """Real, written slots among ``slots [b, ...]``."""
         inside = (slots >= 0) & (slots < self.length_tensor().long())
         flat = slots.flatten(1).clamp(0, self.capacity - 1)
+        assert self.slot_valid is not None  # the pages of an initialized layer only
         return self.slot_valid.gather(1, flat).view_as(slots) & inside
 
     def page_validity(self) -> torch.Tensor:
         """``[b, 1, P, B]``: which slots of each row's pages hold real tokens."""
+        assert self.slot_valid is not None  # the pages of an initialized layer only
         pages = torch.arange(self.num_pages, device=self.device).expand(self.slot_valid.shape[0], -1)
         return self._slot_ok(self._page_slots(pages)).unsqueeze(1)
 
@@ -216,13 +237,16 @@ class PagedLayer(ABC):
     def page_keys(self, pages: torch.Tensor, values: bool = False) -> torch.Tensor:
         """Keys (or values) ``[b, h, n, B, d]`` of the pages ``pages [b, h, n]``."""
         slots = self._page_slots(pages)  # [b, h, n, B]
-        out = self._gather_slots(self.value_buffer() if values else self.key_buffer(), slots.flatten(2))
+        buf = self.value_buffer() if values else self.key_buffer()
+        assert buf is not None  # the pages of an initialized layer only
+        out = self._gather_slots(buf, slots.flatten(2))
         return out.unflatten(2, slots.shape[2:])
 
     def all_page_keys(self) -> torch.Tensor:
         """Keys ``[b, h, P, B, d]`` of every page (a view when no row is padded, else a gather)."""
         B, P = self.config.page_size, self.num_pages
         keys = self.key_buffer()
+        assert keys is not None  # the pages of an initialized layer only
         if self._rows_start_at_zero() and P * B <= self.capacity:
             return keys[:, :, : P * B].unflatten(2, (P, B))
         b, h = keys.shape[:2]

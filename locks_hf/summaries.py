@@ -109,10 +109,13 @@ def dequantize_summary(summary: dict[str, torch.Tensor], basis_bits: int, dtype:
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Centroid ``[..., d]``, basis rows ``[..., r, d]``, coefficients ``[..., B, r]`` in ``dtype``."""
     f = summary_factors(summary, basis_bits, dtype)
+    mu, basis, coef, mu_scale, basis_scale, coef_scale = (
+        f["mu"], f["basis"], f["coef"], f["mu_scale"], f["basis_scale"], f["coef_scale"])
+    assert mu is not None and basis is not None and coef is not None  # only the scales may be None
     # basis and coef carry one scale per row ([..., r] / [..., B]); mu one per page ([..., 1]).
-    mu = f["mu"] if f["mu_scale"] is None else f["mu"] * f["mu_scale"]
-    basis = f["basis"] if f["basis_scale"] is None else f["basis"] * f["basis_scale"].unsqueeze(-1)
-    coef = f["coef"] if f["coef_scale"] is None else f["coef"] * f["coef_scale"].unsqueeze(-1)
+    mu = mu if mu_scale is None else mu * mu_scale
+    basis = basis if basis_scale is None else basis * basis_scale.unsqueeze(-1)
+    coef = coef if coef_scale is None else coef * coef_scale.unsqueeze(-1)
     return mu, basis, coef
 
 

@@ -72,6 +72,7 @@ def reference_update_newest_page(layer: PagedLayer) -> None:
 
 def reference_summary(layer: PagedLayer, keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
     """The selector's own `summarize` (with the layer's sequence-level state)."""
+    assert layer.selector is not None  # a dense layer builds no summaries
     return layer.selector.summarize(keys, valid, layer.shared)
 
 

@@ -39,9 +39,10 @@ def kernel_decode(layer: PagedLayer, query: torch.Tensor, scale: float) -> torch
 
     cfg = layer.config
     keys = layer.key_buffer()
-    b, h = query.shape[0], keys.shape[1]
     declared = selector_class(cfg.selector)  # what the kernels need: scan mode, per-head lists
     method = declared.kernel_method
+    assert keys is not None and method is not None  # `choose_backend` picks this backend only then
+    b, h = query.shape[0], keys.shape[1]
     width, active = layer.page_slots()  # page-list width, and the budget as a device tensor (or None)
     bufs = layer.kernel_buffers()
     if bufs is not None:
@@ -76,6 +77,7 @@ def kernel_update_newest_page(layer: PagedLayer) -> None:
     writes the layer's complete-page counts, where `PagedLayer.kernel_buffers` keeps them)."""
     cfg = layer.config
     method = selector_class(cfg.selector).kernel_method
+    assert method is not None  # `choose_backend` picks this backend only then
     bufs = layer.kernel_buffers()
     row_start = layer.row_tensors()[0] if bufs is None else bufs["row_start"]
     torch.ops.locks_hf.update_completed_pages(
