@@ -220,10 +220,6 @@ def test_observe_decode_queries_sees_every_locks_decode_step():
 
 
 # -- the import graph -------------------------------------------------------------------------------------------
-#: Known cycles owned elsewhere, to be removed there (the evaluation runner and its batched engine).
-_KNOWN_CYCLES = [{"locks_hf.eval.batched", "locks_hf.eval.runner"}]
-
-
 def _import_graph() -> dict[str, set[str]]:
     """``locks_hf``'s modules -> the modules they import (top-level and in functions; imports under
     ``if TYPE_CHECKING`` are not run and left out)."""
@@ -301,7 +297,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
 def test_the_package_has_no_import_cycles():
     graph = _import_graph()
     assert "locks_hf.backends.choice" in graph and "locks_hf.selectors.registry" in graph
-    cycles = [c for c in _cycles(graph) if c not in _KNOWN_CYCLES]
+    cycles = _cycles(graph)
     assert not cycles, f"import cycles: {[sorted(c) for c in cycles]}"
 
 
