@@ -55,9 +55,9 @@ class QuantizedLocksLayer(LocksLayer):
     _STORAGE = ("_kcodes", "_kscale", "_kzero", "_vcodes", "_vscale", "_vzero", "_kres", "_vres")
 
     def _clear(self) -> None:
-        super()._clear()
-        for name in self._STORAGE:
+        for name in self._STORAGE:  # first: `LocksLayer._clear` chooses the backend (`packed_kv`)
             setattr(self, name, None)
+        super()._clear()
         self._qk = self._qv = 0  # keys of slots < _qk and values of slots < _qv are quantized
         self._cap = 0
         self._query_len = 0  # query tokens of the last update (what attention will do with its K/V)
@@ -81,7 +81,7 @@ class QuantizedLocksLayer(LocksLayer):
         [2]`` device tensor, a new one when they change), ``bits``, ``group``, ``page_size`` and the page
         bookkeeping (``slot_valid``, ``row_start``, ``length`` as device tensors). ``None`` before the
         storage is allocated."""
-        if getattr(self, "_kres", None) is None:  # (also while `_clear` runs)
+        if self._kres is None:
             return None
         cfg = self.config
         if getattr(self, "_quantized_cache", (None,))[0] != (self._qk, self._qv):
