@@ -7,8 +7,9 @@
 * `quantized_attention` the same over KIVI-packed K/V, dequantized in registers (``attend_quant``);
 * `build_summary` batched GPU summary build (Gram matrix eigendecomposition + one quantize pass);
 * `update_completed_pages` a decode step's in-place summary of each row's just-completed page (one launch);
-* `decode_step` the three chained; `implements` which configurations they cover; `ops` registers
-  them as custom ops (``torch.ops.locks_hf.decode_step`` / ``build_summary`` / ``update_completed_pages``).
+* `decode_step` the three chained; `implements` / `implements_quantized` which configurations they
+  cover; `ops` registers them as custom ops (``torch.ops.locks_hf.decode_step`` / ``build_summary`` /
+  ``update_completed_pages``).
 
 The glue that reads a cache layer and dispatches to these lives in `locks_hf.backends.triton`.
 
@@ -28,7 +29,7 @@ if HAVE_TRITON:
     from . import ops  # noqa: F401  (registers the torch.ops.locks_hf custom ops)
     from ._common import SENTINEL, on_device
     from .attend import sparse_attention
-    from .attend_quant import quantized_attention
+    from .attend_quant import implements_quantized, quantized_attention
     from .build import build_summary, fit_pages_eigh, quantize_summary
     from .decode import decode_step, implements
     from .page_update import update_completed_pages
@@ -37,5 +38,6 @@ if HAVE_TRITON:
     from .select import select_pages
 
 __all__ = ["HAVE_TRITON", "SENTINEL", "SUMMARY_NAMES", "build_summary", "decode_step",
-           "fit_pages_eigh", "implements", "on_device", "quantize_summary", "quantized_attention", "rerank_pages", "score_pages",
-           "select_pages", "sparse_attention", "update_completed_pages"]
+           "fit_pages_eigh", "implements", "implements_quantized", "on_device", "quantize_summary",
+           "quantized_attention", "rerank_pages", "score_pages", "select_pages", "sparse_attention",
+           "update_completed_pages"]

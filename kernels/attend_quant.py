@@ -38,6 +38,20 @@ QUANT_BITS = (2, 4)
 QUANT_GROUPS = (32, 64, 128)
 
 
+#: Query / K/V dtypes the decode path sends it (those of the other kernels).
+QUANT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def implements_quantized(*, bits: int, group: int, head_dim: int, value_head_dim: int, dtype: torch.dtype,
+                         page_size: int) -> bool:
+    """Whether `quantized_attention` runs a layer's settings: ``bits`` / ``group`` among `QUANT_BITS` /
+    `QUANT_GROUPS`, one head_dim for keys and values (a power of two >= 16 that ``group`` divides), a
+    K/V ``dtype`` in `QUANT_DTYPES` and a power-of-two ``page_size``."""
+    d, B = head_dim, page_size
+    return (bits in QUANT_BITS and group in QUANT_GROUPS and dtype in QUANT_DTYPES and value_head_dim == d
+            and d >= 16 and not d & (d - 1) and not d % group and B >= 1 and not B & (B - 1))
+
+
 @triton.jit
 def _unpack(packed, BITS: tl.constexpr, N: tl.constexpr, D: tl.constexpr):
     """Codes ``[N, D]`` (int32) of the bytes ``packed [N, D*BITS/8]``, element 0 in the low bits."""

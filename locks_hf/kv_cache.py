@@ -55,9 +55,9 @@ class QuantizedLocksLayer(LocksLayer):
     _STORAGE = ("_kcodes", "_kscale", "_kzero", "_vcodes", "_vscale", "_vzero", "_kres", "_vres")
 
     def _clear(self) -> None:
-        super()._clear()
-        for name in self._STORAGE:
+        for name in self._STORAGE:  # first: `LocksLayer._clear` chooses the backend (`packed_kv`)
             setattr(self, name, None)
+        super()._clear()
         self._qk = self._qv = 0  # keys of slots < _qk and values of slots < _qv are quantized
         self._cap = 0
         self._query_len = 0  # query tokens of the last update (what attention will do with its K/V)
@@ -69,17 +69,20 @@ class QuantizedLocksLayer(LocksLayer):
 
     # -- storage ---------------------------------------------------------------------------------
     def kv_buffers(self) -> tuple[None, None]:
-        # No full-precision buffers exist: callers that would read them (the kernels) take the
-        # reference path, which reads pages through `page_keys`.
+        # No full-precision buffers exist: the full-precision kernels never take this layer; its pages
+        # are read through `page_keys` (dequantized) or `packed_kv` (the quantized-KV kernel).
         return None, None
 
-    def packed_kv(self) -> dict:
+    def packed_kv(self) -> dict | None:
         """The stored K/V as `locks_hf.kernels.quantized_attention` reads them (its keyword arguments but
         the query, pages, scale, ``n_pages`` and ``counts``): packed codes, scales and zero points
         (capacity-wide, written up to ``quantized = (qk, qv)``), the full-precision tails (``key_tail``
         holds slots ``qk ..``, ``value_tail`` slots ``qv ..``; ``quantized`` is ``(qk, qv)`` as an ``int32
         [2]`` device tensor, a new one when they change), ``bits``, ``group``, ``page_size`` and the page
-        bookkeeping (``slot_valid``, ``row_start``, ``length`` as device tensors)."""
+        bookkeeping (``slot_valid``, ``row_start``, ``length`` as device tensors). ``None`` before the
+        storage is allocated."""
+        if self._kres is None:
+            return None
         cfg = self.config
         if getattr(self, "_quantized_cache", (None,))[0] != (self._qk, self._qv):
             counts = torch.tensor([self._qk, self._qv], dtype=torch.int32).to(self.device)
@@ -120,6 +123,7 @@ class QuantizedLocksLayer(LocksLayer):
         self._vscale, self._vzero = (value_states.new_empty((b, h, 0, groups)),
                                      value_states.new_empty((b, h, 0, groups)))
         self._qk = self._qv = self._cap = 0
+        self.refresh_backend()  # the storage's device, dtype and head dims are known
 
     def _resize_kv(self, capacity: int, length: int) -> None:
         G, qk, qv = self.config.kv_group, self._qk, self._qv

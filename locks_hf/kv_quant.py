@@ -101,8 +101,8 @@ def same_kv(a, b) -> bool:
 def refuse_quantized(config, where: str) -> None:
     """Raise `LocksConfigError` when ``config`` asks for quantized KV in ``where``, which stores none."""
     if config.kv_bits != 16:
-        raise _error(f"kv_bits={config.kv_bits}: {where} does not store quantized KV yet (the static layout and "
-                     "the GPU kernels); use LocksCache(..., layout='dynamic'), the reference path")
+        raise _error(f"kv_bits={config.kv_bits}: {where} does not store quantized KV (the static layout keeps "
+                     "full-precision buffers); use LocksCache(..., layout='dynamic')")
 
 
 # -- arm labels: "<family>+kv4", "<family>+kv2g64r256-pre" --------------------------------------------------

@@ -52,8 +52,8 @@ def config_refusal(locks: LocksConfig, layer_types: list[str] | None) -> str | N
         return (f"selector {locks.selector!r} keeps state beyond its pages (static layout supports "
                 f"{', '.join(static_selector_names())})")
     if locks.kv_bits != 16:
-        return (f"kv_bits={locks.kv_bits}: quantized KV is stored by the dynamic layout only (the reference path; "
-                "no kernels for it yet)")
+        return (f"kv_bits={locks.kv_bits}: quantized KV is stored by the dynamic layout only (the static layout "
+                "keeps full-precision buffers)")
     if locks.min_context:
         return (f"min_context={locks.min_context}: a static graph cannot switch between dense and sparse "
                 "decode on the length (use min_context=0)")

@@ -80,6 +80,12 @@ class PagedLayer(ABC):
         """The key and value storage, ``[b, h, capacity, d]`` each (``None`` before the first update);
         slots at or past the length are unwritten memory."""
 
+    def packed_kv(self) -> dict | None:
+        """The K/V as `locks_hf.kernels.quantized_attention` reads them (its keyword arguments) where the
+        layer stores them quantized and has allocated its storage; ``None`` for full-precision buffers
+        (`kv_buffers`)."""
+        return None
+
     def refresh_backend(self) -> None:
         """(Re)choose where this layer's decode runs (`locks_hf.backends.choose_backend`): called when
         its buffers are (re)allocated and when its settings change, never per step."""

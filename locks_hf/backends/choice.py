@@ -1,8 +1,10 @@
 """The one rule that picks a layer's `DecodeBackend`.
 
-CUDA buffers of a configuration the kernels implement go to the Triton kernels; CPU tensors, other
-settings, a missing Triton, or ``LOCKS_HF_KERNELS=0`` in the environment keep the PyTorch reference;
-token-level policies have their own step. A layer asks once, whenever its buffers, device or settings
+CUDA buffers of a configuration the kernels implement go to the Triton kernels, and a layer storing
+KIVI-packed K/V (`PagedLayer.packed_kv`) to the quantized-KV kernel backend where that kernel runs its
+settings (`quantized_kernel_applies`); CPU tensors, other settings, a missing Triton, or
+``LOCKS_HF_KERNELS=0`` in the environment keep the PyTorch reference; token-level policies have their
+own step. A layer asks once, whenever its buffers, device or settings
 change (`PagedLayer.choose_backend`), and keeps the answer as a plain attribute: a decode step never
 asks again, so a compiled step sees a fixed Python value between re-allocations.
 """
@@ -16,6 +18,7 @@ import torch
 
 from ..selectors import selector_class
 from .base import DecodeBackend
+from .quantized import QUANTIZED_KERNEL
 from .reference import REFERENCE
 from .token_policy import TOKEN_POLICY
 from .triton import TRITON
@@ -56,10 +59,32 @@ def kernels_implement(config: LocksConfig, key_buffer: torch.Tensor | None) -> b
         centroid_bits=config.centroid_bits)
 
 
+def quantized_kernel_applies(device_type: str, config: LocksConfig, *, dtype: torch.dtype, head_dim: int,
+                             value_head_dim: int, enabled: bool, available: bool) -> bool:
+    """Whether a layer storing packed K/V of ``config``'s ``kv_bits`` / ``kv_group`` (tails of ``dtype``,
+    ``head_dim`` / ``value_head_dim`` channels) on a ``device_type`` device attends through
+    `locks_hf.kernels.quantized_attention`: on CUDA, with the kernels ``enabled`` (`kernels_enabled`) and
+    ``available`` (`kernels_available`), for settings the kernel implements (`kernels.implements_quantized`)."""
+    if device_type != "cuda" or not enabled or not available or config.kv_bits == 16:
+        return False
+    from .. import kernels
+
+    return kernels.implements_quantized(bits=config.kv_bits, group=config.kv_group, head_dim=head_dim,
+                                        value_head_dim=value_head_dim, dtype=dtype, page_size=config.page_size)
+
+
 def choose_backend(layer: PagedLayer) -> DecodeBackend:
     """The backend of ``layer`` for its current settings and buffers."""
     if layer.selector is not None and layer.selector.token_level:
         return TOKEN_POLICY
+    packed = layer.packed_kv()
+    if packed is not None:
+        keys, values = packed["key_tail"], packed["value_tail"]
+        if quantized_kernel_applies(keys.device.type, layer.config, dtype=keys.dtype, head_dim=keys.shape[-1],
+                                    value_head_dim=values.shape[-1], enabled=kernels_enabled(),
+                                    available=kernels_available()):
+            return QUANTIZED_KERNEL
+        return REFERENCE
     if kernels_enabled() and kernels_implement(layer.config, layer.key_buffer()):
         return TRITON
     return REFERENCE

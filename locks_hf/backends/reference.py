@@ -5,7 +5,7 @@ Each operation here has its kernel twin under the same name in `locks_hf.backend
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -15,9 +15,22 @@ if TYPE_CHECKING:
     from ..paged import PagedLayer
 
 
-def reference_decode(layer: PagedLayer, query: torch.Tensor, scale: float) -> torch.Tensor:
-    """One decode step attending only the selected pages: ``query [b, Hq, 1, d]`` -> ``[b, 1, Hq, d]``
-    (the layer's selection and attended-token statistics recorded)."""
+class PageSelection(NamedTuple):
+    """What a page-selected decode step attends (`select_pages`)."""
+
+    #: ``[b, h, W]`` int64 page numbers, the selected ones first (ascending), then pages not taken.
+    pages: torch.Tensor
+    #: ``[b, h, W]`` bool: False for the padding of the fixed width.
+    taken: torch.Tensor
+    #: ``[b, 1, P, B]``: the layer's `page_validity` (real slots of every page).
+    valid: torch.Tensor
+
+
+def select_pages(layer: PagedLayer, query: torch.Tensor, scale: float) -> PageSelection:
+    """Steps 1-2 of a decode step, in PyTorch: score every page from its summary (the oracle and the
+    re-rank read the keys through `PagedLayer.all_page_keys`) and select, for ``query [b, Hq, 1, d]``;
+    the selection is noted (`PagedLayer.note_selection`). With no selector (``"full"``): every page
+    with a real token."""
     cfg, selector = layer.config, layer.selector
     b, hq, _, d = query.shape
     h = layer.kv_heads
@@ -36,12 +49,23 @@ def reference_decode(layer: PagedLayer, query: torch.Tensor, scale: float) -> to
         selected = selector.choose_pages(layer.summary_view(), keys, valid, q, scale, layer.complete_pages(), cfg)
         width = min(P, cfg.page_slots * (G if selector.per_head else 1))
 
-    # 3. Attend the selected pages with the original K/V, softmax renormalised over them.
-    acc = torch.promote_types(query.dtype, torch.float32)  # fp32 accumulation (fp64 stays fp64)
     pages = torch.sort(selected.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :width]
     taken = selected.gather(-1, pages)  # [b, h, W]: False for padding of the fixed width
     if selector is not None:
         layer.note_selection(torch.where(taken, pages, -1))
+    return PageSelection(pages, taken, valid)
+
+
+def reference_decode(layer: PagedLayer, query: torch.Tensor, scale: float) -> torch.Tensor:
+    """One decode step attending only the selected pages: ``query [b, Hq, 1, d]`` -> ``[b, 1, Hq, d]``
+    (the layer's selection and attended-token statistics recorded)."""
+    b, hq, _, d = query.shape
+    h = layer.kv_heads
+    q = query.reshape(b, h, hq // h, d)
+    pages, taken, valid = select_pages(layer, query, scale)
+
+    # 3. Attend the selected pages with the original K/V, softmax renormalised over them.
+    acc = torch.promote_types(query.dtype, torch.float32)  # fp32 accumulation (fp64 stays fp64)
     k_sel = layer.page_keys(pages).flatten(2, 3).to(acc)  # [b, h, W*B, d]
     v_sel = layer.page_keys(pages, values=True).flatten(2, 3).to(acc)
     tok_ok = (layer.page_validity_of(pages) & taken[..., None]).flatten(2)  # [b, h, W*B]
