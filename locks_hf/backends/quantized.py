@@ -28,11 +28,13 @@ def quantized_kernel_decode(layer: PagedLayer, query: torch.Tensor, scale: float
     -> ``[b, 1, Hq, d]``, the selection and statistics recorded as the reference records them."""
     from .. import kernels
 
+    packed = layer.packed_kv()
+    assert packed is not None  # the backend is chosen only for a layer whose storage is packed
     pages, taken, valid = select_pages(layer, query, scale)
     listed = torch.where(taken, pages, -1)  # [b, h, W]: the fixed width's padding is no page
     with kernels.on_device(query.device):
         out = torch.ops.locks_hf.quantized_attention(query.contiguous(), listed, scale=float(scale),
-                                                     counts=layer.count_buffer(), **layer.packed_kv())
+                                                     counts=layer.count_buffer(), **packed)
     layer.record_step(None, valid.sum() * layer.kv_heads)  # the launch counted the attended tokens
     return out.transpose(1, 2)
 
