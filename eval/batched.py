@@ -56,8 +56,9 @@ def run_batches(runner, batches, work: dict[str, list], bar):
     samples = max(1, bench.samples)
     for index, batch in enumerate(batches):
         wanted = {(rec["id"], arm.name, s) for rec, _ in batch for arm, s in work.get(rec["id"], [])}
-        arms = [a for a in runner.arms if any((rec["id"], a.name, s) in wanted
-                                              for rec, _ in batch for s in range(samples))]
+        arms = [
+            a for a in runner.arms if any((rec["id"], a.name, s) in wanted for rec, _ in batch for s in range(samples))
+        ]
         if not arms:
             continue
         rows, owners = [], []
@@ -67,16 +68,34 @@ def run_batches(runner, batches, work: dict[str, list], bar):
                 owners.append((rec, plan, s))
         for given, run in engine.run(rows, arms):
             arm = cast(Arm, given)  # one of ``arms`` (typed `object` by the engine)
-            runner.arm_runs.append({"batch": index, "arm": arm.name, "rows": len(rows), "steps": run.steps,
-                                    "tokens": sum(len(r.tokens) for r in run.results), "seconds": run.seconds,
-                                    "warmup_seconds": run.warmup_seconds, "prefill_seconds": run.prefill_seconds,
-                                    "new_step": run.new_step})
+            runner.arm_runs.append(
+                {
+                    "batch": index,
+                    "arm": arm.name,
+                    "rows": len(rows),
+                    "steps": run.steps,
+                    "tokens": sum(len(r.tokens) for r in run.results),
+                    "seconds": run.seconds,
+                    "warmup_seconds": run.warmup_seconds,
+                    "prefill_seconds": run.prefill_seconds,
+                    "new_step": run.new_step,
+                }
+            )
             for (rec, plan, s), res in zip(owners, run.results):
                 if (rec["id"], arm.name, s) not in wanted:
                     continue
                 frac = res.attended / res.context if res.context and res.attended is not None else math.nan
-                line = runner.result_row(rec, arm, s, plan, res.tokens, frac, res.traffic, run.seconds / len(rows),
-                                         run.prefill_seconds / len(rows))
+                line = runner.result_row(
+                    rec,
+                    arm,
+                    s,
+                    plan,
+                    res.tokens,
+                    frac,
+                    res.traffic,
+                    run.seconds / len(rows),
+                    run.prefill_seconds / len(rows),
+                )
                 bar.update(1)
                 bar.set_postfix_str(f"{rec['id']} {arm.name} score={line.get('score', float('nan')):.2f}")
                 yield line
@@ -98,5 +117,10 @@ def _row(runner, rec: dict, plan: RecordPlan, sample: int, eos: set[int]) -> Row
             return True
         return text_rule and answer_ended(tok.decode(new, skip_special_tokens=True), stop)
 
-    return Row(prefix=ids[: plan.split], forced=ids[plan.split:].tolist(), max_new=plan.max_new, finished=finished,
-               seed=stable_seed(runner.seed, rec["id"], sample) if plan.sampled else None)
+    return Row(
+        prefix=ids[: plan.split],
+        forced=ids[plan.split :].tolist(),
+        max_new=plan.max_new,
+        finished=finished,
+        seed=stable_seed(runner.seed, rec["id"], sample) if plan.sampled else None,
+    )

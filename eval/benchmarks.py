@@ -89,8 +89,13 @@ class RulerBenchmark(Benchmark):
     def __post_init__(self):
         from .ruler import RulerGenerator, RulerSources
 
-        src = RulerSources(haystack_path=self.haystack_path, wordlist_dir=self.wordlist_dir, squad_path=self.squad_path,
-                           hotpotqa_path=self.hotpotqa_path, data_dir=self.data_dir)
+        src = RulerSources(
+            haystack_path=self.haystack_path,
+            wordlist_dir=self.wordlist_dir,
+            squad_path=self.squad_path,
+            hotpotqa_path=self.hotpotqa_path,
+            data_dir=self.data_dir,
+        )
         self._gen = RulerGenerator(self.tokenizer, src, seed=self.seed, data_dir=self.data_dir)
         unknown = [t for t in self.tasks if t not in self._gen.spec["tasks"]]
         if unknown:
@@ -133,8 +138,17 @@ class RulerBenchmark(Benchmark):
         return self._gen.data_files(self.tasks)
 
     def describe(self):
-        return {"name": self.name, "tasks": self.tasks, "lengths": self.lengths, "num_samples": self.num_samples,
-                "seed": self._gen.seed, "haystack": self._gen.src._cache.get("essay_path"),
-                "stop": ("niah*/vt: first sentence end (.!? after 3+ alphanumerics) or newline after non-blank output; "
-                         "other tasks: newline after non-blank output; always EOS, a degenerate loop, or max tokens")
-                if self.stop_at_newline else "EOS or max tokens"}
+        return {
+            "name": self.name,
+            "tasks": self.tasks,
+            "lengths": self.lengths,
+            "num_samples": self.num_samples,
+            "seed": self._gen.seed,
+            "haystack": self._gen.src._cache.get("essay_path"),
+            "stop": (
+                "niah*/vt: first sentence end (.!? after 3+ alphanumerics) or newline after non-blank output; "
+                "other tasks: newline after non-blank output; always EOS, a degenerate loop, or max tokens"
+            )
+            if self.stop_at_newline
+            else "EOS or max tokens",
+        }

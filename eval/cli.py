@@ -99,8 +99,12 @@ class Number:
             value = self.kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {self.describe()}, got {text!r}") from None
-        if value != value or value in (float("inf"), float("-inf")) or (self.lo is not None and (value < self.lo or (self.lo_open and value == self.lo))) or (
-                self.hi is not None and (value > self.hi or (self.hi_open and value == self.hi))):  # NaN, inf: out
+        if (
+            value != value
+            or value in (float("inf"), float("-inf"))
+            or (self.lo is not None and (value < self.lo or (self.lo_open and value == self.lo)))
+            or (self.hi is not None and (value > self.hi or (self.hi_open and value == self.hi)))
+        ):  # NaN, inf: out
             raise argparse.ArgumentTypeError(f"expected {self.describe()}, got {text!r}")
         return value
 
@@ -134,8 +138,9 @@ def _names(text: str) -> str:
     """argparse type: a non-empty comma-separated list of names (an empty one would silently mean
     "the default list": refused)."""
     if not _split(text):
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of names, got {text!r}; leave the "
-                                         "option out for the default")
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of names, got {text!r}; leave the option out for the default"
+        )
     return text
 
 
@@ -150,8 +155,9 @@ class ExistingPath:
         path = Path(text)
         ok = path.is_dir() if self.what == "folder" else path.is_file()
         if not ok:
-            raise argparse.ArgumentTypeError(f"{text}: no such {self.what}; check the path (a path you name is never "
-                                             "replaced by another)")
+            raise argparse.ArgumentTypeError(
+                f"{text}: no such {self.what}; check the path (a path you name is never replaced by another)"
+            )
         return text
 
 
@@ -199,30 +205,56 @@ def build_benchmark(args, tokenizer):
         from .ruler import TASKS
 
         tasks = _split(args.tasks) or list(TASKS)
-        return RulerBenchmark(tokenizer, tasks, [int(x) for x in _split(args.lengths) or ["4096"]],
-                              num_samples=args.num_samples, seed=args.seed, data_dir=args.data_dir,
-                              haystack_path=args.haystack, wordlist_dir=args.wordlists,
-                              stop_at_newline=not args.no_stop_newline)
+        return RulerBenchmark(
+            tokenizer,
+            tasks,
+            [int(x) for x in _split(args.lengths) or ["4096"]],
+            num_samples=args.num_samples,
+            seed=args.seed,
+            data_dir=args.data_dir,
+            haystack_path=args.haystack,
+            wordlist_dir=args.wordlists,
+            stop_at_newline=not args.no_stop_newline,
+        )
     if args.benchmark == "longbench":
         from .longbench import LongBenchBenchmark
 
-        return LongBenchBenchmark(tokenizer, _split(args.tasks) or ["multi_news"], max_length=args.max_length,
-                                  num_samples=args.num_samples, records_dir=args.records_dir, data_dir=args.data_dir,
-                                  chat=args.chat)
+        return LongBenchBenchmark(
+            tokenizer,
+            _split(args.tasks) or ["multi_news"],
+            max_length=args.max_length,
+            num_samples=args.num_samples,
+            records_dir=args.records_dir,
+            data_dir=args.data_dir,
+            chat=args.chat,
+        )
     if args.benchmark == "infinitebench":
         from .infinitebench import InfiniteBenchBenchmark
 
-        return InfiniteBenchBenchmark(tokenizer, _split(args.tasks) or ["passkey"],
-                                      lengths=[int(x) for x in _split(args.lengths) or ["4096"]],
-                                      num_samples=args.num_samples, seed=args.seed, records_dir=args.records_dir,
-                                      data_dir=args.data_dir, max_length=args.max_length)
+        return InfiniteBenchBenchmark(
+            tokenizer,
+            _split(args.tasks) or ["passkey"],
+            lengths=[int(x) for x in _split(args.lengths) or ["4096"]],
+            num_samples=args.num_samples,
+            seed=args.seed,
+            records_dir=args.records_dir,
+            data_dir=args.data_dir,
+            max_length=args.max_length,
+        )
     if args.benchmark == "math":
         from .mathbench import MathBenchmark
 
-        return MathBenchmark(tokenizer, _split(args.tasks) or ["math500"], num_samples=args.num_samples,
-                             k=args.k, temperature=args.temperature, top_p=args.top_p,
-                             max_new_tokens=args.max_new_tokens or 4096, thinking=not args.no_thinking,
-                             data_dir=args.data_dir)
+        return MathBenchmark(
+            tokenizer,
+            _split(args.tasks) or ["math500"],
+            num_samples=args.num_samples,
+            k=args.k,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_new_tokens=args.max_new_tokens or 4096,
+            thinking=not args.no_thinking,
+            data_dir=args.data_dir,
+        )
     raise SystemExit(f"unknown benchmark {args.benchmark}")
 
 
@@ -230,13 +262,17 @@ def sweep_plan(args, arms, not_run) -> str:
     """What a sweep is about to run, printed before the model loads: records x arms (x samples)."""
     tasks = _split(args.tasks)
     default_tasks = {"ruler": "all 13 tasks", "longbench": "multi_news", "infinitebench": "passkey", "math": "math500"}
-    task_text = f"{len(tasks)} task(s) ({', '.join(tasks)})" if tasks else f"default tasks ({default_tasks[args.benchmark]})"
+    task_text = (
+        f"{len(tasks)} task(s) ({', '.join(tasks)})" if tasks else f"default tasks ({default_tasks[args.benchmark]})"
+    )
     if args.benchmark == "ruler" or (args.benchmark == "infinitebench" and not args.records_dir):
         lengths = [int(x) for x in _split(args.lengths) or ["4096"]]
         n_tasks = len(tasks) if tasks else (13 if args.benchmark == "ruler" else 1)
         records = n_tasks * len(lengths) * args.num_samples
-        rec_text = (f"{records} records = {task_text} x {len(lengths)} length(s) ({', '.join(map(str, lengths))}) "
-                    f"x {args.num_samples} records")
+        rec_text = (
+            f"{records} records = {task_text} x {len(lengths)} length(s) ({', '.join(map(str, lengths))}) "
+            f"x {args.num_samples} records"
+        )
     else:
         records = None
         rec_text = f"up to {args.num_samples} records per task of {task_text}"
@@ -247,14 +283,20 @@ def sweep_plan(args, arms, not_run) -> str:
     budgets = _split(args.budgets)
     families = _split(args.arms)
     total = f"{records * len(arms) * samples} generations" if records is not None else "generations: records x arms"
-    data = args.data_dir or os.environ.get("LOCKS_HF_DATA") or "packaged samples / HF Hub (no --data-dir, no $LOCKS_HF_DATA)"
-    lines = [f"sweep {args.benchmark} on {args.model} into {args.out}:",
-             f"  records: {rec_text}",
-             f"  arms: {len(arms)} = {len(families)} famil{'y' if len(families) == 1 else 'ies'} ({', '.join(families)}) "
-             f"x {len(budgets)} budget(s) ({', '.join(budgets)}), full once"
-             + (f"; not run (budget too small): {', '.join(name for name, _ in not_run)}" if not_run else ""),
-             f"  samples per record and arm: {samples}" if samples > 1 else None,
-             f"  total: {total}; data: {data}; engine {args.engine}, protocol {args.protocol}"]
+    data = (
+        args.data_dir
+        or os.environ.get("LOCKS_HF_DATA")
+        or "packaged samples / HF Hub (no --data-dir, no $LOCKS_HF_DATA)"
+    )
+    lines = [
+        f"sweep {args.benchmark} on {args.model} into {args.out}:",
+        f"  records: {rec_text}",
+        f"  arms: {len(arms)} = {len(families)} famil{'y' if len(families) == 1 else 'ies'} ({', '.join(families)}) "
+        f"x {len(budgets)} budget(s) ({', '.join(budgets)}), full once"
+        + (f"; not run (budget too small): {', '.join(name for name, _ in not_run)}" if not_run else ""),
+        f"  samples per record and arm: {samples}" if samples > 1 else None,
+        f"  total: {total}; data: {data}; engine {args.engine}, protocol {args.protocol}",
+    ]
     return "\n".join(line for line in lines if line)
 
 
@@ -262,8 +304,9 @@ def cmd_sweep(args):
     from .arms import parse_arms
 
     not_run: list[tuple[str, str]] = []
-    arms = parse_arms(_split(args.arms), [int(b) for b in _split(args.budgets)], page_size=args.page_size,
-                      not_run=not_run)
+    arms = parse_arms(
+        _split(args.arms), [int(b) for b in _split(args.budgets)], page_size=args.page_size, not_run=not_run
+    )
     for name, reason in not_run:
         logger.warning("not run: %s: %s", name, reason)
     # what is about to run, before minutes of model loading and record generation
@@ -276,11 +319,24 @@ def cmd_sweep(args):
     model, tok = load_any_model(args.model, _device(args.device), args.dtype)
     logger.info("loaded %s in %.0f s", args.model, time.time() - t0)
     bench = build_benchmark(args, tok)
-    runner = SweepRunner(model, tok, bench, arms, args.out, protocol=args.protocol, shard=args.shard,
-                         model_name=args.model, limit=args.limit, max_new_tokens=args.max_new_tokens
-                         if args.benchmark != "math" else None, seed=args.seed or 0, not_run=not_run,
-                         engine=args.engine, batch_rows=args.batch_rows, step=args.step,
-                         allow_manifest_change=args.allow_manifest_change)
+    runner = SweepRunner(
+        model,
+        tok,
+        bench,
+        arms,
+        args.out,
+        protocol=args.protocol,
+        shard=args.shard,
+        model_name=args.model,
+        limit=args.limit,
+        max_new_tokens=args.max_new_tokens if args.benchmark != "math" else None,
+        seed=args.seed or 0,
+        not_run=not_run,
+        engine=args.engine,
+        batch_rows=args.batch_rows,
+        step=args.step,
+        allow_manifest_change=args.allow_manifest_change,
+    )
     runner.run()
     i, n = runner.shard
     if n > 1 and not args.shard:  # accelerate / torchrun: rank 0 merges after everyone finished
@@ -312,9 +368,14 @@ def cmd_report(args):
     from .jsonl import read_text
     from .report import write_report
 
-    path = write_report([Path(r) for r in args.run], Path(args.out), title=args.title, name=args.name,
-                        fidelity_dirs=[Path(f) for f in (args.fidelity or [])],
-                        notes=read_text(args.notes) if args.notes else None)
+    path = write_report(
+        [Path(r) for r in args.run],
+        Path(args.out),
+        title=args.title,
+        name=args.name,
+        fidelity_dirs=[Path(f) for f in (args.fidelity or [])],
+        notes=read_text(args.notes) if args.notes else None,
+    )
     print(path)
 
 
@@ -325,16 +386,25 @@ def _records_from(run: str, tasks: list[str], lengths: list[int]) -> list[dict]:
 
     files = sorted((Path(run) / "records").glob("*.jsonl"))
     if not files:
-        raise InputPathMissing(f"--records-from {run}: no records/<task>.jsonl in it; name a sweep run folder "
-                               "(one that `locks-hf-eval sweep --out` wrote)")
-    fix = "that records file was not written by locks-hf-eval sweep: delete it, or name another --records-from run folder"
-    recs = [r for p in files for r in read_jsonl(p, required=("id", "task", "length", "index", "input", "answer_prefix"),
-                                                 fix=fix)]
+        raise InputPathMissing(
+            f"--records-from {run}: no records/<task>.jsonl in it; name a sweep run folder "
+            "(one that `locks-hf-eval sweep --out` wrote)"
+        )
+    fix = (
+        "that records file was not written by locks-hf-eval sweep: delete it, or name another --records-from run folder"
+    )
+    recs = [
+        r
+        for p in files
+        for r in read_jsonl(p, required=("id", "task", "length", "index", "input", "answer_prefix"), fix=fix)
+    ]
     recs = [r for r in recs if (not tasks or r["task"] in tasks) and (not lengths or r["length"] in lengths)]
     if not recs:
-        raise InputPathMissing(f"--records-from {run}: no records of tasks {tasks or 'any'} and lengths "
-                               f"{lengths or 'any'} in {len(files)} records file(s); choose tasks / lengths the run "
-                               "has, or leave them out")
+        raise InputPathMissing(
+            f"--records-from {run}: no records of tasks {tasks or 'any'} and lengths "
+            f"{lengths or 'any'} in {len(files)} records file(s); choose tasks / lengths the run "
+            "has, or leave them out"
+        )
     return recs
 
 
@@ -344,8 +414,11 @@ def cmd_fidelity(args):
     arms = parse_arms(_split(args.arms), [int(b) for b in _split(args.budgets)], page_size=args.page_size)
     arms = [a for a in arms if a.family != "full"] if args.drop_full else arms
     # the records of --records-from are read before the model loads: a bad folder fails at once
-    recs = _records_from(args.records_from, _split(args.tasks), [int(x) for x in _split(args.lengths)]) \
-        if args.records_from else None
+    recs = (
+        _records_from(args.records_from, _split(args.tasks), [int(x) for x in _split(args.lengths)])
+        if args.records_from
+        else None
+    )
     _threads(args.threads)
     import torch
 
@@ -369,9 +442,13 @@ def cmd_fidelity(args):
     else:
         from .ruler import TASKS
 
-        bench = RulerBenchmark(tok, _split(args.tasks) or list(TASKS[:1]),
-                               [int(x) for x in _split(args.lengths) or ["4096"]], num_samples=args.num_prompts,
-                               data_dir=args.data_dir)
+        bench = RulerBenchmark(
+            tok,
+            _split(args.tasks) or list(TASKS[:1]),
+            [int(x) for x in _split(args.lengths) or ["4096"]],
+            num_samples=args.num_prompts,
+            data_dir=args.data_dir,
+        )
         for r in bench.records():
             prompts.append((r["id"], bench.prompt_ids(r, tok)))
     with torch.no_grad():
@@ -383,8 +460,11 @@ def cmd_ruler_generate(args):
     from .ruler import RulerGenerator, RulerSources
 
     tok = load_tokenizer_only(args.model)
-    gen = RulerGenerator(tok, RulerSources(haystack_path=args.haystack, wordlist_dir=args.wordlists,
-                                           data_dir=args.data_dir), seed=args.seed)
+    gen = RulerGenerator(
+        tok,
+        RulerSources(haystack_path=args.haystack, wordlist_dir=args.wordlists, data_dir=args.data_dir),
+        seed=args.seed,
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     from .ruler import TASKS
@@ -428,62 +508,135 @@ def build_parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, formatter_class=HelpFormatter, **kwargs)
 
     def common(sp):
-        sp.add_argument("--model", default="gemma3-270m", help="gemma3-270m | smollm2-135m | tiny-<llama|gemma3|qwen3>[-d<head_dim>]")
+        sp.add_argument(
+            "--model",
+            default="gemma3-270m",
+            help="gemma3-270m | smollm2-135m | tiny-<llama|gemma3|qwen3>[-d<head_dim>]",
+        )
         sp.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when available, else cpu)")
         sp.add_argument("--dtype", default="float32", choices=DTYPES, help="model weights and K/V dtype")
-        sp.add_argument("--threads", type=POSITIVE, default=None,
-                        help="torch.set_num_threads on the CPU (default: torch's choice)")
-        sp.add_argument("--arms", default="full,oracle,locks-r8i4,locks-r4i4,locks-r2i4,quest", type=_names,
-                        help="comma-separated arm families: full, oracle, quest, locks-r<rank>i<bits> (or r8i4), "
-                        "locks-r<rank>bf16, locks-r<rank>i<bits>-rr<m> (exact re-ranking of m*k candidate pages), "
-                        "shared_basis-r<rank>, shared_all-r<rank>, the baselines rocketkv, shadowkv, rkv, "
-                        "triattention, lazy_eviction; each but full runs at every budget (an arm whose method does not "
-                        "fit its budget is listed as not run)")
-        sp.add_argument("--budgets", default="64,128,256,512,1024,2048", type=POSITIVE_LIST,
-                        help="comma-separated token budgets b per layer and KV head")
+        sp.add_argument(
+            "--threads", type=POSITIVE, default=None, help="torch.set_num_threads on the CPU (default: torch's choice)"
+        )
+        sp.add_argument(
+            "--arms",
+            default="full,oracle,locks-r8i4,locks-r4i4,locks-r2i4,quest",
+            type=_names,
+            help="comma-separated arm families: full, oracle, quest, locks-r<rank>i<bits> (or r8i4), "
+            "locks-r<rank>bf16, locks-r<rank>i<bits>-rr<m> (exact re-ranking of m*k candidate pages), "
+            "shared_basis-r<rank>, shared_all-r<rank>, the baselines rocketkv, shadowkv, rkv, "
+            "triattention, lazy_eviction; each but full runs at every budget (an arm whose method does not "
+            "fit its budget is listed as not run)",
+        )
+        sp.add_argument(
+            "--budgets",
+            default="64,128,256,512,1024,2048",
+            type=POSITIVE_LIST,
+            help="comma-separated token budgets b per layer and KV head",
+        )
         sp.add_argument("--page-size", type=POSITIVE, default=16, help="tokens per page B")
-        sp.add_argument("--tasks", default=None, type=_names, help="comma-separated task names of the benchmark "
-                        "(default: RULER all 13, LongBench multi_news, InfiniteBench passkey, math math500)")
-        sp.add_argument("--lengths", default=None, type=POSITIVE_LIST, help="comma-separated prompt lengths in "
-                        "tokens for generated tasks (RULER, InfiniteBench; default 4096)")
+        sp.add_argument(
+            "--tasks",
+            default=None,
+            type=_names,
+            help="comma-separated task names of the benchmark "
+            "(default: RULER all 13, LongBench multi_news, InfiniteBench passkey, math math500)",
+        )
+        sp.add_argument(
+            "--lengths",
+            default=None,
+            type=POSITIVE_LIST,
+            help="comma-separated prompt lengths in tokens for generated tasks (RULER, InfiniteBench; default 4096)",
+        )
         sp.add_argument("--num-samples", type=POSITIVE, default=10, help="records per task (and length)")
         sp.add_argument("--seed", type=SEED, default=None, help="seed of record generation (default: the benchmark's)")
-        sp.add_argument("--data-dir", default=None, type=ExistingPath(), help="evaluation data folder (ruler/, "
-                        "longbench/, infinitebench/, math/, haystack/; default: $LOCKS_HF_DATA, else the packaged "
-                        "samples and, for LongBench / InfiniteBench, the HF Hub)")
+        sp.add_argument(
+            "--data-dir",
+            default=None,
+            type=ExistingPath(),
+            help="evaluation data folder (ruler/, "
+            "longbench/, infinitebench/, math/, haystack/; default: $LOCKS_HF_DATA, else the packaged "
+            "samples and, for LongBench / InfiniteBench, the HF Hub)",
+        )
         sp.add_argument("--out", required=True, help="run folder (created; an existing one is resumed)")
 
     s = add("sweep", help="run arms over a benchmark (resumable)")
     common(s)
-    s.add_argument("--benchmark", default="ruler", choices=["ruler", "longbench", "infinitebench", "math"],
-                   help="which benchmark the records come from")
-    s.add_argument("--protocol", default="dense-question", choices=["dense-question", "sparse-question"],
-                   help="dense-question: the whole prompt is prefilled densely; sparse-question: the question "
-                   "tokens are fed one by one through sparse decode steps")
-    s.add_argument("--shard", default=None, type=_shard, help="i/n: this process runs records j with j %% n == i "
-                   "(default: one process, or one shard per accelerate / torchrun rank)")
-    s.add_argument("--allow-manifest-change", action="store_true",
-                   help="resume a run folder although its manifest.json (library version, git commit, "
-                   "transformers / torch versions, data file hashes, seeds) differs; the change is recorded")
+    s.add_argument(
+        "--benchmark",
+        default="ruler",
+        choices=["ruler", "longbench", "infinitebench", "math"],
+        help="which benchmark the records come from",
+    )
+    s.add_argument(
+        "--protocol",
+        default="dense-question",
+        choices=["dense-question", "sparse-question"],
+        help="dense-question: the whole prompt is prefilled densely; sparse-question: the question "
+        "tokens are fed one by one through sparse decode steps",
+    )
+    s.add_argument(
+        "--shard",
+        default=None,
+        type=_shard,
+        help="i/n: this process runs records j with j %% n == i "
+        "(default: one process, or one shard per accelerate / torchrun rank)",
+    )
+    s.add_argument(
+        "--allow-manifest-change",
+        action="store_true",
+        help="resume a run folder although its manifest.json (library version, git commit, "
+        "transformers / torch versions, data file hashes, seeds) differs; the change is recorded",
+    )
     s.add_argument("--limit", type=POSITIVE, default=None, help="first N records only (default: all)")
-    s.add_argument("--max-new-tokens", type=POSITIVE, default=None, help="cap on generated tokens (default: the "
-                   "task's; math: the generation cap, default 4096)")
-    s.add_argument("--engine", default="eager", choices=["eager", "static"],
-                   help="eager: each (record, arm, sample) through generate() on a fork of a LocksCache; static: "
-                        "batched rows, one prefill per batch shared by every arm, CUDA-graph decode on a GPU (arms "
-                        "it cannot decode, e.g. token-level baselines, take the eager path)")
+    s.add_argument(
+        "--max-new-tokens",
+        type=POSITIVE,
+        default=None,
+        help="cap on generated tokens (default: the task's; math: the generation cap, default 4096)",
+    )
+    s.add_argument(
+        "--engine",
+        default="eager",
+        choices=["eager", "static"],
+        help="eager: each (record, arm, sample) through generate() on a fork of a LocksCache; static: "
+        "batched rows, one prefill per batch shared by every arm, CUDA-graph decode on a GPU (arms "
+        "it cannot decode, e.g. token-level baselines, take the eager path)",
+    )
     s.add_argument("--batch-rows", type=POSITIVE, default=8, help="static engine: rows (records x samples) per batch")
-    s.add_argument("--step", default="auto", choices=["auto", "graph", "compile", "eager"],
-                   help="static engine: how a decode step runs (auto: CUDA graph on a GPU, eager on the CPU)")
-    s.add_argument("--haystack", default=None, type=ExistingPath("file"), help="RULER essay haystack text file "
-                   "(default: the data folder's, else the packaged sample)")
-    s.add_argument("--wordlists", default=None, type=ExistingPath(), help="folder with "
-                   "wonderwords-2.2.0_{noun,adjective,verb}list.txt (default: the data folder's, else the packaged)")
+    s.add_argument(
+        "--step",
+        default="auto",
+        choices=["auto", "graph", "compile", "eager"],
+        help="static engine: how a decode step runs (auto: CUDA graph on a GPU, eager on the CPU)",
+    )
+    s.add_argument(
+        "--haystack",
+        default=None,
+        type=ExistingPath("file"),
+        help="RULER essay haystack text file (default: the data folder's, else the packaged sample)",
+    )
+    s.add_argument(
+        "--wordlists",
+        default=None,
+        type=ExistingPath(),
+        help="folder with "
+        "wonderwords-2.2.0_{noun,adjective,verb}list.txt (default: the data folder's, else the packaged)",
+    )
     s.add_argument("--no-stop-newline", action="store_true", help="RULER: do not stop at the first newline")
-    s.add_argument("--records-dir", default=None, type=ExistingPath(), help="LongBench / InfiniteBench: folder of "
-                   "<task>.jsonl records (default: the data folder's, else the HF Hub)")
-    s.add_argument("--max-length", type=POSITIVE, default=None, help="LongBench/InfiniteBench prompt truncation in "
-                   "tokens (default: LongBench the model's context, InfiniteBench 128K)")
+    s.add_argument(
+        "--records-dir",
+        default=None,
+        type=ExistingPath(),
+        help="LongBench / InfiniteBench: folder of <task>.jsonl records (default: the data folder's, else the HF Hub)",
+    )
+    s.add_argument(
+        "--max-length",
+        type=POSITIVE,
+        default=None,
+        help="LongBench/InfiniteBench prompt truncation in "
+        "tokens (default: LongBench the model's context, InfiniteBench 128K)",
+    )
     s.add_argument("--chat", action="store_true", help="LongBench: apply the tokenizer's chat template")
     s.add_argument("--k", type=POSITIVE, default=1, help="math: samples per problem (avg@k)")
     s.add_argument("--temperature", type=TEMPERATURE, default=0.6, help="math: sampling temperature (>= 0)")
@@ -496,21 +649,39 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=cmd_merge)
 
     r = add("report", help="markdown tables + PNG plots from run folders")
-    r.add_argument("--run", action="append", required=True, type=ExistingPath(),
-                   help="a run folder (a sweep's, or a published one: config.json + results.jsonl); repeatable")
-    r.add_argument("--fidelity", action="append", default=None, type=ExistingPath(),
-                   help="a fidelity run folder (fidelity_raw.jsonl); repeatable (default: none)")
+    r.add_argument(
+        "--run",
+        action="append",
+        required=True,
+        type=ExistingPath(),
+        help="a run folder (a sweep's, or a published one: config.json + results.jsonl); repeatable",
+    )
+    r.add_argument(
+        "--fidelity",
+        action="append",
+        default=None,
+        type=ExistingPath(),
+        help="a fidelity run folder (fidelity_raw.jsonl); repeatable (default: none)",
+    )
     r.add_argument("--out", required=True, help="folder the report is written to")
     r.add_argument("--title", default="Locks sweep", help="the report's title")
     r.add_argument("--name", default="report", help="file name stem of the report (<name>.md, <name>-*.png)")
-    r.add_argument("--notes", default=None, type=ExistingPath("file"),
-                   help="markdown file inserted under the title (default: none)")
+    r.add_argument(
+        "--notes",
+        default=None,
+        type=ExistingPath("file"),
+        help="markdown file inserted under the title (default: none)",
+    )
     r.set_defaults(func=cmd_report)
 
     f = add("fidelity", help="selection fidelity on captured decode queries/keys")
     common(f)
-    f.add_argument("--records-from", default=None, type=ExistingPath(),
-                   help="a sweep run folder: use its records' prompts (default: generate RULER records)")
+    f.add_argument(
+        "--records-from",
+        default=None,
+        type=ExistingPath(),
+        help="a sweep run folder: use its records' prompts (default: generate RULER records)",
+    )
     f.add_argument("--num-prompts", type=POSITIVE, default=2, help="prompts per task (and length)")
     f.add_argument("--steps", type=POSITIVE, default=8, help="decode steps captured per prompt")
     f.add_argument("--drop-full", action="store_true", help="leave the full-attention arm out")
@@ -518,17 +689,33 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = add("ruler-generate", help="write RULER records (jsonl) for a model's tokenizer")
     common(g)
-    g.add_argument("--haystack", default=None, type=ExistingPath("file"),
-                   help="essay haystack text file (default: the data folder's, else the packaged sample)")
-    g.add_argument("--wordlists", default=None, type=ExistingPath(),
-                   help="folder of the wonderwords lists (default: the data folder's, else the packaged)")
+    g.add_argument(
+        "--haystack",
+        default=None,
+        type=ExistingPath("file"),
+        help="essay haystack text file (default: the data folder's, else the packaged sample)",
+    )
+    g.add_argument(
+        "--wordlists",
+        default=None,
+        type=ExistingPath(),
+        help="folder of the wonderwords lists (default: the data folder's, else the packaged)",
+    )
     g.set_defaults(func=cmd_ruler_generate)
 
     i = add("infinitebench-score", help="score InfiniteBench prediction files (preds_<task>.jsonl)")
-    i.add_argument("--predictions", required=True, type=ExistingPath(),
-                   help="folder of preds_<task>.jsonl[.gz] files, named after the model (e.g. yi-34b-200k)")
-    i.add_argument("--data-dir", default=None, type=ExistingPath(),
-                   help="data folder of the task spec (default: $LOCKS_HF_DATA, else the packaged spec)")
+    i.add_argument(
+        "--predictions",
+        required=True,
+        type=ExistingPath(),
+        help="folder of preds_<task>.jsonl[.gz] files, named after the model (e.g. yi-34b-200k)",
+    )
+    i.add_argument(
+        "--data-dir",
+        default=None,
+        type=ExistingPath(),
+        help="data folder of the task spec (default: $LOCKS_HF_DATA, else the packaged spec)",
+    )
     i.set_defaults(func=cmd_ib_score)
 
     return p

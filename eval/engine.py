@@ -84,8 +84,16 @@ class StaticEngine:
         prefill_chunk: prompt tokens per prefill forward (bounds the prefill's activation memory).
     """
 
-    def __init__(self, model, *, step: str = "auto", check_every: int = 16, sampling: dict | None = None,
-                 prefill_chunk: int = 8192, pad_id: int = 0) -> None:
+    def __init__(
+        self,
+        model,
+        *,
+        step: str = "auto",
+        check_every: int = 16,
+        sampling: dict | None = None,
+        prefill_chunk: int = 8192,
+        pad_id: int = 0,
+    ) -> None:
         if step not in STEP_MODES:
             raise ValueError(f"step must be one of {STEP_MODES}, got {step!r}")
         self.model = model
@@ -103,8 +111,9 @@ class StaticEngine:
         self._compiled = None
 
     # -- batches -------------------------------------------------------------------------------------
-    def prepare(self, rows: list[Row], locks: LocksConfig, prefill: Callable | None = None,
-                max_budget: int | None = None) -> PrefilledBatch:
+    def prepare(
+        self, rows: list[Row], locks: LocksConfig, prefill: Callable | None = None, max_budget: int | None = None
+    ) -> PrefilledBatch:
         """Prefill ``rows`` (left padded) into a static cache sized for their generation. ``prefill``
         (``cache -> None``, rows with forced tokens only) replaces the model's prefill, e.g. to
         write synthetic K/V for a memory check. ``max_budget``: the widest budget the batch will
@@ -124,11 +133,24 @@ class StaticEngine:
         batch.close()
 
     # -- the single-token step -------------------------------------------------------------------------
-    def next_token(self, cache, token: torch.Tensor, position: torch.Tensor, mask: torch.Tensor,
-                   seeds: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    def next_token(
+        self,
+        cache,
+        token: torch.Tensor,
+        position: torch.Tensor,
+        mask: torch.Tensor,
+        seeds: torch.Tensor,
+        step: torch.Tensor,
+    ) -> torch.Tensor:
         """One decode step: the next token ``[b]`` of every row (no host synchronisation)."""
-        logits = self.model(input_ids=token, attention_mask=mask, position_ids=position, past_key_values=cache,
-                            use_cache=True, logits_to_keep=1).logits[:, -1]
+        logits = self.model(
+            input_ids=token,
+            attention_mask=mask,
+            position_ids=position,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
         return choose_tokens(logits, seeds, step, self.sampling)
 
     def compiled_next_token(self):
@@ -155,8 +177,10 @@ def runs_static(config: LocksConfig) -> bool:
 def check_arms(arms) -> None:
     bad = [a.name for a in arms if not runs_static(a.config)]
     if bad:
-        raise ValueError(f"the static engine decodes selectors {static_selector_names()} with min_context=0 and "
-                         f"kv_bits=16; arms {bad} need the eager path")
+        raise ValueError(
+            f"the static engine decodes selectors {static_selector_names()} with min_context=0 and "
+            f"kv_bits=16; arms {bad} need the eager path"
+        )
 
 
 def step_key(config: LocksConfig) -> LocksConfig:
@@ -168,8 +192,9 @@ def step_key(config: LocksConfig) -> LocksConfig:
 class PrefilledBatch:
     """A batch after its prefill: `decode` runs one arm from the shared prefix and rewinds after."""
 
-    def __init__(self, engine: StaticEngine, rows: list[Row], locks: LocksConfig, prefill=None,
-                 max_budget: int | None = None) -> None:
+    def __init__(
+        self, engine: StaticEngine, rows: list[Row], locks: LocksConfig, prefill=None, max_budget: int | None = None
+    ) -> None:
         self.engine, self.rows = engine, rows
         #: (step_key, page-list widths) -> (its static buffers, the callable running one step)
         self._steps: dict[tuple, tuple[_StepState, Callable]] = {}
@@ -188,8 +213,8 @@ class PrefilledBatch:
         ids = torch.full((b, L), engine.pad_id, dtype=torch.long)
         mask = torch.zeros((b, capacity), dtype=torch.long)
         for i, (r, n) in enumerate(zip(rows, lengths)):
-            ids[i, L - n:] = r.prefix
-            mask[i, L - n:] = 1
+            ids[i, L - n :] = r.prefix
+            mask[i, L - n :] = 1
         prefill_mask = mask[:, :L].to(dev)
         mask[:, L:] = 1  # decode slots are real
         self.decode_mask = mask.to(dev)
@@ -212,9 +237,14 @@ class PrefilledBatch:
         with torch.no_grad():
             for start in range(0, L, chunk):
                 end = min(L, start + chunk)
-                out = self.engine.model(input_ids=ids[:, start:end], attention_mask=mask[:, :end],
-                                        position_ids=positions[:, start:end], past_key_values=self.cache,
-                                        use_cache=True, logits_to_keep=1)
+                out = self.engine.model(
+                    input_ids=ids[:, start:end],
+                    attention_mask=mask[:, :end],
+                    position_ids=positions[:, start:end],
+                    past_key_values=self.cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
         if self.n_forced:
             return None
         return out.logits[:, -1].argmax(-1).tolist()
@@ -261,9 +291,9 @@ class PrefilledBatch:
         for t in range(self.steps):
             run_step()
             if state.forced is not None and t + 1 < self.n_forced:
-                state.token.copy_(state.forced[:, t + 1: t + 2])
+                state.token.copy_(state.forced[:, t + 1 : t + 2])
             if (t + 1) % engine.check_every == 0 or t + 1 == self.steps:
-                for got, more in zip(host, state.out[:, len(host[0]): t + 1].tolist()):  # one sync
+                for got, more in zip(host, state.out[:, len(host[0]) : t + 1].tolist()):  # one sync
                     got.extend(more)
                 if self._check(host, pre, checked, results):
                     done_steps = t + 1
@@ -333,8 +363,10 @@ class PrefilledBatch:
             # per completed page), which neither a captured graph nor cudagraph trees allow
             reference = [layer for layer in self.cache.locks_layers if not layer.backend.graph_safe]
             if reference and self.engine.requested_step != "auto":
-                raise ValueError(f"step={mode!r} needs the GPU kernels, which do not implement "
-                                 f"{self.cache.locks_config.label} here: use step='eager'")
+                raise ValueError(
+                    f"step={mode!r} needs the GPU kernels, which do not implement "
+                    f"{self.cache.locks_config.label} here: use step='eager'"
+                )
             if reference:
                 logger.warning("%s decodes on the reference path: eager steps", self.cache.locks_config.label)
                 mode = "eager"
@@ -342,8 +374,10 @@ class PrefilledBatch:
             # transformers' sliding-window layers keep a Python counter per step, which a captured
             # graph would freeze
             if self.engine.requested_step == "graph":
-                raise ValueError("step='graph' needs every layer to be a Locks layer (this model has sliding-"
-                                 "window layers): use step='compile' or 'eager'")
+                raise ValueError(
+                    "step='graph' needs every layer to be a Locks layer (this model has sliding-"
+                    "window layers): use step='compile' or 'eager'"
+                )
             mode = "compile"
         if mode == "eager":
             return lambda: self.advance(state, self.engine.next_token)
@@ -380,8 +414,9 @@ class _StepState:
         self.step = torch.zeros(1, dtype=torch.long, device=dev)
         self.out = torch.zeros((b, steps), dtype=torch.long, device=dev)
         self.stats = torch.zeros((steps, b, 2), dtype=torch.long, device=dev)
-        self.forced = (torch.tensor([r.forced for r in batch.rows], dtype=torch.long, device=dev)
-                       if batch.n_forced > 1 else None)
+        self.forced = (
+            torch.tensor([r.forced for r in batch.rows], dtype=torch.long, device=dev) if batch.n_forced > 1 else None
+        )
         self.graph = None
         self.restart()
 
@@ -422,8 +457,11 @@ def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
 def hash_uniform(seeds: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
     """``[b, vocab]`` uniforms in (0, 1) from a hash of (row seed, step, token id) (murmur3 finalizer)."""
     ids = torch.arange(vocab, device=seeds.device, dtype=torch.long)
-    x = (_mul32(seeds.view(-1, 1) & _MASK32, 0x9E3779B1) ^ _mul32(step.view(1, 1) & _MASK32, 0x85EBCA77)
-         ^ _mul32(ids.view(1, -1), 0xC2B2AE3D))
+    x = (
+        _mul32(seeds.view(-1, 1) & _MASK32, 0x9E3779B1)
+        ^ _mul32(step.view(1, 1) & _MASK32, 0x85EBCA77)
+        ^ _mul32(ids.view(1, -1), 0xC2B2AE3D)
+    )
     for c in (0x85EBCA6B, 0xC2B2AE35):
         x = x ^ (x >> 16)
         x = _mul32(x, c)
@@ -431,8 +469,7 @@ def hash_uniform(seeds: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.T
     return ((x >> 8).to(torch.float32) + 0.5) / float(1 << 24)
 
 
-def choose_tokens(logits: torch.Tensor, seeds: torch.Tensor, step: torch.Tensor, sampling: dict | None
-                  ) -> torch.Tensor:
+def choose_tokens(logits: torch.Tensor, seeds: torch.Tensor, step: torch.Tensor, sampling: dict | None) -> torch.Tensor:
     """Greedy argmax, or a sample under temperature / top-p (Gumbel-max over the nucleus)."""
     if sampling is None:
         return logits.argmax(-1)

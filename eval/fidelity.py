@@ -36,9 +36,16 @@ from .jsonl import InputFileError, end_last_line, read_jsonl, resolve
 
 # ----------------------------------------------------------------------------------------------------
 # metrics on tensors
-def selection_metrics(keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, query: torch.Tensor,
-                      scale: float, selected: torch.Tensor, oracle_selected: torch.Tensor,
-                      forced: torch.Tensor) -> dict[str, torch.Tensor]:
+def selection_metrics(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    query: torch.Tensor,
+    scale: float,
+    selected: torch.Tensor,
+    oracle_selected: torch.Tensor,
+    forced: torch.Tensor,
+) -> dict[str, torch.Tensor]:
     """Per (batch row, KV head) metrics, averaged over the group's query heads.
 
     Shapes: ``keys [b,h,P,B,d]``, ``values [b,h,P,B,dv]``, ``valid [b,1,P,B]``, ``query [b,h,G,d]``,
@@ -73,12 +80,24 @@ def selection_metrics(keys: torch.Tensor, values: torch.Tensor, valid: torch.Ten
     free, ofree = selected & ~forced, oracle_selected & ~forced
     denom = ofree.sum(-1).double()
     recall = ((free & ofree).sum(-1).double() / denom).masked_fill(denom == 0, float("nan"))
-    return {"mass": mass.mean(2), "recall": recall, "rel_err": rel.mean(2), "excl_err": ex.mean(2),
-            "excl_mass": (1 - mass).mean(2)}
+    return {
+        "mass": mass.mean(2),
+        "recall": recall,
+        "rel_err": rel.mean(2),
+        "excl_err": ex.mean(2),
+        "excl_mass": (1 - mass).mean(2),
+    }
 
 
-def arm_selection(config, keys: torch.Tensor, valid: torch.Tensor, n_complete: int, query: torch.Tensor,
-                  scale: float, n_fit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def arm_selection(
+    config,
+    keys: torch.Tensor,
+    valid: torch.Tensor,
+    n_complete: int,
+    query: torch.Tensor,
+    scale: float,
+    n_fit: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The page set ``[b,h,P]`` an arm attends at this step, as `reference_decode` builds it; and the forced pages.
 
     ``full`` (or a context of at most ``k`` pages) selects every real page. Selectors with
@@ -142,8 +161,9 @@ def capture_decode(model, prompt_ids: torch.Tensor, steps: int = 8, page_size: i
     return caps, cache
 
 
-def capture_metrics(cap: Capture, cache, arms, page_size: int = 16, fit_length: int | None = None,
-                    needle: int | None = None) -> dict[str, dict[str, float]]:
+def capture_metrics(
+    cap: Capture, cache, arms, page_size: int = 16, fit_length: int | None = None, needle: int | None = None
+) -> dict[str, dict[str, float]]:
     """Metrics of every arm at one captured step: {arm_name: {metric: mean over batch and KV heads}}."""
     from locks_hf.config import LocksConfig
 
@@ -169,12 +189,18 @@ def capture_metrics(cap: Capture, cache, arms, page_size: int = 16, fit_length: 
     oracle_cache: dict[int, torch.Tensor] = {}
     for arm in arms:
         cfg = arm.config
-        sel, forced = arm_selection(cfg, keys, valid, n_complete, q, cap.scale,
-                                    n_fit=None if fit_length is None else fit_length // B)
+        sel, forced = arm_selection(
+            cfg, keys, valid, n_complete, q, cap.scale, n_fit=None if fit_length is None else fit_length // B
+        )
         kslots = cfg.page_slots
         if kslots not in oracle_cache:
-            ocfg = LocksConfig(selector="oracle", page_size=B, rank=min(cfg.rank, B), budget=cfg.budget,
-                               group_combine=cfg.group_combine)
+            ocfg = LocksConfig(
+                selector="oracle",
+                page_size=B,
+                rank=min(cfg.rank, B),
+                budget=cfg.budget,
+                group_combine=cfg.group_combine,
+            )
             oracle_cache[kslots] = arm_selection(ocfg, keys, valid, n_complete, q, cap.scale)[0]
         m = selection_metrics(keys, values, valid, q, cap.scale, sel, oracle_cache[kslots], forced)
         row = {k: float(torch.nanmean(v.float())) if not torch.isnan(v).all() else float("nan") for k, v in m.items()}
@@ -191,8 +217,9 @@ def capture_metrics(cap: Capture, cache, arms, page_size: int = 16, fit_length: 
 METRICS = ("mass", "recall", "rel_err", "excl_err", "excl_mass", "attended_pages", "pages", "needle_hit")
 
 
-def run_fidelity(model, prompts: list[tuple], arms, out_dir, steps: int = 8, page_size: int = 16,
-                 progress: bool = True) -> Path:
+def run_fidelity(
+    model, prompts: list[tuple], arms, out_dir, steps: int = 8, page_size: int = 16, progress: bool = True
+) -> Path:
     """Capture ``steps`` decode steps per prompt, score every arm, write ``fidelity_raw.jsonl`` +
     ``fidelity.csv`` (mean per layer x arm and over all layers). Resumable per prompt.
 
@@ -203,8 +230,10 @@ def run_fidelity(model, prompts: list[tuple], arms, out_dir, steps: int = 8, pag
 
     quantized = [arm.name for arm in arms if arm.config.kv_bits != 16]
     if quantized:  # the captured keys are full precision: such arms would be scored as if unquantized
-        raise ValueError(f"fidelity scores selection on captured full-precision K/V; arms {quantized} set kv_bits "
-                         "(quantized KV): run them with `locks-hf-eval sweep`")
+        raise ValueError(
+            f"fidelity scores selection on captured full-precision K/V; arms {quantized} set kv_bits "
+            "(quantized KV): run them with `locks-hf-eval sweep`"
+        )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     raw_path = out_dir / "fidelity_raw.jsonl"
@@ -221,8 +250,9 @@ def run_fidelity(model, prompts: list[tuple], arms, out_dir, steps: int = 8, pag
             rows = []
             first_len = min((c.length for c in caps), default=None)  # the first decode step
             for cap in caps:
-                for arm_name, m in capture_metrics(cap, cache, arms, page_size, fit_length=first_len,
-                                                   needle=needle).items():
+                for arm_name, m in capture_metrics(
+                    cap, cache, arms, page_size, fit_length=first_len, needle=needle
+                ).items():
                     rows.append({"prompt": name, "layer": cap.layer, "length": cap.length, "arm": arm_name, **m})
             f.write("".join(json.dumps(r) + "\n" for r in rows))
             f.flush()
@@ -232,16 +262,22 @@ def run_fidelity(model, prompts: list[tuple], arms, out_dir, steps: int = 8, pag
 
 def raw_rows(path: Path) -> list[dict]:
     """The measurements of ``fidelity_raw.jsonl``, which the harness appends to (`read_jsonl` ``appended``)."""
-    return read_jsonl(path, required=("prompt", "layer", "arm"), appended=True,
-                      fix="remove that line (a prompt's measurements are redone on resume), or use another --out folder")
+    return read_jsonl(
+        path,
+        required=("prompt", "layer", "arm"),
+        appended=True,
+        fix="remove that line (a prompt's measurements are redone on resume), or use another --out folder",
+    )
 
 
 def summarize_fidelity(out_dir, arms=None) -> list[dict]:
     out_dir = Path(out_dir)
     rows = raw_rows(out_dir / "fidelity_raw.jsonl")
     if not rows:
-        raise InputFileError(f"{resolve(out_dir / 'fidelity_raw.jsonl')}: no measurements in it; run "
-                             "`locks-hf-eval fidelity` into that folder (with at least one prompt) first")
+        raise InputFileError(
+            f"{resolve(out_dir / 'fidelity_raw.jsonl')}: no measurements in it; run "
+            "`locks-hf-eval fidelity` into that folder (with at least one prompt) first"
+        )
     order = {a.name: i for i, a in enumerate(arms or [])}
     groups: dict[tuple, list] = defaultdict(list)
     for r in rows:
@@ -251,8 +287,14 @@ def summarize_fidelity(out_dir, arms=None) -> list[dict]:
     table = []
     for (arm, layer), rs in sorted(groups.items(), key=lambda kv: (order.get(kv[0][0], 999), kv[0][0], str(kv[0][1]))):
         fam, bud = meta.get(arm, (arm.rsplit("-b", 1)[0], int(arm.rsplit("-b", 1)[1]) if "-b" in arm else None))
-        entry = {"arm": arm, "family": fam, "budget": bud, "layer": layer, "n": len(rs),
-                 "prompts": len({r["prompt"] for r in rs})}
+        entry = {
+            "arm": arm,
+            "family": fam,
+            "budget": bud,
+            "layer": layer,
+            "n": len(rs),
+            "prompts": len({r["prompt"] for r in rs}),
+        }
         for m in METRICS:
             vals = [r[m] for r in rs if r.get(m) is not None and not math.isnan(r[m])]
             entry[m] = round(sum(vals) / len(vals), 4) if vals else None

@@ -44,8 +44,9 @@ def build_prompt(task: str, rec: dict, spec: dict, template: str = "template_ope
         return t.format(func=func_call.split("(")[0], func_call=func_call, context=ctx)
     if task in ("longbook_choice_eng", "code_debug"):
         opts = rec.get("options") or ["", "", "", ""]
-        fields = dict(context=ctx, question=inp, input=inp, OPTION_A=opts[0], OPTION_B=opts[1], OPTION_C=opts[2],
-                      OPTION_D=opts[3])
+        fields = dict(
+            context=ctx, question=inp, input=inp, OPTION_A=opts[0], OPTION_B=opts[1], OPTION_C=opts[2], OPTION_D=opts[3]
+        )
         return t.format(**fields)
     if task in ("longbook_qa_eng", "longbook_qa_chn"):
         return t.format(context=ctx, question=inp, input=inp)
@@ -74,8 +75,15 @@ def _number_string_key(rng: random.Random) -> str:
     return "".join(keys)
 
 
-def regenerate(task: str, tokenizer, length: int, num_samples: int, seed: int = 42, spec: dict | None = None,
-               template: str = "template_open_models") -> list[dict]:
+def regenerate(
+    task: str,
+    tokenizer,
+    length: int,
+    num_samples: int,
+    seed: int = 42,
+    spec: dict | None = None,
+    template: str = "template_open_models",
+) -> list[dict]:
     """Records of ``task`` whose full prompt is at most ``length`` tokens (plus the answer budget).
 
     passkey / number_string: noise lines around the needle at evenly spread depths (record i at depth
@@ -102,24 +110,44 @@ def regenerate(task: str, tokenizer, length: int, num_samples: int, seed: int = 
                 j = round(n * depth)
                 return {"context": noise * j + needle + noise * (n - j), "input": recipe["question"], "answer": [key]}
         else:
-            pairs = [(str(uuid.UUID(int=rng.getrandbits(128), version=4)), str(uuid.UUID(int=rng.getrandbits(128), version=4)))
-                     for _ in range(4000)]
+            pairs = [
+                (
+                    str(uuid.UUID(int=rng.getrandbits(128), version=4)),
+                    str(uuid.UUID(int=rng.getrandbits(128), version=4)),
+                )
+                for _ in range(4000)
+            ]
 
             def make(n):
                 n = max(n, 1)
                 q = min(int(depth * n), n - 1)
                 ctx = "JSON data:\n{" + ", ".join(f'"{k}": "{v}"' for k, v in pairs[:n]) + "}"
-                return {"context": ctx, "input": f'\nKey: "{pairs[q][0]}"\nThe value associated with the specified key is: ',
-                        "answer": pairs[q][1]}
+                return {
+                    "context": ctx,
+                    "input": f'\nKey: "{pairs[q][0]}"\nThe value associated with the specified key is: ',
+                    "answer": pairs[q][1],
+                }
+
         lo, hi = 1, 8
         while count(build_prompt(task, make(hi), spec, template)) + max_new <= length and hi < 4000:
             lo, hi = hi, hi * 2
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if count(build_prompt(task, make(mid), spec, template)) + max_new <= length else (lo, mid)
+            lo, hi = (
+                (mid, hi) if count(build_prompt(task, make(mid), spec, template)) + max_new <= length else (lo, mid)
+            )
         rec = make(lo)
-        rec.update({"id": f"{task}-{length}-{i}", "task": task, "length": length, "index": i, "options": [],
-                    "depth": round(depth, 4), "units": lo})
+        rec.update(
+            {
+                "id": f"{task}-{length}-{i}",
+                "task": task,
+                "length": length,
+                "index": i,
+                "options": [],
+                "depth": round(depth, 4),
+                "units": lo,
+            }
+        )
         out.append(rec)
     return out
 
@@ -131,14 +159,17 @@ def score_prediction_file(task: str, path, model_name: str = "") -> tuple[float,
     fix = "each line must be a JSON object with prediction (or pred) and ground_truth (or label); fix the file"
     rows = read_jsonl(path, fix=fix)
     if not rows:
-        raise InputFileError(f"{resolve(path)}: no predictions in it (an empty file): remove it, or write its "
-                             "predictions again")
+        raise InputFileError(
+            f"{resolve(path)}: no predictions in it (an empty file): remove it, or write its predictions again"
+        )
     scores = []
     for number, r in enumerate(rows, 1):
         pred = r.get("prediction", r.get("pred"))
         label = r.get("ground_truth", r.get("label"))
         if pred is None or label is None:
-            raise InputFileError(f"{resolve(path)}: row {number} has no {'prediction' if pred is None else 'ground_truth'}: {fix}")
+            raise InputFileError(
+                f"{resolve(path)}: row {number} has no {'prediction' if pred is None else 'ground_truth'}: {fix}"
+            )
         scores.append(infinitebench_score_one(task, pred, label, model_name))
     return 100 * sum(scores) / len(scores), len(scores)
 
@@ -161,8 +192,10 @@ def score_prediction_dir(folder, data_dir=None, model_name: str | None = None) -
         score, n = score_prediction_file(task, path, model_name)
         table.append({"task": task, "n": n, "score": score, "reported": reported.get(task)})
     if not table:
-        raise InputPathMissing(f"--predictions {folder}: no preds_<task>.jsonl[.gz] of any InfiniteBench task in it "
-                               f"(tasks: {', '.join(spec['tasks'])}); name the folder that holds them")
+        raise InputPathMissing(
+            f"--predictions {folder}: no preds_<task>.jsonl[.gz] of any InfiniteBench task in it "
+            f"(tasks: {', '.join(spec['tasks'])}); name the folder that holds them"
+        )
     return table
 
 
@@ -189,8 +222,10 @@ class InfiniteBenchBenchmark(Benchmark):
 
     def __post_init__(self):
         if self.records_dir and not Path(self.records_dir).is_dir():
-            raise InputPathMissing(f"--records-dir {self.records_dir}: no such folder; check the path, or leave "
-                                   "--records-dir out for the HF Hub")
+            raise InputPathMissing(
+                f"--records-dir {self.records_dir}: no such folder; check the path, or leave "
+                "--records-dir out for the HF Hub"
+            )
         self.spec = load_spec(self.data_dir)
 
     def records(self):
@@ -198,7 +233,9 @@ class InfiniteBenchBenchmark(Benchmark):
         for task in self.tasks:
             if task in REGENERATED and not self.records_dir:
                 for L in self.lengths:
-                    out += regenerate(task, self.tokenizer, L, self.num_samples, self.seed or 42, self.spec, self.template)
+                    out += regenerate(
+                        task, self.tokenizer, L, self.num_samples, self.seed or 42, self.spec, self.template
+                    )
                 continue
             rows = self._load(task)[: self.num_samples]
             for r in rows:
@@ -209,15 +246,19 @@ class InfiniteBenchBenchmark(Benchmark):
         if self.records_dir:  # a folder the user named: its file or an error, never the Hub instead
             path = Path(self.records_dir) / self.spec["tasks"][task]["file"]
             if not resolve(path).exists():
-                raise InputPathMissing(f"--records-dir {self.records_dir}: no {path.name} (InfiniteBench {task}) in "
-                                       "it; name the folder that holds it, or leave --records-dir out for the HF Hub")
+                raise InputPathMissing(
+                    f"--records-dir {self.records_dir}: no {path.name} (InfiniteBench {task}) in "
+                    "it; name the folder that holds it, or leave --records-dir out for the HF Hub"
+                )
             return read_jsonl(path, fix="fix or remove that line, or download the file again")
         try:  # pragma: no cover - needs network
             from datasets import load_dataset
 
             return list(load_dataset(HF_DATASET, data_files={"test": self.spec["tasks"][task]["file"]}, split="test"))
         except Exception as err:
-            raise FileNotFoundError(f"InfiniteBench {task}: no --records-dir and the HF Hub is unreachable ({err})") from err
+            raise FileNotFoundError(
+                f"InfiniteBench {task}: no --records-dir and the HF Hub is unreachable ({err})"
+            ) from err
 
     def prompt_text(self, rec):
         return build_prompt(rec["task"], rec, self.spec, self.template)
@@ -241,5 +282,10 @@ class InfiniteBenchBenchmark(Benchmark):
         return {"score": infinitebench_score_one(rec["task"], pred, rec["answer"])}
 
     def describe(self):
-        return {"name": self.name, "tasks": self.tasks, "lengths": self.lengths, "num_samples": self.num_samples,
-                "template": self.template}
+        return {
+            "name": self.name,
+            "tasks": self.tasks,
+            "lengths": self.lengths,
+            "num_samples": self.num_samples,
+            "template": self.template,
+        }

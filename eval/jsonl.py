@@ -81,8 +81,13 @@ def read_json(path: str | os.PathLike, fix: str = "restore the file or use anoth
         raise InputFileError(f"{path}:{err.lineno}: {what}: {fix}") from None
 
 
-def read_jsonl(path: str | os.PathLike, *, required: tuple[str, ...] = (), appended: bool = False,
-               fix: str = "fix or remove that line") -> list[dict]:
+def read_jsonl(
+    path: str | os.PathLike,
+    *,
+    required: tuple[str, ...] = (),
+    appended: bool = False,
+    fix: str = "fix or remove that line",
+) -> list[dict]:
     """The rows (JSON objects) of a ``.jsonl`` or ``.jsonl.gz`` file; blank lines are skipped.
 
     ``required``: keys every row must have. ``appended``: the harness appends to this file line by
@@ -105,8 +110,9 @@ def read_jsonl(path: str | os.PathLike, *, required: tuple[str, ...] = (), appen
             problem = f"not valid JSON ({err.msg}, column {err.colno})"
         if problem is not None:
             if appended and number == len(lines):  # the last line, with no newline after it
-                logger.warning("%s:%d: dropped a line torn by an interrupted write (%s); its work is redone",
-                               path, number, problem)
+                logger.warning(
+                    "%s:%d: dropped a line torn by an interrupted write (%s); its work is redone", path, number, problem
+                )
                 continue
             raise InputFileError(f"{path}:{number}: {problem}: {fix}")
         missing = [k for k in required if k not in row] if isinstance(row, dict) else list(required)

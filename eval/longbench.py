@@ -38,7 +38,9 @@ def truncate_middle_text(prompt: str, tokenizer, max_length: int) -> str:
     if len(ids) <= max_length:
         return prompt
     half = int(max_length / 2)
-    return tokenizer.decode(ids[:half], skip_special_tokens=True) + tokenizer.decode(ids[-half:], skip_special_tokens=True)
+    return tokenizer.decode(ids[:half], skip_special_tokens=True) + tokenizer.decode(
+        ids[-half:], skip_special_tokens=True
+    )
 
 
 def _hub_records(task: str) -> list[dict]:  # pragma: no cover - needs network
@@ -57,8 +59,10 @@ def _record_candidates(task: str, records_dir=None, data_dir=None) -> list[Path]
     else the data folder's ``longbench/records``."""
     if records_dir:
         if not Path(records_dir).is_dir():
-            raise InputPathMissing(f"--records-dir {records_dir}: no such folder; check the path, or leave "
-                                   "--records-dir out for the data folder's records or the HF Hub")
+            raise InputPathMissing(
+                f"--records-dir {records_dir}: no such folder; check the path, or leave "
+                "--records-dir out for the data folder's records or the HF Hub"
+            )
         return [Path(records_dir) / f"{task}.jsonl"]
     root = shared_data_dir(data_dir)
     return [] if root is None else [root / "longbench" / "records" / f"{task}.jsonl"]
@@ -69,8 +73,10 @@ def local_records_file(task: str, records_dir=None, data_dir=None) -> Path | Non
     ``records_dir`` without the task's file is an error (it would otherwise fall through to the Hub)."""
     found = next((p for p in _record_candidates(task, records_dir, data_dir) if p.exists()), None)
     if found is None and records_dir:
-        raise InputPathMissing(f"--records-dir {records_dir}: no {task}.jsonl (LongBench {task}) in it; name the "
-                               "folder that holds it, or leave --records-dir out for the HF Hub")
+        raise InputPathMissing(
+            f"--records-dir {records_dir}: no {task}.jsonl (LongBench {task}) in it; name the "
+            "folder that holds it, or leave --records-dir out for the HF Hub"
+        )
     return found
 
 
@@ -99,7 +105,8 @@ def load_records(task: str, records_dir=None, data_dir=None) -> list[dict]:
         raise FileNotFoundError(
             f"LongBench {task}: no local records ({', '.join(map(str, candidates)) or 'none given'}) and the HF Hub "
             f"is unreachable ({type(err).__name__}: {err}). Pass --records-dir <folder of <task>.jsonl> or --data-dir, "
-            "or set LOCKS_HF_DATA=none to run the packaged 2-record sample (a smoke test, not the benchmark)") from err
+            "or set LOCKS_HF_DATA=none to run the packaged 2-record sample (a smoke test, not the benchmark)"
+        ) from err
 
 
 @dataclass
@@ -137,11 +144,16 @@ class LongBenchBenchmark(Benchmark):
         limit = self.max_length
         if limit is None:
             ctx = getattr(self.tokenizer, "model_max_length", None)
-            limit = 31500 if not ctx or ctx > 10 ** 7 else ctx - self.max_new_tokens(rec) - 16
+            limit = 31500 if not ctx or ctx > 10**7 else ctx - self.max_new_tokens(rec) - 16
         prompt = truncate_middle_text(prompt, self.tokenizer, limit)
-        if self.chat and self.spec["tasks"][task].get("apply_chat_template", True) and getattr(self.tokenizer, "chat_template", None):
-            prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                        add_generation_prompt=True)
+        if (
+            self.chat
+            and self.spec["tasks"][task].get("apply_chat_template", True)
+            and getattr(self.tokenizer, "chat_template", None)
+        ):
+            prompt = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
         return prompt
 
     def prompt_ids(self, rec, tokenizer):
@@ -171,5 +183,10 @@ class LongBenchBenchmark(Benchmark):
         return files
 
     def describe(self):
-        return {"name": self.name, "tasks": self.tasks, "max_length": self.max_length, "num_samples": self.num_samples,
-                "chat": self.chat}
+        return {
+            "name": self.name,
+            "tasks": self.tasks,
+            "max_length": self.max_length,
+            "num_samples": self.num_samples,
+            "chat": self.chat,
+        }

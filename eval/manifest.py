@@ -38,8 +38,9 @@ def sha256_of(path: Path) -> str:
 def git_commit(folder: Path) -> str | None:
     """HEAD of the git checkout holding ``folder``, or ``None`` (an installed package, or no git)."""
     try:
-        out = subprocess.run(["git", "-C", str(folder), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=10, check=False)
+        out = subprocess.run(
+            ["git", "-C", str(folder), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=False
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     commit = out.stdout.strip()
@@ -78,15 +79,19 @@ def check_or_write(run_dir: Path, manifest: dict, *, allow_change: bool = False,
     if not path.exists():
         write(path, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
         return
-    old = read_json(path, fix="the run folder's manifest is damaged: use another --out folder, or delete "
-                    "manifest.json to record the current setup afresh (resuming is then not checked against the old one)")
+    old = read_json(
+        path,
+        fix="the run folder's manifest is damaged: use another --out folder, or delete "
+        "manifest.json to record the current setup afresh (resuming is then not checked against the old one)",
+    )
     changed = differences(old, manifest)
     if not changed:
         return
     if not allow_change:
         raise ManifestMismatch(
             f"{run_dir} holds results of another setup ({'; '.join(changed)}): resuming would mix them. Use "
-            "another --out folder, or --allow-manifest-change to resume anyway (the change is recorded)")
+            "another --out folder, or --allow-manifest-change to resume anyway (the change is recorded)"
+        )
     logger.warning("resuming %s under a changed setup: %s", run_dir, "; ".join(changed))
     history = old.pop("history", [])
     write(path, json.dumps({**manifest, "history": history + [old]}, indent=1, sort_keys=True) + "\n")

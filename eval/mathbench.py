@@ -31,8 +31,16 @@ def load_problems(name: str, data_dir=None) -> list[dict]:
     out = []
     for i, r in enumerate(rows):
         rid = r.get("unique_id") or r.get("id") or str(i)
-        out.append({"id": f"{name}-{rid}", "task": name, "length": None, "index": i, "problem": r["problem"],
-                    "answer": str(r["answer"])})
+        out.append(
+            {
+                "id": f"{name}-{rid}",
+                "task": name,
+                "length": None,
+                "index": i,
+                "problem": r["problem"],
+                "answer": str(r["answer"]),
+            }
+        )
     return out
 
 
@@ -64,8 +72,9 @@ def build_prompt(tokenizer, problem: str, thinking: bool = True) -> tuple[str, b
     if getattr(tokenizer, "chat_template", None):
         msgs = [{"role": "user", "content": content}]
         try:
-            return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True,
-                                                 enable_thinking=thinking), True
+            return tokenizer.apply_chat_template(
+                msgs, tokenize=False, add_generation_prompt=True, enable_thinking=thinking
+            ), True
         except TypeError:
             return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True), True
     return f"Problem: {problem}\n{INSTRUCTION}\n\nSolution:", False
@@ -84,14 +93,27 @@ class MathBenchmark(Benchmark):
     data_dir: str | None = None
     name: str = "math"
 
-    def __init__(self, tokenizer, tasks, num_samples=None, k=1, temperature=0.6, top_p=0.95, max_new_tokens=4096,
-                 thinking=True, data_dir=None):
+    def __init__(
+        self,
+        tokenizer,
+        tasks,
+        num_samples=None,
+        k=1,
+        temperature=0.6,
+        top_p=0.95,
+        max_new_tokens=4096,
+        thinking=True,
+        data_dir=None,
+    ):
         self.tokenizer, self.tasks, self.num_samples, self.k = tokenizer, list(tasks), num_samples, int(k)
         self.temperature, self.top_p, self.max_new_tokens_cap = temperature, top_p, int(max_new_tokens)
         self.thinking, self.data_dir = thinking, data_dir
         self.samples = self.k
-        self.sampling = (None if self.temperature == 0 else
-                         {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": 0})
+        self.sampling = (
+            None
+            if self.temperature == 0
+            else {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": 0}
+        )
 
     def records(self):
         out = []
@@ -121,6 +143,14 @@ class MathBenchmark(Benchmark):
         return check_answer(pred, rec["answer"])
 
     def describe(self):
-        return {"name": self.name, "tasks": self.tasks, "num_samples": self.num_samples, "k": self.k,
-                "temperature": self.temperature, "top_p": self.top_p, "max_new_tokens": self.max_new_tokens_cap,
-                "thinking": self.thinking, "checker": "math-verify parse/verify"}
+        return {
+            "name": self.name,
+            "tasks": self.tasks,
+            "num_samples": self.num_samples,
+            "k": self.k,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "max_new_tokens": self.max_new_tokens_cap,
+            "thinking": self.thinking,
+            "checker": "math-verify parse/verify",
+        }

@@ -40,7 +40,9 @@ def merge(run_dir) -> dict:
     order = {rid: i for i, rid in enumerate(record_order(run_dir))}
     keyf = lambda k: (order.get(k[0], len(order)), k[0], arm_order.get(k[1], len(arm_order)), k[1], k[2])
     merged = [{k: v for k, v in rows[key].items() if k not in VOLATILE} for key in sorted(rows, key=keyf)]
-    write_atomic(run_dir / "results.jsonl", "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in merged))
+    write_atomic(
+        run_dir / "results.jsonl", "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in merged)
+    )
 
     # per (task, length, arm): mean score x 100 (avg over samples first, then records: avg@k)
     agg: dict[tuple, list] = defaultdict(list)
@@ -56,15 +58,17 @@ def merge(run_dir) -> dict:
     for (task, length, arm, _), scores in per_rec.items():
         agg[(task, length, arm)].append(sum(scores) / len(scores))
     lines = ["task,length,arm,family,budget,selector,n,score," + ",".join(TRAFFIC)]
-    for (task, length, arm) in sorted(agg, key=lambda k: (str(k[1]), k[0], arm_order.get(k[2], 999), k[2])):
+    for task, length, arm in sorted(agg, key=lambda k: (str(k[1]), k[0], arm_order.get(k[2], 999), k[2])):
         vals = agg[(task, length, arm)]
         fam, bud, sel = meta[arm]
         means = []
         for name, digits in TRAFFIC.items():
             got = traffic[name].get((task, length, arm))
             means.append("" if not got else str(round(sum(got) / len(got), digits)))
-        lines.append(f"{task},{'' if length is None else length},{arm},{fam},{'' if bud is None else bud},{sel},"
-                     f"{len(vals)},{round(100 * sum(vals) / len(vals), 2)}," + ",".join(means))
+        lines.append(
+            f"{task},{'' if length is None else length},{arm},{fam},{'' if bud is None else bud},{sel},"
+            f"{len(vals)},{round(100 * sum(vals) / len(vals), 2)}," + ",".join(means)
+        )
     write_atomic(run_dir / "scores.csv", "\n".join(lines) + "\n")
     tl = ["arm,generations,seconds_total,seconds_per_generation"]
     for arm in sorted(timing, key=lambda a: arm_order.get(a, 999)):

@@ -15,7 +15,7 @@ import re
 import string
 from collections import Counter
 
-CN_PUNCT = ("！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿–—‘’‛“”„‟…‧﹏.")
+CN_PUNCT = "！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿–—‘’‛“”„‟…‧﹏."
 
 
 # -------------------------------------------------------------------------------------------------
@@ -140,9 +140,15 @@ def code_sim_score(prediction: str, ground_truth: str, **kwargs) -> float:
 
 
 LONGBENCH_METRICS = {
-    "qa_f1": qa_f1_score, "qa_f1_zh": qa_f1_zh_score, "rouge": rouge_score, "rouge_zh": rouge_zh_score,
-    "classification": classification_score, "retrieval": retrieval_score, "retrieval_zh": retrieval_zh_score,
-    "count": count_score, "code_sim": code_sim_score,
+    "qa_f1": qa_f1_score,
+    "qa_f1_zh": qa_f1_zh_score,
+    "rouge": rouge_score,
+    "rouge_zh": rouge_zh_score,
+    "classification": classification_score,
+    "retrieval": retrieval_score,
+    "retrieval_zh": retrieval_zh_score,
+    "count": count_score,
+    "code_sim": code_sim_score,
 }
 FIRST_LINE_TASKS = ("trec", "triviaqa", "samsum", "lsht")
 
@@ -155,7 +161,9 @@ def longbench_sample_score(task: str, metric: str, prediction: str, answers: lis
     return max((fn(prediction, gt, all_classes=all_classes) for gt in answers), default=0.0)
 
 
-def longbench_task_score(task: str, metric: str, predictions: list[str], answers: list[list[str]], all_classes=None) -> float:
+def longbench_task_score(
+    task: str, metric: str, predictions: list[str], answers: list[list[str]], all_classes=None
+) -> float:
     total = sum(longbench_sample_score(task, metric, p, a, all_classes) for p, a in zip(predictions, answers))
     return round(100 * total / len(predictions), 2)
 
@@ -233,7 +241,7 @@ def _after_prefix(pred: str, prefixes: list[str]) -> str | None:
             continue
         if len(pred) < idx + len(prefix) + 1:
             return ""
-        return pred[idx + len(prefix) + 1:]
+        return pred[idx + len(prefix) + 1 :]
     return None
 
 
@@ -312,10 +320,18 @@ def ib_math_calc(pred, label, model_name=None) -> float:
 
 
 INFINITEBENCH_SCORERS = {
-    "kv_retrieval": ib_kv_retrieval, "passkey": ib_passkey, "number_string": ib_number_string,
-    "code_run": ib_code_run, "code_debug": ib_code_debug, "math_find": ib_math_find, "math_calc": ib_math_calc,
-    "longdialogue_qa_eng": ib_longdialogue_qa_eng, "longbook_choice_eng": ib_longbook_choice_eng,
-    "longbook_qa_eng": ib_qa_f1, "longbook_qa_chn": ib_qa_f1_zh, "longbook_sum_eng": ib_rouge_lsum,
+    "kv_retrieval": ib_kv_retrieval,
+    "passkey": ib_passkey,
+    "number_string": ib_number_string,
+    "code_run": ib_code_run,
+    "code_debug": ib_code_debug,
+    "math_find": ib_math_find,
+    "math_calc": ib_math_calc,
+    "longdialogue_qa_eng": ib_longdialogue_qa_eng,
+    "longbook_choice_eng": ib_longbook_choice_eng,
+    "longbook_qa_eng": ib_qa_f1,
+    "longbook_qa_chn": ib_qa_f1_zh,
+    "longbook_sum_eng": ib_rouge_lsum,
 }
 
 

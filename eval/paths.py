@@ -37,8 +37,7 @@ def existing_path(path: str | os.PathLike, option: str, what: str = "folder") ->
     """``path`` (named by ``option``), which must exist: else `InputPathMissing` naming both."""
     path = Path(path)
     if not path.exists():
-        raise InputPathMissing(f"{option} {path}: no such {what}; check the path (it is never replaced by "
-                               "another one)")
+        raise InputPathMissing(f"{option} {path}: no such {what}; check the path (it is never replaced by another one)")
     return path
 
 
@@ -50,15 +49,19 @@ def shared_data_dir(explicit: str | os.PathLike | None = None) -> Path | None:
     """
     if explicit:
         if not Path(explicit).is_dir():
-            raise InputPathMissing(f"--data-dir {explicit}: no such folder; name the folder that holds {LAYOUT} "
-                                   "(or leave --data-dir out: $LOCKS_HF_DATA, the HF Hub, the packaged samples)")
+            raise InputPathMissing(
+                f"--data-dir {explicit}: no such folder; name the folder that holds {LAYOUT} "
+                "(or leave --data-dir out: $LOCKS_HF_DATA, the HF Hub, the packaged samples)"
+            )
         return Path(explicit)
     env = os.environ.get("LOCKS_HF_DATA", "")
     if not env or env.lower() == "none":
         return None
     if not Path(env).is_dir():
-        raise InputPathMissing(f"$LOCKS_HF_DATA={env}: no such folder; set it to the folder that holds {LAYOUT}, "
-                               "to 'none' for the packaged samples, or unset it")
+        raise InputPathMissing(
+            f"$LOCKS_HF_DATA={env}: no such folder; set it to the folder that holds {LAYOUT}, "
+            "to 'none' for the packaged samples, or unset it"
+        )
     return Path(env)
 
 
@@ -74,8 +77,12 @@ def data_file(relative: str, sample: str | None = None, data_dir: str | os.PathL
             # same name: a complete copy (a task spec, a word list); once per file, it is looked up often
             if p.name != Path(relative).name and (relative, str(root)) not in _WARNED:
                 _WARNED.add((relative, str(root)))
-                logger.warning("%s: the packaged sample %s stands in (%s)", relative, p.name,
-                               f"not in {root}" if root else "no data folder: --data-dir or $LOCKS_HF_DATA")
+                logger.warning(
+                    "%s: the packaged sample %s stands in (%s)",
+                    relative,
+                    p.name,
+                    f"not in {root}" if root else "no data folder: --data-dir or $LOCKS_HF_DATA",
+                )
             return p
     raise FileNotFoundError(
         f"{relative} not found (looked in {root or 'no data folder: set --data-dir or $LOCKS_HF_DATA'})"

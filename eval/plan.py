@@ -63,13 +63,13 @@ def pad_id(tok, eos) -> int:
 #: The protocols in words (``config.json``'s ``protocol_text``; `runner` says more).
 PROTOCOL_TEXT = {
     "dense-question": "Each record's full prompt (context + question) is prefilled once with dense attention; the "
-                      "first answer token is the greedy argmax of the prefill logits, shared by all arms; every arm "
-                      "then decodes the remaining tokens from its own fork of the prefilled cache (sparse decode for "
-                      "sparse arms). Generation stops at max_new_tokens, EOS, a degenerate loop, or the benchmark's "
-                      "stop rule (benchmark.stop).",
+    "first answer token is the greedy argmax of the prefill logits, shared by all arms; every arm "
+    "then decodes the remaining tokens from its own fork of the prefilled cache (sparse decode for "
+    "sparse arms). Generation stops at max_new_tokens, EOS, a degenerate loop, or the benchmark's "
+    "stop rule (benchmark.stop).",
     "sparse-question": "Each record's context is prefilled once with dense attention; every arm then feeds the "
-                       "question tokens one by one through its own decode steps (sparse for sparse arms) before "
-                       "generating greedily.",
+    "question tokens one by one through its own decode steps (sparse for sparse arms) before "
+    "generating greedily.",
     "sampled": "The prompt minus its last token is prefilled once densely; each arm and sample generates from a fork, "
-               "the last prompt token being the first (sparse) decode step; sampling settings per arm as configured.",
+    "the last prompt token being the first (sparse) decode step; sampling settings per arm as configured.",
 }

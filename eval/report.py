@@ -14,8 +14,10 @@ from locks_hf.selectors import family_sort_key
 from .jsonl import read_json, read_jsonl, resolve
 
 #: What to do about a damaged file of a run folder given to `report`.
-RUN_FIX = ("name a run folder that `locks-hf-eval sweep` wrote (config.json + results.jsonl); a damaged one: "
-           "run `locks-hf-eval merge --out <run>` again where predictions/ is, else restore the file from a copy")
+RUN_FIX = (
+    "name a run folder that `locks-hf-eval sweep` wrote (config.json + results.jsonl); a damaged one: "
+    "run `locks-hf-eval merge --out <run>` again where predictions/ is, else restore the file from a copy"
+)
 
 # Arm families are ordered by selector (each declares its `report_order`), larger summaries first.
 _fam_key = family_sort_key
@@ -55,12 +57,27 @@ def load_cells(run_dir: Path, complete_only: bool = True) -> list[dict]:
         cells[(task, length, arm)].append(sum(sc) / len(sc))
     order = {a: i for i, a in enumerate(arms)}
     out = []
-    for (task, length, arm), v in sorted(cells.items(), key=lambda kv: (str(kv[0][1]), kv[0][0], order.get(kv[0][2], 999))):
+    for (task, length, arm), v in sorted(
+        cells.items(), key=lambda kv: (str(kv[0][1]), kv[0][0], order.get(kv[0][2], 999))
+    ):
         fam, bud, sel = meta[arm]
-        means = {name: (sum(got) / len(got)) if (got := values.get((task, length, arm))) else None
-                 for name, values in traffic.items()}
-        out.append({"task": task, "length": length, "arm": arm, "family": fam, "budget": bud, "selector": sel,
-                    "n": len(v), "score": 100 * sum(v) / len(v), **means})
+        means = {
+            name: (sum(got) / len(got)) if (got := values.get((task, length, arm))) else None
+            for name, values in traffic.items()
+        }
+        out.append(
+            {
+                "task": task,
+                "length": length,
+                "arm": arm,
+                "family": fam,
+                "budget": bud,
+                "selector": sel,
+                "n": len(v),
+                "score": 100 * sum(v) / len(v),
+                **means,
+            }
+        )
     return out
 
 
@@ -91,9 +108,15 @@ def tables_markdown(cells: list[dict]) -> tuple[str, dict]:
         # only tasks finished by every arm enter the averages (so partial runs compare like with like);
         # the arms are the (family, budget) pairs the run has (ShadowKV, e.g., only where it fits)
         arm_cells = {(f, b) for (_, f, b) in cell}
-        complete_tasks = [t for t in tasks if all(
-            (t, f, b) in cell and cell[(t, f, b)]["n"] == max(cell[(t, ff, bb)]["n"] for (tt, ff, bb) in cell if tt == t)
-            for f, b in arm_cells)]
+        complete_tasks = [
+            t
+            for t in tasks
+            if all(
+                (t, f, b) in cell
+                and cell[(t, f, b)]["n"] == max(cell[(t, ff, bb)]["n"] for (tt, ff, bb) in cell if tt == t)
+                for f, b in arm_cells
+            )
+        ]
         title = f"length {L}" if L else "all records"
         sparse = [f for f in fams if f not in dense]
         md.append(f"### {title}: average over tasks (score x100)\n")
@@ -143,13 +166,16 @@ def kv_quant_tables(averages: dict, length, fams: list[str], budgets: list, titl
     for base, rows in variants.items():
         if base in fams:
             rows = {"KV bf16": base, **rows}
-        shown = sorted(rows, key=lambda r: (r != "KV bf16", -int(r.split("-")[0]) if r[0].isdigit() else 0,
-                                            r.endswith("pre"), r))
+        shown = sorted(
+            rows, key=lambda r: (r != "KV bf16", -int(r.split("-")[0]) if r[0].isdigit() else 0, r.endswith("pre"), r)
+        )
         md.append(f"#### {title}: {base} on quantized KV (KIVI), score x100\n")
         md.append("| KV | " + " | ".join(f"b={b}" for b in budgets) + " |")
         md.append("|---|" + "---|" * len(budgets))
-        md += [f"| {r} | " + " | ".join(_fmt(averages.get((length, rows[r], b), (None,))[0]) for b in budgets) + " |"
-               for r in shown]
+        md += [
+            f"| {r} | " + " | ".join(_fmt(averages.get((length, rows[r], b), (None,))[0]) for b in budgets) + " |"
+            for r in shown
+        ]
         md.append("")
     return md
 
@@ -158,8 +184,12 @@ def kv_quant_tables(averages: dict, length, fams: list[str], budgets: list, titl
 _TRAFFIC_TABLES = (
     ("attended_fraction", "attended fraction of cached tokens during decode", lambda v: f"{v:.3f}", False),
     ("attended_tokens", "tokens attended per (layer, KV head) and decode step (K/V read)", lambda v: f"{v:.0f}", True),
-    ("read_bytes", "KiB read per (layer, KV head) and decode step (K/V plus the selection's reads)",
-     lambda v: f"{v / 1024:.1f}", True),
+    (
+        "read_bytes",
+        "KiB read per (layer, KV head) and decode step (K/V plus the selection's reads)",
+        lambda v: f"{v / 1024:.1f}",
+        True,
+    ),
 )
 
 
@@ -205,11 +235,21 @@ def plot_scores(cells: list[dict], path: Path, title: str) -> Path | None:
             if f == "full":
                 ax.axhline(pts[0][1], color="black", linestyle="--", label="full")
                 continue
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=_MARKERS[i % len(_MARKERS)],
-                    linestyle=":" if _token_level(f) else "-", label=f)
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                marker=_MARKERS[i % len(_MARKERS)],
+                linestyle=":" if _token_level(f) else "-",
+                label=f,
+            )
         ax.set_ylabel("score (avg over tasks)")
-        _style_budget_axis(ax, "budget b (tokens per layer and KV head)", f"{title}, {L} tokens" if L else title,
-                           legend=not many or j == len(lengths) - 1, outside=many)
+        _style_budget_axis(
+            ax,
+            "budget b (tokens per layer and KV head)",
+            f"{title}, {L} tokens" if L else title,
+            legend=not many or j == len(lengths) - 1,
+            outside=many,
+        )
         budgets = sorted({k[2] for k in averages if k[0] == L})
         ax.set_xticks(budgets, [str(b) for b in budgets])
         ax.minorticks_off()
@@ -253,18 +293,30 @@ def fidelity_markdown(rows: list[dict]) -> str:
     fams = sorted({r["family"] for r in allrows}, key=_fam_key)
     budgets = sorted({int(r["budget"]) for r in allrows if r["budget"] not in (None, "", "None")})
     md = []
-    for metric, label in (("mass", "retained attention mass gamma_S (%)"), ("recall", "exact-LSE page recall (%)"),
-                          ("rel_err", "relative output error |o_S - o|/|o|"),
-                          ("excl_err", "exclusion test: relative error attending all but S"),
-                          ("attended_pages", "pages attended per KV head (Quest: union over the group's query heads)"),
-                          ("needle_hit", "needle page attended (% of steps x layers x heads; niah prompts only)")):
+    for metric, label in (
+        ("mass", "retained attention mass gamma_S (%)"),
+        ("recall", "exact-LSE page recall (%)"),
+        ("rel_err", "relative output error |o_S - o|/|o|"),
+        ("excl_err", "exclusion test: relative error attending all but S"),
+        ("attended_pages", "pages attended per KV head (Quest: union over the group's query heads)"),
+        ("needle_hit", "needle page attended (% of steps x layers x heads; niah prompts only)"),
+    ):
         md.append(f"#### {label}\n")
 
         def shown(f, b, metric=metric):
             r = next((r for r in allrows if r["family"] == f and str(r["budget"]) == str(b)), None)
             v = None if r is None or r[metric] in (None, "") else float(r[metric])
-            return "" if v is None else (f"{100 * v:.1f}" if metric in ("mass", "recall", "needle_hit") else
-                                         f"{v:.1f}" if metric == "attended_pages" else f"{v:.3f}")
+            return (
+                ""
+                if v is None
+                else (
+                    f"{100 * v:.1f}"
+                    if metric in ("mass", "recall", "needle_hit")
+                    else f"{v:.1f}"
+                    if metric == "attended_pages"
+                    else f"{v:.3f}"
+                )
+            )
 
         md += _arm_budget_table(fams, budgets, shown)
         md.append("")
@@ -277,7 +329,14 @@ def fidelity_markdown(rows: list[dict]) -> str:
             for b in budgets:
                 cells = []
                 for l in layers:
-                    r = next((r for r in rows if r["family"] == f and str(r["budget"]) == str(b) and str(r["layer"]) == str(l)), None)
+                    r = next(
+                        (
+                            r
+                            for r in rows
+                            if r["family"] == f and str(r["budget"]) == str(b) and str(r["layer"]) == str(l)
+                        ),
+                        None,
+                    )
                     if r is None or r["mass"] in (None, ""):
                         cells.append("")
                     else:
@@ -299,10 +358,14 @@ def plot_fidelity(rows: list[dict], path: Path) -> Path | None:
     allrows = [r for r in rows if r["layer"] == "all" and r["budget"] not in (None, "", "None")]
     fams = sorted({r["family"] for r in allrows}, key=_fam_key)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for ax, (m, lab) in zip(axes, (("mass", "retained mass gamma_S"), ("recall", "exact-LSE page recall"),
-                                   ("rel_err", "relative output error"))):
+    for ax, (m, lab) in zip(
+        axes,
+        (("mass", "retained mass gamma_S"), ("recall", "exact-LSE page recall"), ("rel_err", "relative output error")),
+    ):
         for f in fams:
-            pts = sorted((int(r["budget"]), float(r[m])) for r in allrows if r["family"] == f and r[m] not in (None, ""))
+            pts = sorted(
+                (int(r["budget"]), float(r[m])) for r in allrows if r["family"] == f and r[m] not in (None, "")
+            )
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f)
         _style_budget_axis(ax, "budget b", lab)
@@ -333,7 +396,9 @@ def agreement_markdown(run_dir: Path) -> str:
     md = []
     for L in lengths:
         recs = [v for k, v in done.items() if k[2] == L]
-        md.append(f"#### {'length ' + str(L) if L else 'all records'}: prediction identical to full attention (% of {len(recs)} records)\n")
+        md.append(
+            f"#### {'length ' + str(L) if L else 'all records'}: prediction identical to full attention (% of {len(recs)} records)\n"
+        )
 
         def same_share(f, b, recs=recs):
             arm = next((a for a in arms if meta.get(a) in ((f, b), (f, None))), None)
@@ -348,15 +413,17 @@ def summary_markdown(runs_cells: list[list[dict]], png: Path, label: str) -> str
     """For several runs of distinct prompt lengths: one arm x (length, budget) table of the averages
     over tasks and one plot of them (a panel per length); ``""`` otherwise."""
     lengths = [{c["length"] for c in cells} for cells in runs_cells]
-    if len(runs_cells) < 2 or any(a & b for i, a in enumerate(lengths) for b in lengths[i + 1:]):
+    if len(runs_cells) < 2 or any(a & b for i, a in enumerate(lengths) for b in lengths[i + 1 :]):
         return ""
     cells = [c for run in runs_cells for c in run]
     _, averages = tables_markdown(cells)
     columns = sorted({(k[0], k[2]) for k in averages}, key=lambda k: (k[0] is None, k[0], k[1]))
     fams = sorted({k[1] for k in averages}, key=_fam_key)
-    md = ["## Summary: average over tasks (score x100), every run\n",
-          "| arm | " + " | ".join(f"{_length_label(L)} b={b}" for L, b in columns) + " |",
-          "|---|" + "---|" * len(columns)]
+    md = [
+        "## Summary: average over tasks (score x100), every run\n",
+        "| arm | " + " | ".join(f"{_length_label(L)} b={b}" for L, b in columns) + " |",
+        "|---|" + "---|" * len(columns),
+    ]
     for f in fams:
         md.append(f"| {f} | " + " | ".join(_fmt(averages.get((L, f, b), (None,))[0]) for L, b in columns) + " |")
     md.append("")
@@ -369,8 +436,14 @@ def _length_label(length) -> str:
     return "" if length is None else f"{length // 1024}K" if length % 1024 == 0 else str(length)
 
 
-def write_report(run_dirs: list[Path], out_dir: Path, title: str = "Locks sweep", name: str = "report",
-                 fidelity_dirs: list[Path] | None = None, notes: str | None = None) -> Path:
+def write_report(
+    run_dirs: list[Path],
+    out_dir: Path,
+    title: str = "Locks sweep",
+    name: str = "report",
+    fidelity_dirs: list[Path] | None = None,
+    notes: str | None = None,
+) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     parts = [f"# {title}\n"]
     if notes:
@@ -387,7 +460,7 @@ def write_report(run_dirs: list[Path], out_dir: Path, title: str = "Locks sweep"
         bench = cfg.get("benchmark", {})
         parts.append(f"## {bench.get('name', 'benchmark')} - {cfg.get('model')} ({run.name})\n")
         parts.append(f"Protocol: {cfg.get('protocol_text', cfg.get('protocol'))}\n")
-        parts.append("Benchmark: `" + json.dumps({k: v for k, v in bench.items() if k != 'haystack'}) + "`\n")
+        parts.append("Benchmark: `" + json.dumps({k: v for k, v in bench.items() if k != "haystack"}) + "`\n")
         parts.append("Only records finished by every arm enter the tables (n = records per task).\n")
         png = plot_scores(cells, out_dir / f"{name}-{run.name}.png", f"{bench.get('name', '')} {cfg.get('model')}")
         if png:
@@ -414,8 +487,10 @@ def write_report(run_dirs: list[Path], out_dir: Path, title: str = "Locks sweep"
 
         raw = raw_rows(raw_path)
         prompts = sorted({r["prompt"] for r in raw})
-        parts.append(f"{len(prompts)} prompts ({', '.join(prompts)}), {len(raw)} (step, layer, arm) measurements; "
-                     "means over decode steps, layers (full-attention layers only) and KV heads.\n")
+        parts.append(
+            f"{len(prompts)} prompts ({', '.join(prompts)}), {len(raw)} (step, layer, arm) measurements; "
+            "means over decode steps, layers (full-attention layers only) and KV heads.\n"
+        )
         png = plot_fidelity(rows, out_dir / f"{name}-fidelity-{fd.name}.png")
         if png:
             parts.append(f"![fidelity]({png.name})\n")

@@ -28,8 +28,19 @@ from .jsonl import read_json, read_jsonl, read_text
 from .paths import data_file
 
 TASKS = (
-    "niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
-    "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2",
+    "niah_single_1",
+    "niah_single_2",
+    "niah_single_3",
+    "niah_multikey_1",
+    "niah_multikey_2",
+    "niah_multikey_3",
+    "niah_multivalue",
+    "niah_multiquery",
+    "vt",
+    "cwe",
+    "fwe",
+    "qa_1",
+    "qa_2",
 )
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 DEPTHS = [round(x) for x in [i * 100 / 39 for i in range(40)]]  # round(linspace(0, 100, 40))
@@ -98,16 +109,23 @@ class RulerSources:
 
     def wordlist_file(self, kind: str) -> Path:
         name = f"wonderwords-2.2.0_{kind}list.txt"
-        return Path(self.wordlist_dir) / name if self.wordlist_dir else data_file(f"ruler/wordlists/{name}", name,
-                                                                                 self.data_dir)
+        return (
+            Path(self.wordlist_dir) / name
+            if self.wordlist_dir
+            else data_file(f"ruler/wordlists/{name}", name, self.data_dir)
+        )
 
     def squad_file(self) -> Path:
-        return self._file(self.squad_path, "ruler/qa_sources/squad_v2_dev_sample500.jsonl",
-                          "ruler_squad_v2_dev_sample12.jsonl")
+        return self._file(
+            self.squad_path, "ruler/qa_sources/squad_v2_dev_sample500.jsonl", "ruler_squad_v2_dev_sample12.jsonl"
+        )
 
     def hotpotqa_file(self) -> Path:
-        return self._file(self.hotpotqa_path, "ruler/qa_sources/hotpotqa_dev_distractor_subset1100.json",
-                          "ruler_hotpotqa_dev_distractor_sample5.json")
+        return self._file(
+            self.hotpotqa_path,
+            "ruler/qa_sources/hotpotqa_dev_distractor_subset1100.json",
+            "ruler_hotpotqa_dev_distractor_sample5.json",
+        )
 
     def files(self) -> dict[str, Path]:
         """``{role: path}`` of every source file (resolved, not read)."""
@@ -145,12 +163,21 @@ class RulerSources:
     def squad(self):
         if "squad" not in self._cache:
             path = self.squad_file()
-            rows = read_jsonl(path, required=("context", "question"), fix="fix or remove that line, or use another --data-dir")
+            rows = read_jsonl(
+                path, required=("context", "question"), fix="fix or remove that line, or use another --data-dir"
+            )
             docs = sorted({r["context"] for r in rows})
             index = {d: i for i, d in enumerate(docs)}
-            qas = [{"query": r["question"], "outputs": list(dict.fromkeys(r["answers"])),
-                    "context": [index[r["context"]]], "more_context": []}
-                   for r in rows if not r.get("is_impossible") and r.get("answers")]
+            qas = [
+                {
+                    "query": r["question"],
+                    "outputs": list(dict.fromkeys(r["answers"])),
+                    "context": [index[r["context"]]],
+                    "more_context": [],
+                }
+                for r in rows
+                if not r.get("is_impossible") and r.get("answers")
+            ]
             self._cache["squad"] = (docs, qas)
         return self._cache["squad"]
 
@@ -161,8 +188,15 @@ class RulerSources:
             doc_of = lambda c: f"{c[0]}\n{''.join(c[1])}"
             docs = sorted({doc_of(c) for r in data for c in r["context"]})
             index = {d: i for i, d in enumerate(docs)}
-            qas = [{"query": r["question"], "outputs": [r["answer"]],
-                    "context": [index[doc_of(c)] for c in r["context"]], "more_context": []} for r in data]
+            qas = [
+                {
+                    "query": r["question"],
+                    "outputs": [r["answer"]],
+                    "context": [index[doc_of(c)] for c in r["context"]],
+                    "more_context": [],
+                }
+                for r in data
+            ]
             self._cache["hotpot"] = (docs, qas)
         return self._cache["hotpot"]
 
@@ -217,7 +251,7 @@ def _gen_niah(rng, n, cfg, base, src, seed):
         pos = [0] + depths + [len(sents)]
         parts = []
         for i in range(1, len(pos)):
-            parts.append(" ".join(sents[pos[i - 1]: pos[i]]))
+            parts.append(" ".join(sents[pos[i - 1] : pos[i]]))
             if i - 1 < len(needles):
                 parts.append(needles[i - 1])
         context = " ".join(p for p in parts if p)
@@ -225,8 +259,14 @@ def _gen_niah(rng, n, cfg, base, src, seed):
         if hay == "noise":
             sentences = [NOISE] * n
         else:  # "needle": distractor needles with fresh keys/values
-            sentences = [base["needle_sentence"].format(type_needle_v=type_v, key=_rand_value(rng, cfg["type_needle_k"], src),
-                                                        value=_rand_value(rng, type_v, src)) for _ in range(n)]
+            sentences = [
+                base["needle_sentence"].format(
+                    type_needle_v=type_v,
+                    key=_rand_value(rng, cfg["type_needle_k"], src),
+                    value=_rand_value(rng, type_v, src),
+                )
+                for _ in range(n)
+            ]
         for index, needle in zip(sorted(rng.sample(range(max(n, len(needles))), len(needles)), reverse=True), needles):
             sentences.insert(index, needle)
         context = "\n".join(sentences)
@@ -298,15 +338,19 @@ def _gen_cwe(rng, n, cfg, base, src, seed, length=4096):
     else:
         ex = _cwe_example(rng, vocab, 40, 10, 3, cfg["num_cw"], seed)
         ctx, ans = _cwe_example(rng, vocab, n, cfg["freq_cw"], cfg["freq_ucw"], cfg["num_cw"], seed)
-    shot = base["template"].format(context=ex[0]) + base["answer_prefix"] + " " + " ".join(
-        f"{i + 1}. {w}" for i, w in enumerate(ex[1]))
+    shot = (
+        base["template"].format(context=ex[0])
+        + base["answer_prefix"]
+        + " "
+        + " ".join(f"{i + 1}. {w}" for i, w in enumerate(ex[1]))
+    )
     return shot + "\n" + base["template"].format(context=ctx), base["answer_prefix"], ans, {}
 
 
 def _zeta(alpha: float, terms: int = 100000) -> float:
     if alpha == 2.0:
-        return math.pi ** 2 / 6
-    return sum(k ** -alpha for k in range(1, terms)) + terms ** (1 - alpha) / (alpha - 1)
+        return math.pi**2 / 6
+    return sum(k**-alpha for k in range(1, terms)) + terms ** (1 - alpha) / (alpha - 1)
 
 
 def _gen_fwe(rng, n, cfg, base, src, seed, length=4096):
@@ -344,8 +388,13 @@ def _gen_qa(rng, n, cfg, base, src, seed, index=0):
     return text, base["answer_prefix"], qa["outputs"], {"query": qa["query"], "num_docs": len(chosen)}
 
 
-_BASE_KEYS = {"niah": "niah", "variable_tracking": "vt", "common_words_extraction": "cwe",
-              "freq_words_extraction": "fwe", "qa": "qa"}
+_BASE_KEYS = {
+    "niah": "niah",
+    "variable_tracking": "vt",
+    "common_words_extraction": "cwe",
+    "freq_words_extraction": "fwe",
+    "qa": "qa",
+}
 
 
 def _step(spec, task, length):
@@ -371,8 +420,14 @@ class RulerGenerator:
     >>> recs = gen.generate("niah_single_1", 4096, num_samples=10)
     """
 
-    def __init__(self, tokenizer, sources: RulerSources | None = None, seed: int | None = None, spec: dict | None = None,
-                 data_dir=None):
+    def __init__(
+        self,
+        tokenizer,
+        sources: RulerSources | None = None,
+        seed: int | None = None,
+        spec: dict | None = None,
+        data_dir=None,
+    ):
         self.spec_path: Path | None = None
         if spec:
             self.spec = spec
@@ -458,12 +513,21 @@ class RulerGenerator:
         if not ok:
             raise ValueError(
                 f"RULER {task} at length {length}: the smallest record has {total} prompt tokens + "
-                f"{self.tokens_to_generate(task)} to generate, more than {length}; choose a longer --lengths")
+                f"{self.tokens_to_generate(task)} to generate, more than {length}; choose a longer --lengths"
+            )
         rec = {
-            "task": task, "length": length, "index": index, "id": f"{task}-{length}-{index}",
-            "input": text, "answer_prefix": prefix, "outputs": outs,
-            "length_tokens": total, "tokens_to_generate": self.tokens_to_generate(task),
-            "haystack_size": n, "metric": task_metric(task, self.spec), "seed": self.seed,
+            "task": task,
+            "length": length,
+            "index": index,
+            "id": f"{task}-{length}-{index}",
+            "input": text,
+            "answer_prefix": prefix,
+            "outputs": outs,
+            "length_tokens": total,
+            "tokens_to_generate": self.tokens_to_generate(task),
+            "haystack_size": n,
+            "metric": task_metric(task, self.spec),
+            "seed": self.seed,
         }
         ctx = extra.get("context")
         # where the question part begins (after the context): used by the sparse-question protocol

@@ -44,10 +44,12 @@ def read_rows(path: Path, required: tuple[str, ...] = ("id",), appended: bool = 
     else that does not parse is an error naming file:line)."""
     if not path.exists():
         return []
-    fix = ("remove that line (a prediction's work is redone on resume), or use another --out folder" if appended else
-           "that file was not written whole by locks-hf-eval: delete it (it is made again) or use another --out folder")
+    fix = (
+        "remove that line (a prediction's work is redone on resume), or use another --out folder"
+        if appended
+        else "that file was not written whole by locks-hf-eval: delete it (it is made again) or use another --out folder"
+    )
     return read_jsonl(path, required=required, appended=appended, fix=fix)
-
 
 
 def write_atomic(path: Path, text: str) -> None:

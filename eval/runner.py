@@ -61,10 +61,27 @@ ENGINES = ("eager", "static")  # see SweepRunner
 class SweepRunner:
     """Run ``arms`` over ``bench`` with ``model``/``tokenizer`` into ``run_dir`` (resumable, shardable)."""
 
-    def __init__(self, model, tokenizer, bench: Benchmark, arms: list[Arm], run_dir, *, protocol: str = "dense-question",
-                 shard: str | None = None, model_name: str = "model", progress: bool = True, limit: int | None = None,
-                 max_new_tokens: int | None = None, seed: int = 0, not_run=(), engine: str = "eager",
-                 batch_rows: int = 8, step: str = "auto", allow_manifest_change: bool = False):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        bench: Benchmark,
+        arms: list[Arm],
+        run_dir,
+        *,
+        protocol: str = "dense-question",
+        shard: str | None = None,
+        model_name: str = "model",
+        progress: bool = True,
+        limit: int | None = None,
+        max_new_tokens: int | None = None,
+        seed: int = 0,
+        not_run=(),
+        engine: str = "eager",
+        batch_rows: int = 8,
+        step: str = "auto",
+        allow_manifest_change: bool = False,
+    ):
         if protocol not in ("dense-question", "sparse-question"):
             raise ValueError("protocol must be 'dense-question' or 'sparse-question'")
         if engine not in ENGINES:
@@ -77,8 +94,11 @@ class SweepRunner:
             self.static_arms = [a for a in arms if runs_static(a.config)]
             eager = [a.name for a in arms if not runs_static(a.config)]
             if eager:
-                logger.info("--engine static: arms %s decode on the eager path (dynamic cache, reference "
-                            "selection), one extra dense prefill per record for them", eager)
+                logger.info(
+                    "--engine static: arms %s decode on the eager path (dynamic cache, reference "
+                    "selection), one extra dense prefill per record for them",
+                    eager,
+                )
         #: static engine: one dict per (batch, arm) decoded (rows, steps, tokens, seconds, warm-up, prefill)
         self.arm_runs: list[dict] = []
         self.model, self.tokenizer, self.bench, self.arms = model, tokenizer, bench, arms
@@ -104,16 +124,26 @@ class SweepRunner:
         return {
             "model": self.model_name,
             "benchmark": self.bench.describe(),
-            "arms": [{"name": a.name, "family": a.family, "budget": a.budget, "selector": a.selector,
-                      "config": {k: getattr(a.config, k) for k in a.config.__dataclass_fields__}} for a in self.arms],
+            "arms": [
+                {
+                    "name": a.name,
+                    "family": a.family,
+                    "budget": a.budget,
+                    "selector": a.selector,
+                    "config": {k: getattr(a.config, k) for k in a.config.__dataclass_fields__},
+                }
+                for a in self.arms
+            ],
             "arms_not_run": [{"name": name, "reason": reason} for name, reason in self.not_run],
             "protocol": "prefill-all-but-last-token (sampled)" if self._sampled else self.protocol,
             "protocol_text": PROTOCOL_TEXT["sampled" if self._sampled else self.protocol],
-            "samples": self.bench.samples, "sampling": self.bench.sampling,
+            "samples": self.bench.samples,
+            "sampling": self.bench.sampling,
             # greedy tokens are the same on both engines; sampled ones come from different random streams
             "engine": self.engine,
             "max_new_tokens_cap": self.max_new_cap,
-            "locks_hf_version": getattr(locks_hf, "__version__", "?"), "torch": torch.__version__,
+            "locks_hf_version": getattr(locks_hf, "__version__", "?"),
+            "torch": torch.__version__,
         }
 
     def _write_config(self) -> None:
@@ -122,11 +152,15 @@ class SweepRunner:
         if path.exists():
             old = read_json(path, fix=CONFIG_FIX)
             if old.get("model") != cfg["model"] or old.get("protocol") != cfg["protocol"]:
-                raise ValueError(f"{path} holds a run of model={old.get('model')} protocol={old.get('protocol')}; "
-                                 "use another --out folder")
+                raise ValueError(
+                    f"{path} holds a run of model={old.get('model')} protocol={old.get('protocol')}; "
+                    "use another --out folder"
+                )
             if cfg["sampling"] and old.get("engine", "eager") != cfg["engine"]:
-                raise ValueError(f"{path} holds a sampled run of --engine {old.get('engine', 'eager')}: the engines "
-                                 "draw different samples; resume with that engine or use another --out folder")
+                raise ValueError(
+                    f"{path} holds a sampled run of --engine {old.get('engine', 'eager')}: the engines "
+                    "draw different samples; resume with that engine or use another --out folder"
+                )
             known = {a["name"] for a in old.get("arms", [])}
             cfg["arms"] = old["arms"] + [a for a in cfg["arms"] if a["name"] not in known]
             if old.get("benchmark") != cfg["benchmark"]:
@@ -147,8 +181,12 @@ class SweepRunner:
         i, n = self.shard
         self.run_dir.mkdir(parents=True, exist_ok=True)
         seeds = {"sweep": self.seed, "benchmark": self.bench.describe().get("seed")}
-        check_or_write(self.run_dir, build_manifest(self.bench.data_files(), seeds),
-                       allow_change=self.allow_manifest_change, write=write_atomic)
+        check_or_write(
+            self.run_dir,
+            build_manifest(self.bench.data_files(), seeds),
+            allow_change=self.allow_manifest_change,
+            write=write_atomic,
+        )
         if i == 0:
             self._write_config()
         records = load_or_make_records(self.run_dir, self.bench)
@@ -165,11 +203,19 @@ class SweepRunner:
         out_path = self.run_dir / "predictions" / f"shard-{i}-of-{n}.jsonl"
         out_path.parent.mkdir(parents=True, exist_ok=True)
         samples = self.bench.samples
-        todo = [(r, [(a, s) for a in self.arms for s in range(samples) if (r["id"], a.name, s) not in done]) for r in mine]
+        todo = [
+            (r, [(a, s) for a in self.arms for s in range(samples) if (r["id"], a.name, s) not in done]) for r in mine
+        ]
         todo = [(r, w) for r, w in todo if w]
         skipped = len(mine) - len(todo)
-        bar = tqdm(total=sum(len(w) for _, w in todo), desc=f"{self.bench.name} shard {i}/{n}", unit="gen",
-                   disable=not self.progress, dynamic_ncols=True, file=sys.stderr)
+        bar = tqdm(
+            total=sum(len(w) for _, w in todo),
+            desc=f"{self.bench.name} shard {i}/{n}",
+            unit="gen",
+            disable=not self.progress,
+            dynamic_ncols=True,
+            file=sys.stderr,
+        )
         if skipped:
             bar.write(f"resume: {skipped} of {len(mine)} records already done in {self.run_dir}")
         end_last_line(out_path)  # a line torn by a kill is cut off: only a file's last line can be torn
@@ -177,8 +223,10 @@ class SweepRunner:
             static = {id(a) for a in self.static_arms}
             work = {rec["id"]: [(a, s) for a, s in w if id(a) in static] for rec, w in todo}
             eager = [(rec, [(a, s) for a, s in w if id(a) not in static]) for rec, w in todo]
-            results: Iterator[dict] = chain(run_batches(self, [b for j, b in enumerate(batches) if j % n == i], work, bar),
-                            (row for rec, w in eager if w for row in self._run_record(rec, w, bar)))
+            results: Iterator[dict] = chain(
+                run_batches(self, [b for j, b in enumerate(batches) if j % n == i], work, bar),
+                (row for rec, w in eager if w for row in self._run_record(rec, w, bar)),
+            )
         else:
             results = (row for rec, work in todo for row in self._run_record(rec, work, bar))
         with open(out_path, "a") as f:
@@ -216,8 +264,18 @@ class SweepRunner:
             split = min(context_length(self.bench, rec, tok, T), T - 1)
         return RecordPlan(ids, split, max_new, self.bench.stop(rec), sampled)
 
-    def result_row(self, rec: dict, arm: Arm, sample: int, plan: RecordPlan, new: list[int], frac: float,
-                   traffic: dict | None, seconds: float, prefill_seconds: float) -> dict:
+    def result_row(
+        self,
+        rec: dict,
+        arm: Arm,
+        sample: int,
+        plan: RecordPlan,
+        new: list[int],
+        frac: float,
+        traffic: dict | None,
+        seconds: float,
+        prefill_seconds: float,
+    ) -> dict:
         """The prediction line of (``rec``, ``arm``, ``sample``) from its new tokens (as generated), its
         attended fraction and decode traffic (`LocksCache.decode_traffic`)."""
         traffic = traffic or {}
@@ -228,16 +286,28 @@ class SweepRunner:
         raw = self.tokenizer.decode(new, skip_special_tokens=True)
         pred = cut_at_stop(raw, plan.stop)
         metrics = self.bench.score(rec, pred)
-        return {"id": rec["id"], "task": rec.get("task", self.bench.name), "length": rec.get("length"),
-                "arm": arm.name, "family": arm.family, "budget": arm.budget, "selector": arm.selector,
-                "sample": sample, "prompt_tokens": plan.T, "new_tokens": n_new, "pred": pred,
-                **metrics, "attended_fraction": None if math.isnan(frac) else round(frac, 6),
-                # per (layer, KV head) and decode step: tokens whose K/V were read, and bytes read
-                # (those K/V plus the estimation's reads: summaries, reduced keys, ...)
-                "attended_tokens": _rounded(traffic.get("attended_tokens")),
-                "read_bytes": _rounded(traffic.get("read_bytes")),
-                "seconds": round(seconds, 3), "prefill_seconds": round(prefill_seconds, 3),
-                "shard": f"{self.shard[0]}/{self.shard[1]}"}
+        return {
+            "id": rec["id"],
+            "task": rec.get("task", self.bench.name),
+            "length": rec.get("length"),
+            "arm": arm.name,
+            "family": arm.family,
+            "budget": arm.budget,
+            "selector": arm.selector,
+            "sample": sample,
+            "prompt_tokens": plan.T,
+            "new_tokens": n_new,
+            "pred": pred,
+            **metrics,
+            "attended_fraction": None if math.isnan(frac) else round(frac, 6),
+            # per (layer, KV head) and decode step: tokens whose K/V were read, and bytes read
+            # (those K/V plus the estimation's reads: summaries, reduced keys, ...)
+            "attended_tokens": _rounded(traffic.get("attended_tokens")),
+            "read_bytes": _rounded(traffic.get("read_bytes")),
+            "seconds": round(seconds, 3),
+            "prefill_seconds": round(prefill_seconds, 3),
+            "shard": f"{self.shard[0]}/{self.shard[1]}",
+        }
 
     @torch.no_grad()
     def _run_record(self, rec: dict, work, bar):
@@ -245,8 +315,14 @@ class SweepRunner:
 
         model, tok = self.model, self.tokenizer
         plan = self.plan(rec)
-        ids, T, split, max_new, stop, sampled = (plan.ids.to(self.device), plan.T, plan.split, plan.max_new,
-                                                 plan.stop, plan.sampled)
+        ids, T, split, max_new, stop, sampled = (
+            plan.ids.to(self.device),
+            plan.T,
+            plan.split,
+            plan.max_new,
+            plan.stop,
+            plan.sampled,
+        )
 
         t0 = time.perf_counter()
         # the eager engine: dynamic caches, as this runner has always decoded (one fork per arm)
@@ -284,23 +360,38 @@ class SweepRunner:
                 start = T
             if stop in (STOP_NEWLINE, STOP_SENTENCE):
                 crit.append(StopAtAnswerEnd(tok, start, stop=stop))
-            first_done = (not sampled and self.protocol == "dense-question"
-                          and (first.item() in eos or max_new <= 1 or (crit and bool(crit[0](inputs, None)[0]))))
+            first_done = (
+                not sampled
+                and self.protocol == "dense-question"
+                and (first.item() in eos or max_new <= 1 or (crit and bool(crit[0](inputs, None)[0])))
+            )
             if first_done:
                 gen = inputs
             else:
                 from transformers import StoppingCriteriaList
 
-                gen = model.generate(inputs, attention_mask=torch.ones_like(inputs), past_key_values=cache,
-                                     stopping_criteria=StoppingCriteriaList(crit), **gen_kwargs)
-            row = self.result_row(rec, arm, s, plan, gen[0, start:].tolist(), cache.attended_fraction(),
-                                  cache.decode_traffic(), time.perf_counter() - t1, prefill_s)
+                gen = model.generate(
+                    inputs,
+                    attention_mask=torch.ones_like(inputs),
+                    past_key_values=cache,
+                    stopping_criteria=StoppingCriteriaList(crit),
+                    **gen_kwargs,
+                )
+            row = self.result_row(
+                rec,
+                arm,
+                s,
+                plan,
+                gen[0, start:].tolist(),
+                cache.attended_fraction(),
+                cache.decode_traffic(),
+                time.perf_counter() - t1,
+                prefill_s,
+            )
             del cache
             bar.update(1)
             bar.set_postfix_str(f"{rec['id']} {arm.name} score={row.get('score', float('nan')):.2f}")
             yield row
-
-
 
 
 def _rounded(value: float | None, digits: int = 2) -> float | None:

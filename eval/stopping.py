@@ -41,8 +41,10 @@ class StopAtAnswerEnd:
         self.tokenizer, self.start, self.loops, self.stop = tokenizer, start, loops, stop
 
     def __call__(self, input_ids, scores, **kwargs):
-        done = [answer_ended(self.tokenizer.decode(row[self.start:], skip_special_tokens=True), self.stop, self.loops)
-                for row in input_ids]
+        done = [
+            answer_ended(self.tokenizer.decode(row[self.start :], skip_special_tokens=True), self.stop, self.loops)
+            for row in input_ids
+        ]
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 try:
     import triton  # noqa: F401
+
     HAVE_TRITON = True
 except ImportError:  # pragma: no cover - exercised where triton is absent
     HAVE_TRITON = False
@@ -37,7 +38,21 @@ if HAVE_TRITON:
     from .score import SUMMARY_NAMES, score_pages
     from .select import select_pages
 
-__all__ = ["HAVE_TRITON", "SENTINEL", "SUMMARY_NAMES", "build_summary", "decode_step",
-           "fit_pages_eigh", "implements", "implements_quantized", "on_device", "quantize_summary",
-           "quantized_attention", "rerank_pages", "score_pages", "select_pages", "sparse_attention",
-           "update_completed_pages"]
+__all__ = [
+    "HAVE_TRITON",
+    "SENTINEL",
+    "SUMMARY_NAMES",
+    "build_summary",
+    "decode_step",
+    "fit_pages_eigh",
+    "implements",
+    "implements_quantized",
+    "on_device",
+    "quantize_summary",
+    "quantized_attention",
+    "rerank_pages",
+    "score_pages",
+    "select_pages",
+    "sparse_attention",
+    "update_completed_pages",
+]

@@ -18,6 +18,7 @@ BIG_PAGE = tl.constexpr(2**30)
 NO_KEY = tl.constexpr(-(2**31))
 LOG2E = tl.constexpr(1.4426950408889634)
 
+
 def on_device(device: torch.device):
     """Make ``device`` current for the launches (Triton launches on the current CUDA device)."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

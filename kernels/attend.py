@@ -21,14 +21,51 @@ from ._common import LOG2E, as_length, dot_precision, next_pow2, slot_ok, sm_cou
 
 
 @triton.jit
-def _sparse_attn_kernel(q_ptr, q_sb, q_sh, k_ptr, k_sb, k_sh, k_st, v_ptr, v_sb, v_sh, v_st,
-                        sel_ptr, W, valid_ptr, valid_sb, row_start_ptr, len_ptr, H, scale,
-                        part_o_ptr, part_l_ptr, out_ptr, out_sb, out_sh, pages_per_split, n_split, count_ptr,
-                        row_count_ptr, pad_ptr, sem_ptr,
-                        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
-                        TP: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
-                        DENSE: tl.constexpr, COUNT: tl.constexpr, ROW_COUNT: tl.constexpr, CONTEXT: tl.constexpr,
-                        FUSED: tl.constexpr, SB: tl.constexpr):
+def _sparse_attn_kernel(
+    q_ptr,
+    q_sb,
+    q_sh,
+    k_ptr,
+    k_sb,
+    k_sh,
+    k_st,
+    v_ptr,
+    v_sb,
+    v_sh,
+    v_st,
+    sel_ptr,
+    W,
+    valid_ptr,
+    valid_sb,
+    row_start_ptr,
+    len_ptr,
+    H,
+    scale,
+    part_o_ptr,
+    part_l_ptr,
+    out_ptr,
+    out_sb,
+    out_sh,
+    pages_per_split,
+    n_split,
+    count_ptr,
+    row_count_ptr,
+    pad_ptr,
+    sem_ptr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    B: tl.constexpr,
+    TP: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    DENSE: tl.constexpr,
+    COUNT: tl.constexpr,
+    ROW_COUNT: tl.constexpr,
+    CONTEXT: tl.constexpr,
+    FUSED: tl.constexpr,
+    SB: tl.constexpr,
+):
     row = tl.program_id(0)
     split = tl.program_id(1)
     bb = (row // H).to(tl.int64)  # 64-bit offsets: a batch of long caches passes 2**31 elements
@@ -99,17 +136,29 @@ def _sparse_attn_kernel(q_ptr, q_sb, q_sh, k_ptr, k_sb, k_sh, k_st, v_ptr, v_sb,
         if FUSED:  # the row's last split to finish merges the partials (no second launch)
             tl.debug_barrier()  # every thread's stores before the arrival (released by the atomic)
             if tl.atomic_add(sem_ptr + row, 1) == n_split - 1:
-                _combine_row(part_o_ptr, part_l_ptr, row, n_split, out_ptr + bb * out_sb + hh * G * out_sh, out_sh,
-                             G, GP, D, SB)
+                _combine_row(
+                    part_o_ptr, part_l_ptr, row, n_split, out_ptr + bb * out_sb + hh * G * out_sh, out_sh, G, GP, D, SB
+                )
                 tl.store(sem_ptr + row, 0)
     else:
-        tl.store(out_ptr + bb * out_sb + (hh * G + g[:, None]) * out_sh + c[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=gm)
+        tl.store(
+            out_ptr + bb * out_sb + (hh * G + g[:, None]) * out_sh + c[None, :], o.to(out_ptr.dtype.element_ty), mask=gm
+        )
 
 
 @triton.jit
-def _combine_row(part_o_ptr, part_l_ptr, row, n_split, out_ptr, out_sh, G: tl.constexpr, GG: tl.constexpr,
-                 D: tl.constexpr, SB: tl.constexpr):
+def _combine_row(
+    part_o_ptr,
+    part_l_ptr,
+    row,
+    n_split,
+    out_ptr,
+    out_sh,
+    G: tl.constexpr,
+    GG: tl.constexpr,
+    D: tl.constexpr,
+    SB: tl.constexpr,
+):
     """Merge the ``n_split`` partial outputs (normalised, with base-2 LSEs) of one (row, KV head) into
     its G output heads: the LSEs' max and sum first (64 splits per load), then ``SB`` partials per
     step, so that the loads of a step do not wait for the previous step's (small tiles: the merge
@@ -122,8 +171,12 @@ def _combine_row(part_o_ptr, part_l_ptr, row, n_split, out_ptr, out_sh, G: tl.co
     l = tl.zeros([GG], dtype=tl.float32)
     for s0 in range(0, n_split, 64):
         sb = s0 + tl.arange(0, 64)
-        lse = tl.load(part_l_ptr + (base + sb)[:, None] * G + g[None, :], mask=(sb < n_split)[:, None] & gm[None, :],
-                      other=float("-inf"), cache_modifier=".cg")
+        lse = tl.load(
+            part_l_ptr + (base + sb)[:, None] * G + g[None, :],
+            mask=(sb < n_split)[:, None] & gm[None, :],
+            other=float("-inf"),
+            cache_modifier=".cg",
+        )
         m_new = tl.maximum(m, tl.max(lse, axis=0))
         safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l = l * tl.exp2(m - safe) + tl.sum(tl.exp2(lse - safe[None, :]), axis=0)
@@ -133,18 +186,27 @@ def _combine_row(part_o_ptr, part_l_ptr, row, n_split, out_ptr, out_sh, G: tl.co
     for s0 in range(0, n_split, SB):
         sb = s0 + tl.arange(0, SB)
         ok = (sb < n_split)[:, None] & gm[None, :]
-        w = tl.exp2(tl.load(part_l_ptr + (base + sb)[:, None] * G + g[None, :], mask=ok, other=float("-inf"),
-                            cache_modifier=".cg") - safe[None, :])
-        o = tl.load(part_o_ptr + ((base + sb)[:, None, None] * G + g[None, :, None]) * D + c[None, None, :],
-                    mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+        w = tl.exp2(
+            tl.load(
+                part_l_ptr + (base + sb)[:, None] * G + g[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg"
+            )
+            - safe[None, :]
+        )
+        o = tl.load(
+            part_o_ptr + ((base + sb)[:, None, None] * G + g[None, :, None]) * D + c[None, None, :],
+            mask=ok[:, :, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )
         acc += tl.sum(w[:, :, None] * o, axis=0)
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + g[:, None] * out_sh + c[None, :], o.to(out_ptr.dtype.element_ty), mask=gm[:, None])
 
 
 @triton.jit
-def _combine_kernel(part_o_ptr, part_l_ptr, out_ptr, out_sb, out_sh, H, n_split,
-                    G: tl.constexpr, D: tl.constexpr, SBLK: tl.constexpr):
+def _combine_kernel(
+    part_o_ptr, part_l_ptr, out_ptr, out_sb, out_sh, H, n_split, G: tl.constexpr, D: tl.constexpr, SBLK: tl.constexpr
+):
     """The separate merge: one program per (row, query head), ``SBLK`` splits per load (the LSEs'
     max and sum, then the weighted partials as ``[SBLK, D]`` tiles). Per head, not per row: the
     per-row merge (`_combine_row`) walks its few programs through every split serially and took
@@ -168,10 +230,15 @@ def _combine_kernel(part_o_ptr, part_l_ptr, out_ptr, out_sb, out_sh, H, n_split,
     for s0 in range(0, n_split, SBLK):
         sb = s0 + tl.arange(0, SBLK)
         ok = sb < n_split
-        w = tl.exp2(tl.load(part_l_ptr + (base + sb) * G + g, mask=ok, other=float("-inf"), cache_modifier=".cg")
-                    - safe)
-        o = tl.load(part_o_ptr + ((base + sb) * G + g)[:, None] * D + c[None, :], mask=ok[:, None], other=0.0,
-                    cache_modifier=".cg")
+        w = tl.exp2(
+            tl.load(part_l_ptr + (base + sb) * G + g, mask=ok, other=float("-inf"), cache_modifier=".cg") - safe
+        )
+        o = tl.load(
+            part_o_ptr + ((base + sb) * G + g)[:, None] * D + c[None, :],
+            mask=ok[:, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )
         acc += tl.sum(w[:, None] * o, axis=0)
     o = acc / tl.where(l > 0, l, 1.0)
     tl.store(out_ptr + (row // H) * out_sb + ((row % H) * G + g) * out_sh + c, o.to(out_ptr.dtype.element_ty))
@@ -191,13 +258,29 @@ def default_splits(rows: int, width: int, tile_pages: int, dense: bool, sms: int
     return max(1, min(triton.cdiv(2 * sms, rows), triton.cdiv(width, tile_pages), 32))
 
 
-def sparse_attention(query: torch.Tensor, key_buf: torch.Tensor, value_buf: torch.Tensor, pages: torch.Tensor | None,
-                     *, slot_valid: torch.Tensor, row_start: torch.Tensor, length: int | torch.Tensor, scale: float,
-                     page_size: int, n_pages: int | None = None, counts: torch.Tensor | None = None,
-                     out: torch.Tensor | None = None, splits: int | None = None, tile_pages: int | None = None,
-                     num_warps: int = 4, num_stages: int = 2, fused_combine: bool = False,
-                     semaphore: torch.Tensor | None = None, row_counts: torch.Tensor | None = None,
-                     pad: torch.Tensor | None = None) -> torch.Tensor:
+def sparse_attention(
+    query: torch.Tensor,
+    key_buf: torch.Tensor,
+    value_buf: torch.Tensor,
+    pages: torch.Tensor | None,
+    *,
+    slot_valid: torch.Tensor,
+    row_start: torch.Tensor,
+    length: int | torch.Tensor,
+    scale: float,
+    page_size: int,
+    n_pages: int | None = None,
+    counts: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    splits: int | None = None,
+    tile_pages: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    fused_combine: bool = False,
+    semaphore: torch.Tensor | None = None,
+    row_counts: torch.Tensor | None = None,
+    pad: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Attention of one decode query over the listed pages of each (row, KV head).
 
     ``query [b, Hq, 1, d]``; ``key_buf``/``value_buf`` ``[b, h, cap, d]`` (the cache buffers);
@@ -256,17 +339,64 @@ def sparse_attention(query: torch.Tensor, key_buf: torch.Tensor, value_buf: torc
         semaphore = torch.zeros((rows,), dtype=torch.int32, device=dev)
     SB = 4 if G * d < 2048 else 2
     _sparse_attn_kernel[(rows, splits)](
-        q, q.stride(0), q.stride(1), key_buf, key_buf.stride(0), key_buf.stride(1), key_buf.stride(2),
-        value_buf, value_buf.stride(0), value_buf.stride(1), value_buf.stride(2),
-        row_start if dense else pages, W, slot_valid.view(torch.uint8) if slot_valid.dtype == torch.bool else slot_valid,
-        slot_valid.stride(0), row_start, as_length(length, query.device), h, float(scale),
-        part_o, part_l, o3, o3.stride(0), o3.stride(1), pps, splits, row_start if counts is None else counts,
-        row_start if row_counts is None else row_counts, row_start if pad is None else pad,
+        q,
+        q.stride(0),
+        q.stride(1),
+        key_buf,
+        key_buf.stride(0),
+        key_buf.stride(1),
+        key_buf.stride(2),
+        value_buf,
+        value_buf.stride(0),
+        value_buf.stride(1),
+        value_buf.stride(2),
+        row_start if dense else pages,
+        W,
+        slot_valid.view(torch.uint8) if slot_valid.dtype == torch.bool else slot_valid,
+        slot_valid.stride(0),
+        row_start,
+        as_length(length, query.device),
+        h,
+        float(scale),
+        part_o,
+        part_l,
+        o3,
+        o3.stride(0),
+        o3.stride(1),
+        pps,
+        splits,
+        row_start if counts is None else counts,
+        row_start if row_counts is None else row_counts,
+        row_start if pad is None else pad,
         semaphore if fused else row_start,
-        G=G, GP=GP, D=d, B=B, TP=TP, SPLIT=splits > 1, DOT_PREC=dot_precision(q.dtype),
-        DENSE=dense, COUNT=counts is not None, ROW_COUNT=row_counts is not None, CONTEXT=pad is not None,
-        FUSED=fused, SB=SB, num_warps=num_warps, num_stages=num_stages)
+        G=G,
+        GP=GP,
+        D=d,
+        B=B,
+        TP=TP,
+        SPLIT=splits > 1,
+        DOT_PREC=dot_precision(q.dtype),
+        DENSE=dense,
+        COUNT=counts is not None,
+        ROW_COUNT=row_counts is not None,
+        CONTEXT=pad is not None,
+        FUSED=fused,
+        SB=SB,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     if splits > 1 and not fused:
-        _combine_kernel[(rows * G,)](part_o, part_l, o3, o3.stride(0), o3.stride(1), h, splits, G=G, D=d,
-                                     SBLK=min(32, max(16, next_pow2(splits))), num_warps=4)
+        _combine_kernel[(rows * G,)](
+            part_o,
+            part_l,
+            o3,
+            o3.stride(0),
+            o3.stride(1),
+            h,
+            splits,
+            G=G,
+            D=d,
+            SBLK=min(32, max(16, next_pow2(splits))),
+            num_warps=4,
+        )
     return out

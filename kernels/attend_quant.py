@@ -42,14 +42,24 @@ QUANT_GROUPS = (32, 64, 128)
 QUANT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def implements_quantized(*, bits: int, group: int, head_dim: int, value_head_dim: int, dtype: torch.dtype,
-                         page_size: int) -> bool:
+def implements_quantized(
+    *, bits: int, group: int, head_dim: int, value_head_dim: int, dtype: torch.dtype, page_size: int
+) -> bool:
     """Whether `quantized_attention` runs a layer's settings: ``bits`` / ``group`` among `QUANT_BITS` /
     `QUANT_GROUPS`, one head_dim for keys and values (a power of two >= 16 that ``group`` divides), a
     K/V ``dtype`` in `QUANT_DTYPES` and a power-of-two ``page_size``."""
     d, B = head_dim, page_size
-    return (bits in QUANT_BITS and group in QUANT_GROUPS and dtype in QUANT_DTYPES and value_head_dim == d
-            and d >= 16 and not d & (d - 1) and not d % group and B >= 1 and not B & (B - 1))
+    return (
+        bits in QUANT_BITS
+        and group in QUANT_GROUPS
+        and dtype in QUANT_DTYPES
+        and value_head_dim == d
+        and d >= 16
+        and not d & (d - 1)
+        and not d % group
+        and B >= 1
+        and not B & (B - 1)
+    )
 
 
 @triton.jit
@@ -64,15 +74,65 @@ def _unpack(packed, BITS: tl.constexpr, N: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _quant_attn_kernel(q_ptr, q_sb, q_sh,
-                       kc_ptr, kc_sb, kc_sh, kc_st, ks_ptr, kz_ptr, ks_sb, ks_sh, ks_st,
-                       vc_ptr, vc_sb, vc_sh, vc_st, vs_ptr, vz_ptr, vs_sb, vs_sh, vs_st,
-                       kt_ptr, kt_sb, kt_sh, kt_st, vt_ptr, vt_sb, vt_sh, vt_st,
-                       quant_ptr, sel_ptr, W, valid_ptr, valid_sb, row_start_ptr, len_ptr, H, scale,
-                       part_o_ptr, part_l_ptr, out_ptr, out_sb, out_sh, pages_per_split, n_split, count_ptr,
-                       G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, B: tl.constexpr, TP: tl.constexpr,
-                       BITS: tl.constexpr, QG: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
-                       DENSE: tl.constexpr, COUNT: tl.constexpr):
+def _quant_attn_kernel(
+    q_ptr,
+    q_sb,
+    q_sh,
+    kc_ptr,
+    kc_sb,
+    kc_sh,
+    kc_st,
+    ks_ptr,
+    kz_ptr,
+    ks_sb,
+    ks_sh,
+    ks_st,
+    vc_ptr,
+    vc_sb,
+    vc_sh,
+    vc_st,
+    vs_ptr,
+    vz_ptr,
+    vs_sb,
+    vs_sh,
+    vs_st,
+    kt_ptr,
+    kt_sb,
+    kt_sh,
+    kt_st,
+    vt_ptr,
+    vt_sb,
+    vt_sh,
+    vt_st,
+    quant_ptr,
+    sel_ptr,
+    W,
+    valid_ptr,
+    valid_sb,
+    row_start_ptr,
+    len_ptr,
+    H,
+    scale,
+    part_o_ptr,
+    part_l_ptr,
+    out_ptr,
+    out_sb,
+    out_sh,
+    pages_per_split,
+    n_split,
+    count_ptr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    B: tl.constexpr,
+    TP: tl.constexpr,
+    BITS: tl.constexpr,
+    QG: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    DENSE: tl.constexpr,
+    COUNT: tl.constexpr,
+):
     row = tl.program_id(0)
     split = tl.program_id(1)
     bb = (row // H).to(tl.int64)  # 64-bit offsets: a batch of long caches passes 2**31 elements
@@ -158,8 +218,9 @@ def _quant_attn_kernel(q_ptr, q_sb, q_sh,
         lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
         tl.store(part_l_ptr + base + g, lse, mask=g < G)
     else:
-        tl.store(out_ptr + bb * out_sb + (hh * G + g[:, None]) * out_sh + c[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=gm)
+        tl.store(
+            out_ptr + bb * out_sb + (hh * G + g[:, None]) * out_sh + c[None, :], o.to(out_ptr.dtype.element_ty), mask=gm
+        )
 
 
 #: Largest tile (slots x head_dim) whose loads are software-pipelined (``num_stages=2``) by default, by
@@ -179,13 +240,21 @@ def _tile_pages(page_size: int, tile_pages: int | None) -> int:
     return max(tp, 16 // page_size)
 
 
-def launch_tiles(page_size: int, head_dim: int, query_dtype: torch.dtype, storage_dtype: torch.dtype,
-                 tile_pages: int | None = None, num_stages: int | None = None) -> tuple[int, int]:
+def launch_tiles(
+    page_size: int,
+    head_dim: int,
+    query_dtype: torch.dtype,
+    storage_dtype: torch.dtype,
+    tile_pages: int | None = None,
+    num_stages: int | None = None,
+) -> tuple[int, int]:
     """``(tile_pages, num_stages)`` of a launch: those given, else `attend.sparse_attention`'s tile (the
     bf16 default: 64 slots at pages <= 64, two stages), halved down to 16 slots until it is within
     `STAGED_ELEMS`, and one stage for a tile still past it (large pages)."""
-    limit = STAGED_ELEMS.get((torch.empty((), dtype=query_dtype).element_size(),
-                              torch.empty((), dtype=storage_dtype).element_size()), min(STAGED_ELEMS.values()))
+    limit = STAGED_ELEMS.get(
+        (torch.empty((), dtype=query_dtype).element_size(), torch.empty((), dtype=storage_dtype).element_size()),
+        min(STAGED_ELEMS.values()),
+    )
     tp = _tile_pages(page_size, tile_pages)
     if not tile_pages:
         while tp > 1 and tp * page_size * head_dim > limit and tp * page_size > 16:
@@ -202,13 +271,33 @@ def _quantized_counts(quantized, device) -> torch.Tensor:
     return torch.tensor([int(quantized[0]), int(quantized[1])], dtype=torch.int32, device=device)
 
 
-def quantized_attention(query: torch.Tensor, pages: torch.Tensor | None, *, key_codes: torch.Tensor,
-                        key_scale: torch.Tensor, key_zero: torch.Tensor, value_codes: torch.Tensor,
-                        value_scale: torch.Tensor, value_zero: torch.Tensor, key_tail: torch.Tensor,
-                        value_tail: torch.Tensor, quantized, bits: int, group: int, slot_valid: torch.Tensor,
-                        row_start: torch.Tensor, length: int | torch.Tensor, scale: float, page_size: int,
-                        n_pages: int | None = None, counts: torch.Tensor | None = None, splits: int | None = None,
-                        tile_pages: int | None = None, num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
+def quantized_attention(
+    query: torch.Tensor,
+    pages: torch.Tensor | None,
+    *,
+    key_codes: torch.Tensor,
+    key_scale: torch.Tensor,
+    key_zero: torch.Tensor,
+    value_codes: torch.Tensor,
+    value_scale: torch.Tensor,
+    value_zero: torch.Tensor,
+    key_tail: torch.Tensor,
+    value_tail: torch.Tensor,
+    quantized,
+    bits: int,
+    group: int,
+    slot_valid: torch.Tensor,
+    row_start: torch.Tensor,
+    length: int | torch.Tensor,
+    scale: float,
+    page_size: int,
+    n_pages: int | None = None,
+    counts: torch.Tensor | None = None,
+    splits: int | None = None,
+    tile_pages: int | None = None,
+    num_warps: int = 4,
+    num_stages: int | None = None,
+) -> torch.Tensor:
     """Attention of one decode query over the listed pages of KIVI-quantized K/V (module docstring).
 
     ``query [b, Hq, d]`` (or ``[b, Hq, 1, d]``), ``Hq = G * h``; ``pages`` int32 ``[b, h, W]`` or
@@ -224,22 +313,32 @@ def quantized_attention(query: torch.Tensor, pages: torch.Tensor | None, *, key_
     q = query.reshape(b, hq, d)
     h = key_codes.shape[1]
     if bits not in QUANT_BITS or group not in QUANT_GROUPS:
-        raise ValueError(f"quantized_attention: bits must be in {QUANT_BITS} and group in {QUANT_GROUPS}, "
-                         f"got bits={bits}, group={group}")
+        raise ValueError(
+            f"quantized_attention: bits must be in {QUANT_BITS} and group in {QUANT_GROUPS}, "
+            f"got bits={bits}, group={group}"
+        )
     if hq % h:
         raise ValueError(f"quantized_attention: {hq} query heads are not a multiple of {h} KV heads")
     if d & (d - 1) or d % group or d < 16:
         raise ValueError(f"quantized_attention: head_dim {d} must be a power of two >= 16 divisible by group={group}")
     dp = d * bits // 8
     if key_codes.shape[-1] != dp or value_codes.shape[-1] != dp or value_scale.shape[-1] != d // group:
-        raise ValueError(f"quantized_attention: packed codes must have {dp} bytes a slot and value scales "
-                         f"{d // group} groups (d={d}, bits={bits}, group={group}); got keys "
-                         f"{tuple(key_codes.shape)}, values {tuple(value_codes.shape)}, "
-                         f"value scales {tuple(value_scale.shape)}")
+        raise ValueError(
+            f"quantized_attention: packed codes must have {dp} bytes a slot and value scales "
+            f"{d // group} groups (d={d}, bits={bits}, group={group}); got keys "
+            f"{tuple(key_codes.shape)}, values {tuple(value_codes.shape)}, "
+            f"value scales {tuple(value_scale.shape)}"
+        )
     if key_zero.stride() != key_scale.stride() or value_zero.stride() != value_scale.stride():
         raise ValueError("quantized_attention: each zero-point tensor must have its scale tensor's strides")
-    for name, t in (("key_codes", key_codes), ("value_codes", value_codes), ("key_scale", key_scale),
-                    ("value_scale", value_scale), ("key_tail", key_tail), ("value_tail", value_tail)):
+    for name, t in (
+        ("key_codes", key_codes),
+        ("value_codes", value_codes),
+        ("key_scale", key_scale),
+        ("value_scale", value_scale),
+        ("key_tail", key_tail),
+        ("value_tail", value_tail),
+    ):
         if t.shape[-1] > 1 and t.stride(-1) != 1:
             raise ValueError(f"quantized_attention: {name} must be contiguous in its last dim")
     G = hq // h
@@ -258,8 +357,10 @@ def quantized_attention(query: torch.Tensor, pages: torch.Tensor | None, *, key_
     if B < 1 or B & (B - 1) or (tile_pages is not None and (tile_pages < 1 or tile_pages & (tile_pages - 1))):
         raise ValueError(f"quantized_attention: page_size ({B}) and tile_pages ({tile_pages}) must be powers of two")
     if tile_pages is not None and tile_pages * B < 16:
-        raise ValueError(f"quantized_attention: a tile of tile_pages={tile_pages} pages of {B} slots is under the "
-                         f"16 slots of a product: pass tile_pages >= {16 // B}")
+        raise ValueError(
+            f"quantized_attention: a tile of tile_pages={tile_pages} pages of {B} slots is under the "
+            f"16 slots of a product: pass tile_pages >= {16 // B}"
+        )
     if num_stages is not None and num_stages < 1:
         raise ValueError(f"quantized_attention: num_stages must be >= 1, got {num_stages}")
     storage = max((key_scale, value_scale, key_tail, value_tail), key=lambda t: t.element_size()).dtype
@@ -280,25 +381,85 @@ def quantized_attention(query: torch.Tensor, pages: torch.Tensor | None, *, key_
     valid = slot_valid.view(torch.uint8) if slot_valid.dtype == torch.bool else slot_valid
     try:
         _quant_attn_kernel[(rows, splits)](
-            q, q.stride(0), q.stride(1),
-            key_codes, key_codes.stride(0), key_codes.stride(1), key_codes.stride(2),
-            key_scale, key_zero, key_scale.stride(0), key_scale.stride(1), key_scale.stride(2),
-            value_codes, value_codes.stride(0), value_codes.stride(1), value_codes.stride(2),
-            value_scale, value_zero, value_scale.stride(0), value_scale.stride(1), value_scale.stride(2),
-            kt, kt.stride(0), kt.stride(1), kt.stride(2), vt, vt.stride(0), vt.stride(1), vt.stride(2),
-            _quantized_counts(quantized, dev), row_start if dense else pages, W, valid, slot_valid.stride(0),
-            row_start, as_length(length, dev), h, float(scale), part_o, part_l, out, out.stride(0), out.stride(1),
-            pps, splits, row_start if counts is None else counts,
-            G=G, GP=max(16, next_pow2(G)), D=d, B=B, TP=TP, BITS=bits, QG=group, SPLIT=splits > 1,
-            DOT_PREC=dot_precision(q.dtype), DENSE=dense, COUNT=counts is not None, num_warps=num_warps,
-            num_stages=stages)
+            q,
+            q.stride(0),
+            q.stride(1),
+            key_codes,
+            key_codes.stride(0),
+            key_codes.stride(1),
+            key_codes.stride(2),
+            key_scale,
+            key_zero,
+            key_scale.stride(0),
+            key_scale.stride(1),
+            key_scale.stride(2),
+            value_codes,
+            value_codes.stride(0),
+            value_codes.stride(1),
+            value_codes.stride(2),
+            value_scale,
+            value_zero,
+            value_scale.stride(0),
+            value_scale.stride(1),
+            value_scale.stride(2),
+            kt,
+            kt.stride(0),
+            kt.stride(1),
+            kt.stride(2),
+            vt,
+            vt.stride(0),
+            vt.stride(1),
+            vt.stride(2),
+            _quantized_counts(quantized, dev),
+            row_start if dense else pages,
+            W,
+            valid,
+            slot_valid.stride(0),
+            row_start,
+            as_length(length, dev),
+            h,
+            float(scale),
+            part_o,
+            part_l,
+            out,
+            out.stride(0),
+            out.stride(1),
+            pps,
+            splits,
+            row_start if counts is None else counts,
+            G=G,
+            GP=max(16, next_pow2(G)),
+            D=d,
+            B=B,
+            TP=TP,
+            BITS=bits,
+            QG=group,
+            SPLIT=splits > 1,
+            DOT_PREC=dot_precision(q.dtype),
+            DENSE=dense,
+            COUNT=counts is not None,
+            num_warps=num_warps,
+            num_stages=stages,
+        )
     except OutOfResources as e:  # raised when the compiled kernel is loaded, before it runs
         raise ValueError(
             f"quantized_attention: the kernel for a {q.dtype} query over {storage} K/V, head_dim {d}, "
             f"tiles of tile_pages={TP} pages of {B} slots and num_stages={stages} needs more {e.name} than this "
             f"GPU has ({e.required} > {e.limit}): pass a smaller tile_pages (>= {max(1, 16 // B)}) or "
-            "num_stages=1") from e
+            "num_stages=1"
+        ) from e
     if splits > 1:
-        _combine_kernel[(rows * G,)](part_o, part_l, out, out.stride(0), out.stride(1), h, splits, G=G, D=d,
-                                     SBLK=min(32, max(16, next_pow2(splits))), num_warps=4)
+        _combine_kernel[(rows * G,)](
+            part_o,
+            part_l,
+            out,
+            out.stride(0),
+            out.stride(1),
+            h,
+            splits,
+            G=G,
+            D=d,
+            SBLK=min(32, max(16, next_pow2(splits))),
+            num_warps=4,
+        )
     return out.view(query.shape)

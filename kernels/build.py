@@ -26,8 +26,9 @@ from .eigh import sym_eigh
 _BF16_ROUND_UP = 1.0 + 2.0**-7  # as locks_hf.quant: scales rounded up so |x|/scale <= qmax
 
 
-def fit_pages_eigh(keys: torch.Tensor, valid: torch.Tensor, rank: int
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def fit_pages_eigh(
+    keys: torch.Tensor, valid: torch.Tensor, rank: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Float32 centroid ``[..., d]``, basis rows ``[..., r, d]`` and coefficients ``[..., B, r]``."""
     k = keys.float()
     w = valid.to(k.dtype).unsqueeze(-1)
@@ -37,8 +38,8 @@ def fit_pages_eigh(keys: torch.Tensor, valid: torch.Tensor, rank: int
     evals, evecs = sym_eigh(gram)  # ascending
     B = keys.shape[-2]
     r = min(rank, B)
-    lam = evals[..., B - r:].flip(-1).clamp_min(0.0)
-    u = evecs[..., B - r:].flip(-1)  # [..., B, r]
+    lam = evals[..., B - r :].flip(-1).clamp_min(0.0)
+    u = evecs[..., B - r :].flip(-1)  # [..., B, r]
     sig = lam.sqrt()
     keep = sig > 1e-3 * sig[..., :1]
     inv = torch.where(keep, 1.0 / torch.where(keep, sig, 1.0), 0.0)
@@ -86,8 +87,9 @@ def quantize_rows(x, QMAX: tl.constexpr):
 
 
 @triton.jit
-def store_summary(pg, pm, mu, basis, coef, o_basis, o_bscale, o_coef, o_cscale, o_mu, o_mscale,
-                  R: tl.constexpr, BITS: tl.constexpr):
+def store_summary(
+    pg, pm, mu, basis, coef, o_basis, o_bscale, o_coef, o_cscale, o_mu, o_mscale, R: tl.constexpr, BITS: tl.constexpr
+):
     """Quantize float32 page parts and store them at pages ``pg [N]`` (mask ``pm``) of the contiguous
     layout of `summary_shapes`: ``mu [N, D]``, ``basis [N, RP, D]`` (rows ``>= R`` not stored),
     ``coef [N, B, RP]`` (columns ``>= R`` not stored)."""
@@ -109,23 +111,44 @@ def store_summary(pg, pm, mu, basis, coef, o_basis, o_bscale, o_coef, o_cscale, 
 
     # coefficients: int8, one scale per token row
     cq, cs = quantize_rows(coef, 127)
-    tl.store(o_coef + pg[:, None, None] * (B * R) + t[None, :, None] * R + r[None, None, :], cq.to(tl.int8),
-             mask=rm[:, None, :])
+    tl.store(
+        o_coef + pg[:, None, None] * (B * R) + t[None, :, None] * R + r[None, None, :],
+        cq.to(tl.int8),
+        mask=rm[:, None, :],
+    )
     tl.store(o_cscale + pg[:, None] * B + t[None, :], cs.to(tl.bfloat16), mask=pm[:, None])
 
     # basis rows: BITS-bit codes packed PER to a byte (element 0 in the low bits), one scale per row
     bq, bs = quantize_rows(basis, (1 << (BITS - 1)) - 1)
     fields = (tl.reshape(bq.to(tl.int32), [bq.shape[0], RP, DP, PER]) & ((1 << BITS) - 1)) << (tl.arange(0, PER) * BITS)
     packed = tl.sum(fields, axis=3)  # disjoint bit fields: the sum is their OR
-    tl.store(o_basis + pg[:, None, None] * (R * DP) + r[None, :, None] * DP + j[None, None, :],
-             packed.to(tl.int8 if BITS == 8 else tl.uint8), mask=rm[:, :, None])
+    tl.store(
+        o_basis + pg[:, None, None] * (R * DP) + r[None, :, None] * DP + j[None, None, :],
+        packed.to(tl.int8 if BITS == 8 else tl.uint8),
+        mask=rm[:, :, None],
+    )
     tl.store(o_bscale + pg[:, None] * R + r[None, :], bs.to(tl.bfloat16), mask=rm)
 
 
 @triton.jit
-def _quantize_kernel(mu_ptr, basis_ptr, coef_ptr, o_basis, o_bscale, o_coef, o_cscale, o_mu, o_mscale,
-                     n_pages, D: tl.constexpr, B: tl.constexpr, R: tl.constexpr, RP: tl.constexpr,
-                     BITS: tl.constexpr, BPG: tl.constexpr):
+def _quantize_kernel(
+    mu_ptr,
+    basis_ptr,
+    coef_ptr,
+    o_basis,
+    o_bscale,
+    o_coef,
+    o_cscale,
+    o_mu,
+    o_mscale,
+    n_pages,
+    D: tl.constexpr,
+    B: tl.constexpr,
+    R: tl.constexpr,
+    RP: tl.constexpr,
+    BITS: tl.constexpr,
+    BPG: tl.constexpr,
+):
     """Quantize ``BPG`` pages per program: rows of ``basis [n, R, D]``, ``coef [n, B, R]``, ``mu [n, D]``."""
     pg = tl.program_id(0) * BPG + tl.arange(0, BPG)
     pm = pg < n_pages
@@ -134,15 +157,20 @@ def _quantize_kernel(mu_ptr, basis_ptr, coef_ptr, o_basis, o_bscale, o_coef, o_c
     c = tl.arange(0, D)
     t = tl.arange(0, B)
     mu = tl.load(mu_ptr + pg[:, None] * D + c[None, :], mask=pm[:, None], other=0.0)
-    coef = tl.load(coef_ptr + pg[:, None, None] * (B * R) + t[None, :, None] * R + r[None, None, :],
-                   mask=rm[:, None, :], other=0.0)
-    basis = tl.load(basis_ptr + pg[:, None, None] * (R * D) + r[None, :, None] * D + c[None, None, :],
-                    mask=rm[:, :, None], other=0.0)
+    coef = tl.load(
+        coef_ptr + pg[:, None, None] * (B * R) + t[None, :, None] * R + r[None, None, :], mask=rm[:, None, :], other=0.0
+    )
+    basis = tl.load(
+        basis_ptr + pg[:, None, None] * (R * D) + r[None, :, None] * D + c[None, None, :],
+        mask=rm[:, :, None],
+        other=0.0,
+    )
     store_summary(pg, pm, mu, basis, coef, o_basis, o_bscale, o_coef, o_cscale, o_mu, o_mscale, R, BITS)
 
 
-def summary_shapes(lead: tuple, page_size: int, d: int, rank: int, basis_bits: int
-                   ) -> dict[str, tuple[tuple, torch.dtype]]:
+def summary_shapes(
+    lead: tuple, page_size: int, d: int, rank: int, basis_bits: int
+) -> dict[str, tuple[tuple, torch.dtype]]:
     """Shape and dtype of each quantized summary tensor for pages ``lead`` (the layout of
     ``locks_hf.summaries``)."""
     lead = tuple(lead)
@@ -156,27 +184,44 @@ def summary_shapes(lead: tuple, page_size: int, d: int, rank: int, basis_bits: i
     }
 
 
-def quantize_summary(mu: torch.Tensor, basis: torch.Tensor, coef: torch.Tensor, basis_bits: int = 4
-                     ) -> dict[str, torch.Tensor]:
+def quantize_summary(
+    mu: torch.Tensor, basis: torch.Tensor, coef: torch.Tensor, basis_bits: int = 4
+) -> dict[str, torch.Tensor]:
     """The quantized summary layout of ``locks_hf.summaries`` from float32 parts (one Triton pass)."""
     lead = mu.shape[:-1]
     d = mu.shape[-1]
     R, B = basis.shape[-2], coef.shape[-2]
     n = mu.numel() // d
-    out = {name: torch.empty(shape, dtype=dtype, device=mu.device)
-           for name, (shape, dtype) in summary_shapes(lead, B, d, R, basis_bits).items()}
+    out = {
+        name: torch.empty(shape, dtype=dtype, device=mu.device)
+        for name, (shape, dtype) in summary_shapes(lead, B, d, R, basis_bits).items()
+    }
     if n == 0:
         return out
     BPG = 8
     _quantize_kernel[(triton.cdiv(n, BPG),)](
-        mu.float().contiguous(), basis.float().contiguous(), coef.float().contiguous(),
-        out["basis"], out["basis_scale"], out["coef"], out["coef_scale"], out["mu"], out["mu_scale"],
-        n, D=d, B=B, R=R, RP=next_pow2(R), BITS=basis_bits, BPG=BPG, num_warps=4)
+        mu.float().contiguous(),
+        basis.float().contiguous(),
+        coef.float().contiguous(),
+        out["basis"],
+        out["basis_scale"],
+        out["coef"],
+        out["coef_scale"],
+        out["mu"],
+        out["mu_scale"],
+        n,
+        D=d,
+        B=B,
+        R=R,
+        RP=next_pow2(R),
+        BITS=basis_bits,
+        BPG=BPG,
+        num_warps=4,
+    )
     return out
 
 
-def build_summary(keys: torch.Tensor, valid: torch.Tensor, rank: int, basis_bits: int = 4
-                  ) -> dict[str, torch.Tensor]:
+def build_summary(keys: torch.Tensor, valid: torch.Tensor, rank: int, basis_bits: int = 4) -> dict[str, torch.Tensor]:
     """Page summaries of ``keys [..., B, d]`` (``valid [..., B]``), quantized (i2/i4/i8 basis)."""
     mu, basis, coef = fit_pages_eigh(keys, valid, rank)
     return quantize_summary(mu, basis, coef, basis_bits)

@@ -22,14 +22,30 @@ _PAGE_SIZES = (4, 8, 16, 32)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def decode_step(method: str, query: torch.Tensor, *, key_buf: torch.Tensor, value_buf: torch.Tensor,
-                slot_valid: torch.Tensor, row_start: torch.Tensor, n_complete: torch.Tensor, length: int | torch.Tensor,
-                n_pages: int, slots: int, scale: float, page_size: int,
-                summary: dict[str, torch.Tensor] | None = None, basis_bits: int = 4,
-                counts: torch.Tensor | None = None, active_slots: torch.Tensor | None = None,
-                row_counts: torch.Tensor | None = None,
-                pad: torch.Tensor | None = None, selection: torch.Tensor | None = None,
-                per_head: bool = False, rerank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_step(
+    method: str,
+    query: torch.Tensor,
+    *,
+    key_buf: torch.Tensor,
+    value_buf: torch.Tensor,
+    slot_valid: torch.Tensor,
+    row_start: torch.Tensor,
+    n_complete: torch.Tensor,
+    length: int | torch.Tensor,
+    n_pages: int,
+    slots: int,
+    scale: float,
+    page_size: int,
+    summary: dict[str, torch.Tensor] | None = None,
+    basis_bits: int = 4,
+    counts: torch.Tensor | None = None,
+    active_slots: torch.Tensor | None = None,
+    row_counts: torch.Tensor | None = None,
+    pad: torch.Tensor | None = None,
+    selection: torch.Tensor | None = None,
+    per_head: bool = False,
+    rerank: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One sparse decode step on explicit tensors: ``(output [b, 1, Hq, d], pages [b*h, W])``.
 
     ``method`` is the scoring mode of `score_pages` (``"locks"``, ``"quest"``, ``"oracle"``: what the
@@ -51,29 +67,73 @@ def decode_step(method: str, query: torch.Tensor, *, key_buf: torch.Tensor, valu
     rows = b * h
     stats = dict(counts=counts, row_counts=row_counts, pad=pad)
     if method == "full":
-        out = sparse_attention(query, key_buf, value_buf, None, n_pages=n_pages, slot_valid=slot_valid,
-                               row_start=row_start, length=length, scale=scale, page_size=page_size, **stats)
+        out = sparse_attention(
+            query,
+            key_buf,
+            value_buf,
+            None,
+            n_pages=n_pages,
+            slot_valid=slot_valid,
+            row_start=row_start,
+            length=length,
+            scale=scale,
+            page_size=page_size,
+            **stats,
+        )
         return out, row_start.new_empty((rows, 0))
-    page_scores, partials = score_pages(method, query, slot_valid=slot_valid, row_start=row_start,
-                                   n_complete=n_complete, length=length, n_pages=n_pages, scale=scale,
-                                   page_size=page_size, summary=summary, keys=key_buf, basis_bits=basis_bits)
+    page_scores, partials = score_pages(
+        method,
+        query,
+        slot_valid=slot_valid,
+        row_start=row_start,
+        n_complete=n_complete,
+        length=length,
+        n_pages=n_pages,
+        scale=scale,
+        page_size=page_size,
+        summary=summary,
+        keys=key_buf,
+        basis_bits=basis_bits,
+    )
     where = dict(row_start=row_start, length=length, page_size=page_size)
     if rerank < 0:
         raise ValueError(f"decode_step: rerank (candidates per page slot) must be >= 0, got {rerank}")
     if rerank:
         # the short list: rerank * k candidates (+ the forced pages), at the budget in use
         wide = None if active_slots is None else active_slots * rerank + 2
-        shortlist = select_pages(page_scores, partials, slots=rerank * slots + 2, per_head=False, heads=h,
-                                 active_slots=wide, **where)
-        pages = rerank_pages(query, key_buf, shortlist, page_scores, partials, slot_valid=slot_valid, scale=scale,
-                             slots=slots, active_slots=active_slots, **where)
+        shortlist = select_pages(
+            page_scores, partials, slots=rerank * slots + 2, per_head=False, heads=h, active_slots=wide, **where
+        )
+        pages = rerank_pages(
+            query,
+            key_buf,
+            shortlist,
+            page_scores,
+            partials,
+            slot_valid=slot_valid,
+            scale=scale,
+            slots=slots,
+            active_slots=active_slots,
+            **where,
+        )
     else:
-        pages = select_pages(page_scores, partials, slots=slots, per_head=per_head, heads=h,
-                             active_slots=active_slots, **where)
+        pages = select_pages(
+            page_scores, partials, slots=slots, per_head=per_head, heads=h, active_slots=active_slots, **where
+        )
     if selection is not None:  # the selection keeps no mask of its own
         _mark_attended(selection.view(rows, -1), pages)
-    out = sparse_attention(query, key_buf, value_buf, pages, slot_valid=slot_valid, row_start=row_start,
-                           length=length, scale=scale, page_size=page_size, **stats)
+    out = sparse_attention(
+        query,
+        key_buf,
+        value_buf,
+        pages,
+        slot_valid=slot_valid,
+        row_start=row_start,
+        length=length,
+        scale=scale,
+        page_size=page_size,
+        **stats,
+    )
     return out, pages
 
 
@@ -89,17 +149,27 @@ def _mark_attended(mask: torch.Tensor, pages: torch.Tensor) -> None:
     mask.copy_(hit[:, :n])
 
 
-def implements(method: str, *, dtype: torch.dtype, head_dim: int, page_size: int, per_head: bool = False,
-               group_combine: str = "share_average", basis_bits: int = 4, coef_bits: int = 8,
-               centroid_bits: int = 8) -> bool:
+def implements(
+    method: str,
+    *,
+    dtype: torch.dtype,
+    head_dim: int,
+    page_size: int,
+    per_head: bool = False,
+    group_combine: str = "share_average",
+    basis_bits: int = 4,
+    coef_bits: int = 8,
+    centroid_bits: int = 8,
+) -> bool:
     """Whether the kernels run scoring mode ``method`` (``"locks"``, ``"quest"``, ``"oracle"``, or
     ``"full"`` for dense decode) for keys of ``dtype`` and ``head_dim`` in pages of ``page_size`` tokens.
 
     A shared selection (``per_head`` False) combines a GQA group's scores with ``share_average``; the
     scoring kernel says which summaries it reads (`score.scores`).
     """
-    if method != "full" and not scores(method, head_dim=head_dim, basis_bits=basis_bits, coef_bits=coef_bits,
-                                       centroid_bits=centroid_bits):
+    if method != "full" and not scores(
+        method, head_dim=head_dim, basis_bits=basis_bits, coef_bits=coef_bits, centroid_bits=centroid_bits
+    ):
         return False
     if not per_head and group_combine != "share_average":
         return False

@@ -47,11 +47,34 @@ def _pad_rows(x, NP: tl.constexpr):
 
 
 @triton.jit
-def _page_update_kernel(k_ptr, k_sb, k_sh, k_st, valid_ptr, valid_sb, row_start_ptr, len_ptr, H, P,
-                        s0, s1, s2, s3, s4, s5, n_complete_ptr,
-                        D: tl.constexpr, B: tl.constexpr, BP: tl.constexpr, R: tl.constexpr,
-                        RP: tl.constexpr, BITS: tl.constexpr, SWEEPS: tl.constexpr, QUEST: tl.constexpr,
-                        N_COMPLETE: tl.constexpr):
+def _page_update_kernel(
+    k_ptr,
+    k_sb,
+    k_sh,
+    k_st,
+    valid_ptr,
+    valid_sb,
+    row_start_ptr,
+    len_ptr,
+    H,
+    P,
+    s0,
+    s1,
+    s2,
+    s3,
+    s4,
+    s5,
+    n_complete_ptr,
+    D: tl.constexpr,
+    B: tl.constexpr,
+    BP: tl.constexpr,
+    R: tl.constexpr,
+    RP: tl.constexpr,
+    BITS: tl.constexpr,
+    SWEEPS: tl.constexpr,
+    QUEST: tl.constexpr,
+    N_COMPLETE: tl.constexpr,
+):
     """Program ``(row, head)``: summary of the row's just-completed page into ``s0..s5`` (the buffers
     of ``SUMMARY_NAMES``, contiguous ``[b, H, P, ...]``), nothing when no page has just completed;
     with ``N_COMPLETE`` head 0 also writes the row's complete pages (what the scoring reads next)."""
@@ -120,8 +143,15 @@ def default_warps(B: int, RP: int, d: int) -> int:
     return min(w, 8)
 
 
-def _check_summary(method: str, summary: list[torch.Tensor], lead: tuple, key_buf: torch.Tensor, page_size: int,
-                   rank: int, basis_bits: int) -> None:
+def _check_summary(
+    method: str,
+    summary: list[torch.Tensor],
+    lead: tuple,
+    key_buf: torch.Tensor,
+    page_size: int,
+    rank: int,
+    basis_bits: int,
+) -> None:
     names = SUMMARY_NAMES[method]
     d = key_buf.shape[-1]
     if method == "locks":
@@ -130,18 +160,31 @@ def _check_summary(method: str, summary: list[torch.Tensor], lead: tuple, key_bu
     else:
         want = [((*lead, d), key_buf.dtype)] * len(names)
     if len(summary) != len(names):
-        raise ValueError(f"update_completed_pages({method!r}): {len(names)} summary tensors {names}, "
-                         f"got {len(summary)}")
+        raise ValueError(
+            f"update_completed_pages({method!r}): {len(names)} summary tensors {names}, got {len(summary)}"
+        )
     for name, t, (shape, dtype) in zip(names, summary, want):
         if tuple(t.shape) != tuple(shape) or t.dtype != dtype or not t.is_contiguous() or t.device != key_buf.device:
-            raise ValueError(f"update_completed_pages({method!r}): {name} must be a contiguous {dtype} tensor of "
-                             f"shape {tuple(shape)} on {key_buf.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+            raise ValueError(
+                f"update_completed_pages({method!r}): {name} must be a contiguous {dtype} tensor of "
+                f"shape {tuple(shape)} on {key_buf.device}, got {t.dtype} {tuple(t.shape)} on {t.device}"
+            )
 
 
-def update_completed_pages(method: str, key_buf: torch.Tensor, slot_valid: torch.Tensor, row_start: torch.Tensor,
-                           length: torch.Tensor, summary: list[torch.Tensor], *, page_size: int, rank: int,
-                           basis_bits: int, num_warps: int | None = None,
-                           n_complete: torch.Tensor | None = None) -> None:
+def update_completed_pages(
+    method: str,
+    key_buf: torch.Tensor,
+    slot_valid: torch.Tensor,
+    row_start: torch.Tensor,
+    length: torch.Tensor,
+    summary: list[torch.Tensor],
+    *,
+    page_size: int,
+    rank: int,
+    basis_bits: int,
+    num_warps: int | None = None,
+    n_complete: torch.Tensor | None = None,
+) -> None:
     """Summarize, in place, each (row, KV head)'s page that the newest token completed.
 
     ``key_buf [b, h, cap, d]`` (last dim contiguous), ``slot_valid [b, cap]`` bool, ``row_start``
@@ -158,20 +201,27 @@ def update_completed_pages(method: str, key_buf: torch.Tensor, slot_valid: torch
         raise ValueError(f"update_completed_pages: unknown method {method!r}")
     if not SUMMARY_NAMES[method]:
         if n_complete is not None:
-            raise ValueError(f"update_completed_pages({method!r}): keeps no summary and launches nothing, so it "
-                             "cannot write n_complete")
+            raise ValueError(
+                f"update_completed_pages({method!r}): keeps no summary and launches nothing, so it "
+                "cannot write n_complete"
+            )
         return
     b, h, _, d = key_buf.shape
-    if n_complete is not None and (n_complete.dtype != torch.int32 or n_complete.numel() != b
-                                   or not n_complete.is_contiguous()):
-        raise ValueError(f"update_completed_pages: n_complete must be a contiguous int32 [{b}] tensor, got "
-                         f"{n_complete.dtype} {tuple(n_complete.shape)}")
+    if n_complete is not None and (
+        n_complete.dtype != torch.int32 or n_complete.numel() != b or not n_complete.is_contiguous()
+    ):
+        raise ValueError(
+            f"update_completed_pages: n_complete must be a contiguous int32 [{b}] tensor, got "
+            f"{n_complete.dtype} {tuple(n_complete.shape)}"
+        )
     B = page_size
     if B not in PAGE_SIZES:
         raise ValueError(f"update_completed_pages: page_size in {PAGE_SIZES}, got {B}")
     if d < 16 or d & (d - 1) or key_buf.stride(-1) != 1 or slot_valid.stride(-1) != 1:
-        raise ValueError(f"update_completed_pages: key head dim a power of two >= 16, contiguous; got {d} "
-                         f"(stride {key_buf.stride(-1)})")
+        raise ValueError(
+            f"update_completed_pages: key head dim a power of two >= 16, contiguous; got {d} "
+            f"(stride {key_buf.stride(-1)})"
+        )
     if method == "locks" and (basis_bits not in (2, 4, 8) or rank < 1):
         raise ValueError(f"update_completed_pages: basis_bits in (2, 4, 8) and rank >= 1, got {basis_bits}, {rank}")
     if row_start.dtype != torch.int32 or length.dtype != torch.int32 or length.numel() != 1:
@@ -189,7 +239,26 @@ def update_completed_pages(method: str, key_buf: torch.Tensor, slot_valid: torch
         num_warps = default_warps(B, RP, d)
     with on_device(key_buf.device):
         _page_update_kernel[(b * h,)](
-            key_buf, key_buf.stride(0), key_buf.stride(1), key_buf.stride(2), slot_valid, slot_valid.stride(0),
-            row_start, length, h, P, *ptrs, row_start if n_complete is None else n_complete, D=d, B=B,
-            BP=max(16, B), R=rank if locks else 1, RP=RP, BITS=basis_bits if locks else 8, SWEEPS=default_sweeps(B),
-            QUEST=not locks, N_COMPLETE=n_complete is not None, num_warps=num_warps)
+            key_buf,
+            key_buf.stride(0),
+            key_buf.stride(1),
+            key_buf.stride(2),
+            slot_valid,
+            slot_valid.stride(0),
+            row_start,
+            length,
+            h,
+            P,
+            *ptrs,
+            row_start if n_complete is None else n_complete,
+            D=d,
+            B=B,
+            BP=max(16, B),
+            R=rank if locks else 1,
+            RP=RP,
+            BITS=basis_bits if locks else 8,
+            SWEEPS=default_sweeps(B),
+            QUEST=not locks,
+            N_COMPLETE=n_complete is not None,
+            num_warps=num_warps,
+        )

@@ -29,10 +29,32 @@ from .select import free_slots, last_page_of, sink_and_lse, write_page_list
 
 
 @triton.jit
-def _candidate_lse_kernel(q_ptr, q_sb, q_sh, k_ptr, k_sb, k_sh, k_st, list_ptr, W, M, valid_ptr, valid_sb,
-                          row_start_ptr, len_ptr, H, scale, out_ptr,
-                          G: tl.constexpr, GG: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
-                          TP: tl.constexpr, DOT_PREC: tl.constexpr):
+def _candidate_lse_kernel(
+    q_ptr,
+    q_sb,
+    q_sh,
+    k_ptr,
+    k_sb,
+    k_sh,
+    k_st,
+    list_ptr,
+    W,
+    M,
+    valid_ptr,
+    valid_sb,
+    row_start_ptr,
+    len_ptr,
+    H,
+    scale,
+    out_ptr,
+    G: tl.constexpr,
+    GG: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    B: tl.constexpr,
+    TP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     row = tl.program_id(0)
     bb = (row // H).to(tl.int64)
     hh = row % H
@@ -42,17 +64,49 @@ def _candidate_lse_kernel(q_ptr, q_sb, q_sh, k_ptr, k_sb, k_sh, k_st, list_ptr, 
     pg = tl.load(list_ptr + row * W + 2 + e, mask=e < M, other=SENTINEL)
     slot = rs + pg[:, None] * B + tl.arange(0, B)[None, :]
     ok = (pg >= 0)[:, None] & slot_ok(valid_ptr + bb * valid_sb, slot, length)
-    x = _oracle_logits(q_ptr + bb * q_sb + hh * G * q_sh, q_sh, k_ptr + bb * k_sb + hh * k_sh, k_st, slot, ok,
-                       G, GG, GP, D, B, TP, DOT_PREC)
+    x = _oracle_logits(
+        q_ptr + bb * q_sb + hh * G * q_sh,
+        q_sh,
+        k_ptr + bb * k_sb + hh * k_sh,
+        k_st,
+        slot,
+        ok,
+        G,
+        GG,
+        GP,
+        D,
+        B,
+        TP,
+        DOT_PREC,
+    )
     s = page_lse(x, ok, scale)  # [GG, TP]
     g = tl.arange(0, GG)
     tl.store(out_ptr + (row * G + g[:, None]) * M + e[None, :], s, mask=(g < G)[:, None] & (e < M)[None, :])
 
 
 @triton.jit
-def _rerank_select_kernel(list_ptr, W_in, M, exact_ptr, score_ptr, P, part_ptr, n_blk, row_start_ptr, len_ptr, H,
-                          k_ptr, K_MAX, out_ptr, W,
-                          G: tl.constexpr, GG: tl.constexpr, B: tl.constexpr, MP: tl.constexpr, NBP: tl.constexpr):
+def _rerank_select_kernel(
+    list_ptr,
+    W_in,
+    M,
+    exact_ptr,
+    score_ptr,
+    P,
+    part_ptr,
+    n_blk,
+    row_start_ptr,
+    len_ptr,
+    H,
+    k_ptr,
+    K_MAX,
+    out_ptr,
+    W,
+    G: tl.constexpr,
+    GG: tl.constexpr,
+    B: tl.constexpr,
+    MP: tl.constexpr,
+    NBP: tl.constexpr,
+):
     row = tl.program_id(0)
     K = free_slots(k_ptr, K_MAX)
     last_page = last_page_of(row_start_ptr, len_ptr, row, H, B)
@@ -81,8 +135,7 @@ def _rerank_select_kernel(list_ptr, W_in, M, exact_ptr, score_ptr, P, part_ptr, 
         tail = tl.where(rest > 0, tl.log(tl.where(rest > 0, rest, 1.0)) + shift, float("-inf"))
         head = tl.where(listed > 0, tl.log(tl.where(listed > 0, listed, 1.0)), float("-inf"))
         hi = tl.maximum(tail, head)
-        zz = tl.where(hi == float("-inf"), float("inf"),
-                      top + hi + tl.log(1.0 + tl.exp(tl.minimum(tail, head) - hi)))
+        zz = tl.where(hi == float("-inf"), float("inf"), top + hi + tl.log(1.0 + tl.exp(tl.minimum(tail, head) - hi)))
         comb += tl.exp(ex - zz)
     key = tl.where(poisoned, 2147483647, score_key(comb / G))
     keep = top_keys(tl.where(cand, key, NO_KEY), K)
@@ -92,11 +145,23 @@ def _rerank_select_kernel(list_ptr, W_in, M, exact_ptr, score_ptr, P, part_ptr, 
     write_page_list(out_ptr, row, W, pg, keep, pos, n, sink, last_page, MP)
 
 
-def rerank_pages(query: torch.Tensor, key_buf: torch.Tensor, shortlist: torch.Tensor, scores: torch.Tensor,
-                 partials: torch.Tensor, *, slot_valid: torch.Tensor, row_start: torch.Tensor,
-                 length: int | torch.Tensor, scale: float, page_size: int, slots: int,
-                 active_slots: torch.Tensor | None = None, exact: torch.Tensor | None = None,
-                 tile_pages: int = 8) -> torch.Tensor:
+def rerank_pages(
+    query: torch.Tensor,
+    key_buf: torch.Tensor,
+    shortlist: torch.Tensor,
+    scores: torch.Tensor,
+    partials: torch.Tensor,
+    *,
+    slot_valid: torch.Tensor,
+    row_start: torch.Tensor,
+    length: int | torch.Tensor,
+    scale: float,
+    page_size: int,
+    slots: int,
+    active_slots: torch.Tensor | None = None,
+    exact: torch.Tensor | None = None,
+    tile_pages: int = 8,
+) -> torch.Tensor:
     """The final page lists ``[b*h, slots]`` (``SENTINEL``-padded) from a short list.
 
     ``query [b, Hq, 1, d]``; ``key_buf [b, h, cap, d]``; ``shortlist [b*h, M + 2]`` from
@@ -123,13 +188,55 @@ def rerank_pages(query: torch.Tensor, key_buf: torch.Tensor, shortlist: torch.Te
     if M > 0:
         TP = max(min(tile_pages, next_pow2(M)), 16 // page_size)  # tl.dot needs TP * B >= 16
         _candidate_lse_kernel[(rows, triton.cdiv(M, TP))](
-            q, q.stride(0), q.stride(1), key_buf, key_buf.stride(0), key_buf.stride(1), key_buf.stride(2),
-            shortlist, W_in, M, valid, slot_valid.stride(0), row_start, length, h, float(scale), exact,
-            G=G, GG=GG, GP=max(16, GG), D=d, B=page_size, TP=TP, DOT_PREC=dot_precision(q.dtype), num_warps=4)
+            q,
+            q.stride(0),
+            q.stride(1),
+            key_buf,
+            key_buf.stride(0),
+            key_buf.stride(1),
+            key_buf.stride(2),
+            shortlist,
+            W_in,
+            M,
+            valid,
+            slot_valid.stride(0),
+            row_start,
+            length,
+            h,
+            float(scale),
+            exact,
+            G=G,
+            GG=GG,
+            GP=max(16, GG),
+            D=d,
+            B=page_size,
+            TP=TP,
+            DOT_PREC=dot_precision(q.dtype),
+            num_warps=4,
+        )
     k_active = as_length(slots if active_slots is None else active_slots, dev)
     MP = next_pow2(max(M, 1))
     _rerank_select_kernel[(rows,)](
-        shortlist, W_in, M, exact, scores, scores.shape[-1], partials, partials.shape[1], row_start, length, h,
-        k_active, max(slots - 2, 0), out, slots, G=G, GG=GG, B=page_size, MP=MP, NBP=64,
-        num_warps=4 if MP <= 1024 else 8)
+        shortlist,
+        W_in,
+        M,
+        exact,
+        scores,
+        scores.shape[-1],
+        partials,
+        partials.shape[1],
+        row_start,
+        length,
+        h,
+        k_active,
+        max(slots - 2, 0),
+        out,
+        slots,
+        G=G,
+        GG=GG,
+        B=page_size,
+        MP=MP,
+        NBP=64,
+        num_warps=4 if MP <= 1024 else 8,
+    )
     return out

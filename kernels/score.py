@@ -45,14 +45,27 @@ from .score_tiles import (
     mma_tiles,
 )
 
-__all__ = ["BY_TOKEN_MIN_PAGE_ROWS", "LOCKS", "METHODS", "ORACLE", "QUEST", "ROLL_CHUNKS_FROM_RANK", "VARIANTS",
-           "fma_supported", "mma_supported", "score_pages"]
+__all__ = [
+    "BY_TOKEN_MIN_PAGE_ROWS",
+    "LOCKS",
+    "METHODS",
+    "ORACLE",
+    "QUEST",
+    "ROLL_CHUNKS_FROM_RANK",
+    "VARIANTS",
+    "fma_supported",
+    "mma_supported",
+    "score_pages",
+]
 
 #: Scoring method names -> ``METHOD`` codes of `_score_kernel`.
 METHODS = {"locks": LOCKS, "oracle": ORACLE, "quest": QUEST}
 #: Per-page summary tensors each scoring method reads, in the order the custom ops (`ops`) take them.
-SUMMARY_NAMES = {"locks": ("basis", "basis_scale", "coef", "coef_scale", "mu", "mu_scale"),
-                 "quest": ("upper", "lower"), "oracle": ()}
+SUMMARY_NAMES = {
+    "locks": ("basis", "basis_scale", "coef", "coef_scale", "mu", "mu_scale"),
+    "quest": ("upper", "lower"),
+    "oracle": (),
+}
 #: Basis bits the Locks scoring kernels unpack (coefficients and centroids are int8).
 _QUANTIZED = (2, 4, 8)
 
@@ -94,14 +107,32 @@ def _words(t: torch.Tensor) -> torch.Tensor:
         return t.contiguous().view(torch.int32)
 
 
-def score_pages(method: str, query: torch.Tensor, *, slot_valid: torch.Tensor, row_start: torch.Tensor,
-                n_complete: torch.Tensor, length: int | torch.Tensor, n_pages: int, scale: float, page_size: int,
-                summary: dict[str, torch.Tensor] | None = None, keys: torch.Tensor | None = None,
-                basis_bits: int = 4, out: torch.Tensor | None = None, partials: torch.Tensor | None = None,
-                block_pages: int | None = None, sub_blocks: int | None = None, num_warps: int | None = None,
-                num_stages: int | None = None, by_token: bool | None = None, variant: str | None = None,
-                maxnreg: int | None = None, head_split: int | None = None,
-                words_per_chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def score_pages(
+    method: str,
+    query: torch.Tensor,
+    *,
+    slot_valid: torch.Tensor,
+    row_start: torch.Tensor,
+    n_complete: torch.Tensor,
+    length: int | torch.Tensor,
+    n_pages: int,
+    scale: float,
+    page_size: int,
+    summary: dict[str, torch.Tensor] | None = None,
+    keys: torch.Tensor | None = None,
+    basis_bits: int = 4,
+    out: torch.Tensor | None = None,
+    partials: torch.Tensor | None = None,
+    block_pages: int | None = None,
+    sub_blocks: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    by_token: bool | None = None,
+    variant: str | None = None,
+    maxnreg: int | None = None,
+    head_split: int | None = None,
+    words_per_chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Score every page of every row and KV head for one decode query.
 
     ``query [b, Hq, 1, d]`` (or ``[b, Hq, d]``); ``slot_valid [b, cap]`` real slots; ``row_start [b]``
@@ -149,16 +180,28 @@ def score_pages(method: str, query: torch.Tensor, *, slot_valid: torch.Tensor, r
     fma = m == LOCKS and variant == "fma"
     mma = m == LOCKS and variant == "mma"
     if fma and not fma_supported(d, B, R, bits):
-        raise ValueError(f"variant 'fma' needs d*bits % 128 == 0, page_size*rank % 16 == 0 and a power-of-two "
-                         f"rank <= 16 (d={d}, page_size={B}, rank={R}, bits={bits})")
+        raise ValueError(
+            f"variant 'fma' needs d*bits % 128 == 0, page_size*rank % 16 == 0 and a power-of-two "
+            f"rank <= 16 (d={d}, page_size={B}, rank={R}, bits={bits})"
+        )
     if mma:
         block_pages, head_split, words_per_chunk, num_warps, num_stages = mma_tiles(
-            GG, block_pages, head_split, words_per_chunk, num_warps, num_stages, rank=R, basis_bits=bits,
-            query_bytes=q.element_size())
+            GG,
+            block_pages,
+            head_split,
+            words_per_chunk,
+            num_warps,
+            num_stages,
+            rank=R,
+            basis_bits=bits,
+            query_bytes=q.element_size(),
+        )
         if not mma_supported(d, B, R, bits, words_per_chunk):
-            raise ValueError(f"variant 'mma' needs d*bits % (32*words_per_chunk) == 0, d % (4*words_per_chunk) "
-                             f"== 0, page_size*rank % 16 == 0 and a power-of-two rank <= 16 (d={d}, "
-                             f"page_size={B}, rank={R}, bits={bits}, words_per_chunk={words_per_chunk})")
+            raise ValueError(
+                f"variant 'mma' needs d*bits % (32*words_per_chunk) == 0, d % (4*words_per_chunk) "
+                f"== 0, page_size*rank % 16 == 0 and a power-of-two rank <= 16 (d={d}, "
+                f"page_size={B}, rank={R}, bits={bits}, words_per_chunk={words_per_chunk})"
+            )
         sub_blocks = 1 if sub_blocks is None else sub_blocks
     rows = b * h
     if fma:
@@ -174,7 +217,8 @@ def score_pages(method: str, query: torch.Tensor, *, slot_valid: torch.Tensor, r
         xs = [keys]
     if not (fma or mma):
         by_token, block_pages, sub_blocks, num_warps, num_stages = dot_tiles(
-            m, GG, B, R, rows * n_pages, by_token, block_pages, sub_blocks, num_warps, num_stages)
+            m, GG, B, R, rows * n_pages, by_token, block_pages, sub_blocks, num_warps, num_stages
+        )
     span = block_pages * sub_blocks
     n_blk = max(1, triton.cdiv(n_pages, span))
     if out is None:
@@ -183,27 +227,86 @@ def score_pages(method: str, query: torch.Tensor, *, slot_valid: torch.Tensor, r
         partials = torch.empty((rows, n_blk, 4, GG), dtype=torch.float32, device=q.device)
     len_t = as_length(length, q.device)
     if fma:
-        xs = [_words(summary["basis"]), _page_tensor(summary["basis_scale"]), _words(summary["coef"]),
-              _page_tensor(summary["coef_scale"]), _words(summary["mu"]), _page_tensor(summary["mu_scale"])]
+        xs = [
+            _words(summary["basis"]),
+            _page_tensor(summary["basis_scale"]),
+            _words(summary["coef"]),
+            _page_tensor(summary["coef_scale"]),
+            _words(summary["mu"]),
+            _page_tensor(summary["mu_scale"]),
+        ]
         scratch = torch.empty((rows * n_blk * d * GG,), dtype=torch.float32, device=q.device)
         _locks_fma_kernel[(n_blk, rows)](
-            q, q.stride(0), q.stride(1), *[a for x in xs for a in (x, x.stride(0), x.stride(1))],
-            _as_u8(slot_valid), slot_valid.stride(0), row_start, n_complete, len_t,
-            out, n_pages, partials, n_blk, h, float(scale), scratch, sub_blocks, 0x4B000000,
-            G=G, GG=GG, D=d, B=B, R=R, BITS=bits, BP=block_pages,
-            num_warps=num_warps, num_stages=num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg}),
+            q,
+            q.stride(0),
+            q.stride(1),
+            *[a for x in xs for a in (x, x.stride(0), x.stride(1))],
+            _as_u8(slot_valid),
+            slot_valid.stride(0),
+            row_start,
+            n_complete,
+            len_t,
+            out,
+            n_pages,
+            partials,
+            n_blk,
+            h,
+            float(scale),
+            scratch,
+            sub_blocks,
+            0x4B000000,
+            G=G,
+            GG=GG,
+            D=d,
+            B=B,
+            R=R,
+            BITS=bits,
+            BP=block_pages,
+            num_warps=num_warps,
+            num_stages=num_stages,
+            **({} if maxnreg is None else {"maxnreg": maxnreg}),
         )
         return out, partials
     if mma:
-        xs = [_words(summary["basis"]), _page_tensor(summary["basis_scale"]), _words(summary["coef"]),
-              _page_tensor(summary["coef_scale"]), _words(summary["mu"]), _page_tensor(summary["mu_scale"])]
+        xs = [
+            _words(summary["basis"]),
+            _page_tensor(summary["basis_scale"]),
+            _words(summary["coef"]),
+            _page_tensor(summary["coef_scale"]),
+            _words(summary["mu"]),
+            _page_tensor(summary["mu_scale"]),
+        ]
         _locks_mma_kernel[(n_blk, rows)](
-            q, q.stride(0), q.stride(1), *[a for x in xs for a in (x, x.stride(0), x.stride(1))],
-            _as_u8(slot_valid), slot_valid.stride(0), row_start, n_complete, len_t,
-            out, n_pages, partials, n_blk, h, float(scale), sub_blocks, 0x4B000000,
+            q,
+            q.stride(0),
+            q.stride(1),
+            *[a for x in xs for a in (x, x.stride(0), x.stride(1))],
+            _as_u8(slot_valid),
+            slot_valid.stride(0),
+            row_start,
+            n_complete,
+            len_t,
+            out,
+            n_pages,
+            partials,
+            n_blk,
+            h,
+            float(scale),
+            sub_blocks,
+            0x4B000000,
             PAIR_BASE["fp16" if q.dtype == torch.float16 else "bf16"],
-            G=G, GG=GG, D=d, B=B, R=R, BITS=bits, BP=block_pages, HS=head_split, KCW=words_per_chunk,
-            DOT_PREC=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+            G=G,
+            GG=GG,
+            D=d,
+            B=B,
+            R=R,
+            BITS=bits,
+            BP=block_pages,
+            HS=head_split,
+            KCW=words_per_chunk,
+            DOT_PREC=dot_precision(q.dtype),
+            num_warps=num_warps,
+            num_stages=num_stages,
             **({} if maxnreg is None else {"maxnreg": maxnreg}),
         )
         return out, partials
@@ -215,10 +318,34 @@ def score_pages(method: str, query: torch.Tensor, *, slot_valid: torch.Tensor, r
             continue
         args += [x, x.stride(0), x.stride(1)]
     _score_kernel[(n_blk, rows)](
-        q, q.stride(0), q.stride(1), *args,
-        _as_u8(slot_valid), slot_valid.stride(0), row_start, n_complete, len_t,
-        out, n_pages, partials, n_blk, h, float(scale),
-        METHOD=m, G=G, GG=GG, GP=GP, D=d, B=B, R=R, BITS=bits, BP=block_pages, NSUB=sub_blocks, BY_TOKEN=by_token,
-        DOT_PREC=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+        q,
+        q.stride(0),
+        q.stride(1),
+        *args,
+        _as_u8(slot_valid),
+        slot_valid.stride(0),
+        row_start,
+        n_complete,
+        len_t,
+        out,
+        n_pages,
+        partials,
+        n_blk,
+        h,
+        float(scale),
+        METHOD=m,
+        G=G,
+        GG=GG,
+        GP=GP,
+        D=d,
+        B=B,
+        R=R,
+        BITS=bits,
+        BP=block_pages,
+        NSUB=sub_blocks,
+        BY_TOKEN=by_token,
+        DOT_PREC=dot_precision(q.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out, partials

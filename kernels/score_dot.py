@@ -22,9 +22,24 @@ LOCKS, ORACLE, QUEST = 0, 1, 2
 
 
 @triton.jit
-def _locks_proj(q_base, q_sh, bas_ptr, bsc_ptr, mu_ptr, msc_ptr, p, pmask,
-                G: tl.constexpr, GG: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-                BITS: tl.constexpr, BP: tl.constexpr, DOT_PREC: tl.constexpr):
+def _locks_proj(
+    q_base,
+    q_sh,
+    bas_ptr,
+    bsc_ptr,
+    mu_ptr,
+    msc_ptr,
+    p,
+    pmask,
+    G: tl.constexpr,
+    GG: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    R: tl.constexpr,
+    BITS: tl.constexpr,
+    BP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     """``q.mu_j`` ``[GG, BP]`` and the basis projections ``V_j[:, i] . q`` ``[GG, BP, R]`` of pages ``p``.
 
     The centroids are read as ``[BP, D]`` rows and the basis as ``[BP*R, D*BITS/8]`` packed rows
@@ -79,8 +94,9 @@ def _locks_logits(qmu, proj, coef_ptr, csc_ptr, p, pmask, B: tl.constexpr, R: tl
 
 
 @triton.jit
-def _locks_lse_by_token(qmu, proj, coef_ptr, csc_ptr, vrow, rs, length, p, pmask, qk2,
-                        B: tl.constexpr, R: tl.constexpr):
+def _locks_lse_by_token(
+    qmu, proj, coef_ptr, csc_ptr, vrow, rs, length, p, pmask, qk2, B: tl.constexpr, R: tl.constexpr
+):
     """Page LSE ``[GG, BP]`` (natural log) walking the B tokens one at a time (two passes:
     max, then sum of exp); every tensor stays ``[GG, BP(, R)]``, one (head, page) per lane."""
     i = tl.arange(0, R)
@@ -103,8 +119,21 @@ def _locks_lse_by_token(qmu, proj, coef_ptr, csc_ptr, vrow, rs, length, p, pmask
 
 
 @triton.jit
-def _oracle_logits(q_base, q_sh, k_ptr, k_st, slot, ok, G: tl.constexpr, GG: tl.constexpr, GP: tl.constexpr,
-                   D: tl.constexpr, B: tl.constexpr, BP: tl.constexpr, DOT_PREC: tl.constexpr):
+def _oracle_logits(
+    q_base,
+    q_sh,
+    k_ptr,
+    k_st,
+    slot,
+    ok,
+    G: tl.constexpr,
+    GG: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    B: tl.constexpr,
+    BP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     """Unscaled logits ``q.k`` of every key of the pages (``slot``/``ok`` ``[BP, B]``): ``[G, BP, B]``."""
     g = tl.arange(0, GP)
     c = tl.arange(0, D)
@@ -117,8 +146,19 @@ def _oracle_logits(q_base, q_sh, k_ptr, k_st, slot, ok, G: tl.constexpr, GG: tl.
 
 
 @triton.jit
-def _quest_scores(q_base, q_sh, up_ptr, lo_ptr, p, pmask, G: tl.constexpr, GG: tl.constexpr, GP: tl.constexpr,
-                  D: tl.constexpr, DOT_PREC: tl.constexpr):
+def _quest_scores(
+    q_base,
+    q_sh,
+    up_ptr,
+    lo_ptr,
+    p,
+    pmask,
+    G: tl.constexpr,
+    GG: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     """Quest's bound ``q+ . u + q- . l`` per page ``[G, BP]`` (u, l: per-dimension key max/min)."""
     g = tl.arange(0, GP)
     c = tl.arange(0, D)
@@ -132,14 +172,52 @@ def _quest_scores(q_base, q_sh, up_ptr, lo_ptr, p, pmask, G: tl.constexpr, GG: t
 
 
 @triton.jit
-def _score_kernel(q_ptr, q_sb, q_sh,
-                  x0, x0_sb, x0_sh, x1, x1_sb, x1_sh, x2, x2_sb, x2_sh,
-                  x3, x3_sb, x3_sh, x4, x4_sb, x4_sh, x5, x5_sb, x5_sh,
-                  valid_ptr, valid_sb, row_start_ptr, n_complete_ptr, len_ptr,
-                  out_ptr, P_out, part_ptr, n_blk, H, scale,
-                  METHOD: tl.constexpr, G: tl.constexpr, GG: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                  B: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr, BP: tl.constexpr,
-                  NSUB: tl.constexpr, BY_TOKEN: tl.constexpr, DOT_PREC: tl.constexpr):
+def _score_kernel(
+    q_ptr,
+    q_sb,
+    q_sh,
+    x0,
+    x0_sb,
+    x0_sh,
+    x1,
+    x1_sb,
+    x1_sh,
+    x2,
+    x2_sb,
+    x2_sh,
+    x3,
+    x3_sb,
+    x3_sh,
+    x4,
+    x4_sb,
+    x4_sh,
+    x5,
+    x5_sb,
+    x5_sh,
+    valid_ptr,
+    valid_sb,
+    row_start_ptr,
+    n_complete_ptr,
+    len_ptr,
+    out_ptr,
+    P_out,
+    part_ptr,
+    n_blk,
+    H,
+    scale,
+    METHOD: tl.constexpr,
+    G: tl.constexpr,
+    GG: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    B: tl.constexpr,
+    R: tl.constexpr,
+    BITS: tl.constexpr,
+    BP: tl.constexpr,
+    NSUB: tl.constexpr,
+    BY_TOKEN: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     blk, row, bb, hh, rs, n_done, length, last_page = program_row(row_start_ptr, n_complete_ptr, len_ptr, H, B)
     q_base = q_ptr + bb * q_sb + hh * G * q_sh
     vrow = valid_ptr + bb * valid_sb
@@ -156,24 +234,65 @@ def _score_kernel(q_ptr, q_sb, q_sh,
         ok = slot_ok(vrow, slot, length) & pmask[:, None]  # [BP, B]
         real = tl.max(ok.to(tl.int32), axis=1) > 0  # complete pages holding a real token
         if METHOD == 2:
-            s = _quest_scores(q_base, q_sh, x0 + (bb * x0_sb + hh * x0_sh), x1 + (bb * x1_sb + hh * x1_sh),
-                              p, pmask, G, GG, GP, D, DOT_PREC)
+            s = _quest_scores(
+                q_base,
+                q_sh,
+                x0 + (bb * x0_sb + hh * x0_sh),
+                x1 + (bb * x1_sb + hh * x1_sh),
+                p,
+                pmask,
+                G,
+                GG,
+                GP,
+                D,
+                DOT_PREC,
+            )
         else:
             if METHOD == 0:
-                qmu, proj = _locks_proj(q_base, q_sh, x0 + (bb * x0_sb + hh * x0_sh), x1 + (bb * x1_sb + hh * x1_sh),
-                                        x4 + (bb * x4_sb + hh * x4_sh), x5 + (bb * x5_sb + hh * x5_sh),
-                                        p, pmask, G, GG, GP, D, R, BITS, BP, DOT_PREC)
+                qmu, proj = _locks_proj(
+                    q_base,
+                    q_sh,
+                    x0 + (bb * x0_sb + hh * x0_sh),
+                    x1 + (bb * x1_sb + hh * x1_sh),
+                    x4 + (bb * x4_sb + hh * x4_sh),
+                    x5 + (bb * x5_sb + hh * x5_sh),
+                    p,
+                    pmask,
+                    G,
+                    GG,
+                    GP,
+                    D,
+                    R,
+                    BITS,
+                    BP,
+                    DOT_PREC,
+                )
                 if BY_TOKEN:
-                    s = _locks_lse_by_token(qmu, proj, x2 + (bb * x2_sb + hh * x2_sh), x3 + (bb * x3_sb + hh * x3_sh),
-                                            vrow, rs, length, p, pmask, scale * LOG2E, B, R)
+                    s = _locks_lse_by_token(
+                        qmu,
+                        proj,
+                        x2 + (bb * x2_sb + hh * x2_sh),
+                        x3 + (bb * x3_sb + hh * x3_sh),
+                        vrow,
+                        rs,
+                        length,
+                        p,
+                        pmask,
+                        scale * LOG2E,
+                        B,
+                        R,
+                    )
                 else:
-                    x = _locks_logits(qmu, proj, x2 + (bb * x2_sb + hh * x2_sh), x3 + (bb * x3_sb + hh * x3_sh),
-                                      p, pmask, B, R, BP)
+                    x = _locks_logits(
+                        qmu, proj, x2 + (bb * x2_sb + hh * x2_sh), x3 + (bb * x3_sb + hh * x3_sh), p, pmask, B, R, BP
+                    )
                     s = page_lse(x, ok, scale)
             else:
-                x = _oracle_logits(q_base, q_sh, x0 + (bb * x0_sb + hh * x0_sh), x1_sh, slot, ok,
-                                   G, GG, GP, D, B, BP, DOT_PREC)
+                x = _oracle_logits(
+                    q_base, q_sh, x0 + (bb * x0_sb + hh * x0_sh), x1_sh, slot, ok, G, GG, GP, D, B, BP, DOT_PREC
+                )
                 s = page_lse(x, ok, scale)
-        run_m, run_l, first_s, first = fold_scores(s, p, real, gi, out_row, P_out, last_page,
-                                                    run_m, run_l, first_s, first, G)
+        run_m, run_l, first_s, first = fold_scores(
+            s, p, real, gi, out_row, P_out, last_page, run_m, run_l, first_s, first, G
+        )
     store_partials(part_ptr + (row * n_blk + blk) * 4 * GG, gi, run_m, run_l, first_s, first, GG)

@@ -61,8 +61,12 @@ def _rows(ptr, off, mask, STEP: tl.constexpr, N: tl.constexpr, BITS: tl.constexp
         # even rows, odd rows: the join's new last dim is the row's lowest bit, so the order is natural
         a = _rows(ptr, off, mask, 2 * STEP, N // 2, BITS)
         b = _rows(ptr, off + STEP, mask, 2 * STEP, N // 2, BITS)
-        y = (tl.reshape(tl.join(a[0], b[0]), [BP, N]), tl.reshape(tl.join(a[1], b[1]), [BP, N]),
-             tl.reshape(tl.join(a[2], b[2]), [BP, N]), tl.reshape(tl.join(a[3], b[3]), [BP, N]))
+        y = (
+            tl.reshape(tl.join(a[0], b[0]), [BP, N]),
+            tl.reshape(tl.join(a[1], b[1]), [BP, N]),
+            tl.reshape(tl.join(a[2], b[2]), [BP, N]),
+            tl.reshape(tl.join(a[3], b[3]), [BP, N]),
+        )
     return y
 
 
@@ -88,8 +92,12 @@ def _tokens_ok(vrow, s0, length, STEP: tl.constexpr, N: tl.constexpr):
     if N == 1:
         y = tl.reshape(slot_ok(vrow, s0, length).to(tl.int8), [BP, 1])
     else:
-        y = tl.reshape(tl.join(_tokens_ok(vrow, s0, length, 2 * STEP, N // 2),
-                               _tokens_ok(vrow, s0 + STEP, length, 2 * STEP, N // 2)), [BP, N])
+        y = tl.reshape(
+            tl.join(
+                _tokens_ok(vrow, s0, length, 2 * STEP, N // 2), _tokens_ok(vrow, s0 + STEP, length, 2 * STEP, N // 2)
+            ),
+            [BP, N],
+        )
     return y
 
 
@@ -130,13 +138,18 @@ def _qvec(ptr, zero, N: tl.constexpr):
 def _mu_code(mus, JJ: tl.constexpr, K: tl.constexpr, W: tl.constexpr, magic):
     """Centroid code of dimension ``JJ*W + K`` of the chunk (``mus``: `_rows` of its ``W`` words): ``[BP]``."""
     IDX: tl.constexpr = JJ * (W // 4) + K // 4  # word of the chunk (4 int8 codes per word)
-    return _field(tl.reshape(_col(tl.reshape(mus[IDX % 4], [mus[0].shape[0], 1, W // 4]), IDX // 4, W // 4),
-                             [mus[0].shape[0]]), K % 4, 8, magic)
+    return _field(
+        tl.reshape(_col(tl.reshape(mus[IDX % 4], [mus[0].shape[0], 1, W // 4]), IDX // 4, W // 4), [mus[0].shape[0]]),
+        K % 4,
+        8,
+        magic,
+    )
 
 
 @triton.jit
-def _locks_fma_chunk(acc, accm, scr, bas, mu, p, pmask, magic, ch, GG: tl.constexpr, D: tl.constexpr,
-                     R: tl.constexpr, BITS: tl.constexpr):
+def _locks_fma_chunk(
+    acc, accm, scr, bas, mu, p, pmask, magic, ch, GG: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr
+):
     """`_locks_fma_proj`'s accumulators after chunk ``ch`` (``4W`` dimensions)."""
     BP: tl.constexpr = p.shape[0]
     W: tl.constexpr = 32 // BITS
@@ -153,8 +166,9 @@ def _locks_fma_chunk(acc, accm, scr, bas, mu, p, pmask, magic, ch, GG: tl.conste
 
 
 @triton.jit
-def _locks_fma_proj(scr, bas, mu, p, pmask, magic, GG: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-                    BITS: tl.constexpr):
+def _locks_fma_proj(
+    scr, bas, mu, p, pmask, magic, GG: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr
+):
     """``(q.V_j[:, i] [BP, R, GG], q.mu_j [BP, GG])`` in code units (scales not applied).
 
     One 16-byte chunk of every basis row at a time (``W = 32/BITS`` codes a word, ``4W`` a chunk) and
@@ -196,8 +210,13 @@ def _locks_fma_lse(proj, qmu, cf, csc, vrow, rs, length, p, pmask, magic, B: tl.
     for n in tl.static_range(B * R // 16):
         w = _flip(tl.load(cf + p[:, None] * (B * R // 4) + n * 4 + j4[None, :], mask=pmask[:, None], other=0), 8)
         # the 16 coefficient bytes in memory order (even/odd joins keep it): [BP, TT tokens, R]
-        c = tl.reshape(tl.join(tl.join(_field(w, 0, 8, magic), _field(w, 2, 8, magic)),
-                               tl.join(_field(w, 1, 8, magic), _field(w, 3, 8, magic))), [BP, TT, R])
+        c = tl.reshape(
+            tl.join(
+                tl.join(_field(w, 0, 8, magic), _field(w, 2, 8, magic)),
+                tl.join(_field(w, 1, 8, magic), _field(w, 3, 8, magic)),
+            ),
+            [BP, TT, R],
+        )
         x = tl.zeros([BP, TT, GG], dtype=tl.float32)
         for i in tl.static_range(R):
             x = tl.fma(tl.reshape(_col(c, i, R), [BP, TT, 1]), tl.reshape(_col(proj, i, R), [BP, 1, GG]), x)
@@ -214,12 +233,50 @@ def _locks_fma_lse(proj, qmu, cf, csc, vrow, rs, length, p, pmask, magic, B: tl.
 
 
 @triton.jit
-def _locks_fma_kernel(q_ptr, q_sb, q_sh, bas, bas_sb, bas_sh, bsc, bsc_sb, bsc_sh, cf, cf_sb, cf_sh,
-                      csc, csc_sb, csc_sh, mu, mu_sb, mu_sh, msc, msc_sb, msc_sh,
-                      valid_ptr, valid_sb, row_start_ptr, n_complete_ptr, len_ptr,
-                      out_ptr, P_out, part_ptr, n_blk, H, scale, scr_ptr, nsub, magic,
-                      G: tl.constexpr, GG: tl.constexpr, D: tl.constexpr, B: tl.constexpr, R: tl.constexpr,
-                      BITS: tl.constexpr, BP: tl.constexpr):
+def _locks_fma_kernel(
+    q_ptr,
+    q_sb,
+    q_sh,
+    bas,
+    bas_sb,
+    bas_sh,
+    bsc,
+    bsc_sb,
+    bsc_sh,
+    cf,
+    cf_sb,
+    cf_sh,
+    csc,
+    csc_sb,
+    csc_sh,
+    mu,
+    mu_sb,
+    mu_sh,
+    msc,
+    msc_sb,
+    msc_sh,
+    valid_ptr,
+    valid_sb,
+    row_start_ptr,
+    n_complete_ptr,
+    len_ptr,
+    out_ptr,
+    P_out,
+    part_ptr,
+    n_blk,
+    H,
+    scale,
+    scr_ptr,
+    nsub,
+    magic,
+    G: tl.constexpr,
+    GG: tl.constexpr,
+    D: tl.constexpr,
+    B: tl.constexpr,
+    R: tl.constexpr,
+    BITS: tl.constexpr,
+    BP: tl.constexpr,
+):
     """Locks scores, variant ``"fma"``: the contract of `_score_kernel` (METHOD = LOCKS).
 
     ``bas``/``mu``/``cf`` are the basis, centroid and coefficient codes viewed as int32 words (page
@@ -231,8 +288,28 @@ def _locks_fma_kernel(q_ptr, q_sb, q_sh, bas, bas_sb, bas_sh, bsc, bsc_sb, bsc_s
     vrow = valid_ptr + bb * valid_sb
     scr = scr_ptr + (row * n_blk + blk).to(tl.int64) * (D * GG)
     _stage_query(q_ptr + bb * q_sb + hh * G * q_sh, q_sh, scr, G, GG, D)
-    bas, bsc, cf, csc, mu, msc = row_summaries(bb, hh, bas, bas_sb, bas_sh, bsc, bsc_sb, bsc_sh, cf, cf_sb, cf_sh,
-                                               csc, csc_sb, csc_sh, mu, mu_sb, mu_sh, msc, msc_sb, msc_sh)
+    bas, bsc, cf, csc, mu, msc = row_summaries(
+        bb,
+        hh,
+        bas,
+        bas_sb,
+        bas_sh,
+        bsc,
+        bsc_sb,
+        bsc_sh,
+        cf,
+        cf_sb,
+        cf_sh,
+        csc,
+        csc_sb,
+        csc_sh,
+        mu,
+        mu_sb,
+        mu_sh,
+        msc,
+        msc_sb,
+        msc_sh,
+    )
     qk2 = scale * LOG2E
     gi = tl.arange(0, GG)
     out_row = out_ptr + row * G * P_out
@@ -246,6 +323,7 @@ def _locks_fma_kernel(q_ptr, q_sb, q_sh, bas, bas_sb, bas_sh, bsc, bsc_sb, bsc_s
         proj = acc * tl.reshape(bs * qk2, [BP, R, 1])
         qmu = accm * tl.reshape(tl.load(msc + p, mask=pmask, other=0.0).to(tl.float32) * qk2, [BP, 1])
         lse2, real = _locks_fma_lse(proj, qmu, cf, csc, vrow, rs, length, p, pmask, magic, B, R)
-        run_m, run_l, first_s, first = fold_scores(tl.trans(lse2 / LOG2E), p, real, gi, out_row, P_out,
-                                                    last_page, run_m, run_l, first_s, first, G)
+        run_m, run_l, first_s, first = fold_scores(
+            tl.trans(lse2 / LOG2E), p, real, gi, out_row, P_out, last_page, run_m, run_l, first_s, first, G
+        )
     store_partials(part_ptr + (row * n_blk + blk) * 4 * GG, gi, run_m, run_l, first_s, first, GG)

@@ -118,8 +118,20 @@ def _perm_query(q_base, q_sh, w0, KW: tl.constexpr, G: tl.constexpr, GG: tl.cons
 
 
 @triton.jit
-def _mma_project(ptr, q_base, q_sh, rows, rmask, RW: tl.constexpr, KCW: tl.constexpr, G: tl.constexpr,
-                 GG: tl.constexpr, BITS: tl.constexpr, DOT_PREC: tl.constexpr, magic):
+def _mma_project(
+    ptr,
+    q_base,
+    q_sh,
+    rows,
+    rmask,
+    RW: tl.constexpr,
+    KCW: tl.constexpr,
+    G: tl.constexpr,
+    GG: tl.constexpr,
+    BITS: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    magic,
+):
     """``sum_d code[row, d] * q[g, d]`` ``[M, GG]`` for the packed rows ``rows [M]`` of ``RW`` int32 words
     each, ``KCW`` words at a time."""
     M: tl.constexpr = rows.shape[0]
@@ -134,13 +146,53 @@ def _mma_project(ptr, q_base, q_sh, rows, rmask, RW: tl.constexpr, KCW: tl.const
 
 
 @triton.jit
-def _locks_mma_kernel(q_ptr, q_sb, q_sh, bas, bas_sb, bas_sh, bsc, bsc_sb, bsc_sh, cf, cf_sb, cf_sh,
-                      csc, csc_sb, csc_sh, mu, mu_sb, mu_sh, msc, msc_sb, msc_sh,
-                      valid_ptr, valid_sb, row_start_ptr, n_complete_ptr, len_ptr,
-                      out_ptr, P_out, part_ptr, n_blk, H, scale, nsub, magic, bmagic,
-                      G: tl.constexpr, GG: tl.constexpr, D: tl.constexpr, B: tl.constexpr, R: tl.constexpr,
-                      BITS: tl.constexpr, BP: tl.constexpr, HS: tl.constexpr, KCW: tl.constexpr,
-                      DOT_PREC: tl.constexpr):
+def _locks_mma_kernel(
+    q_ptr,
+    q_sb,
+    q_sh,
+    bas,
+    bas_sb,
+    bas_sh,
+    bsc,
+    bsc_sb,
+    bsc_sh,
+    cf,
+    cf_sb,
+    cf_sh,
+    csc,
+    csc_sb,
+    csc_sh,
+    mu,
+    mu_sb,
+    mu_sh,
+    msc,
+    msc_sb,
+    msc_sh,
+    valid_ptr,
+    valid_sb,
+    row_start_ptr,
+    n_complete_ptr,
+    len_ptr,
+    out_ptr,
+    P_out,
+    part_ptr,
+    n_blk,
+    H,
+    scale,
+    nsub,
+    magic,
+    bmagic,
+    G: tl.constexpr,
+    GG: tl.constexpr,
+    D: tl.constexpr,
+    B: tl.constexpr,
+    R: tl.constexpr,
+    BITS: tl.constexpr,
+    BP: tl.constexpr,
+    HS: tl.constexpr,
+    KCW: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     """Locks scores, variant ``"mma"``: the contract of `score_dot._score_kernel` (METHOD = LOCKS).
 
     ``bas``/``mu``/``cf`` are the basis, centroid and coefficient codes as int32 words (page strides
@@ -152,8 +204,28 @@ def _locks_mma_kernel(q_ptr, q_sb, q_sh, bas, bas_sb, bas_sh, bsc, bsc_sb, bsc_s
     blk, row, bb, hh, rs, n_done, length, last_page = program_row(row_start_ptr, n_complete_ptr, len_ptr, H, B)
     vrow = valid_ptr + bb * valid_sb
     q_base = q_ptr + bb * q_sb + hh * G * q_sh
-    bas, bsc, cf, csc, mu, msc = row_summaries(bb, hh, bas, bas_sb, bas_sh, bsc, bsc_sb, bsc_sh, cf, cf_sb, cf_sh,
-                                               csc, csc_sb, csc_sh, mu, mu_sb, mu_sh, msc, msc_sb, msc_sh)
+    bas, bsc, cf, csc, mu, msc = row_summaries(
+        bb,
+        hh,
+        bas,
+        bas_sb,
+        bas_sh,
+        bsc,
+        bsc_sb,
+        bsc_sh,
+        cf,
+        cf_sb,
+        cf_sh,
+        csc,
+        csc_sb,
+        csc_sh,
+        mu,
+        mu_sb,
+        mu_sh,
+        msc,
+        msc_sb,
+        msc_sh,
+    )
     qk2 = scale * LOG2E
     gi = tl.arange(0, GG)
     i = tl.arange(0, R)
@@ -178,6 +250,7 @@ def _locks_mma_kernel(q_ptr, q_sb, q_sh, bas, bas_sb, bas_sh, bsc, bsc_sb, bsc_s
         lse2, real = _locks_fma_lse(proj, qmu, cf, csc, vrow, rs, length, pv, pv < n_done, magic, B, R)
         s = tl.reshape(lse2, [BP, GG]) / LOG2E
         real = tl.max(tl.reshape(real.to(tl.int32), [BP, HS]), axis=1) > 0
-        run_m, run_l, first_s, first = fold_scores(tl.trans(s), p, real, gi, out_row, P_out,
-                                                    last_page, run_m, run_l, first_s, first, G)
+        run_m, run_l, first_s, first = fold_scores(
+            tl.trans(s), p, real, gi, out_row, P_out, last_page, run_m, run_l, first_s, first, G
+        )
     store_partials(part_ptr + (row * n_blk + blk) * 4 * GG, gi, run_m, run_l, first_s, first, GG)

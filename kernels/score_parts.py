@@ -21,24 +21,53 @@ def program_row(row_start_ptr, n_complete_ptr, len_ptr, H, B: tl.constexpr):
     bb = (row // H).to(tl.int64)  # 64-bit offsets: a batch of long caches passes 2**31 elements
     rs = tl.load(row_start_ptr + bb)
     length = tl.load(len_ptr)
-    return (tl.program_id(0), row, bb, row % H, rs, tl.load(n_complete_ptr + bb), length,
-            (length - 1 - rs) // B)
+    return (tl.program_id(0), row, bb, row % H, rs, tl.load(n_complete_ptr + bb), length, (length - 1 - rs) // B)
 
 
 @triton.jit
-def row_summaries(bb, hh, bas, bas_sb, bas_sh, bsc, bsc_sb, bsc_sh, cf, cf_sb, cf_sh, csc, csc_sb, csc_sh,
-                  mu, mu_sb, mu_sh, msc, msc_sb, msc_sh):
+def row_summaries(
+    bb,
+    hh,
+    bas,
+    bas_sb,
+    bas_sh,
+    bsc,
+    bsc_sb,
+    bsc_sh,
+    cf,
+    cf_sb,
+    cf_sh,
+    csc,
+    csc_sb,
+    csc_sh,
+    mu,
+    mu_sb,
+    mu_sh,
+    msc,
+    msc_sb,
+    msc_sh,
+):
     """The six Locks summary pointers (basis, its scales, coefficients, theirs, centroid, its scale) at
     batch row ``bb`` and KV head ``hh``."""
-    return (bas + bb * bas_sb + hh * bas_sh, bsc + bb * bsc_sb + hh * bsc_sh, cf + bb * cf_sb + hh * cf_sh,
-            csc + bb * csc_sb + hh * csc_sh, mu + bb * mu_sb + hh * mu_sh, msc + bb * msc_sb + hh * msc_sh)
+    return (
+        bas + bb * bas_sb + hh * bas_sh,
+        bsc + bb * bsc_sb + hh * bsc_sh,
+        cf + bb * cf_sb + hh * cf_sh,
+        csc + bb * csc_sb + hh * csc_sh,
+        mu + bb * mu_sb + hh * mu_sh,
+        msc + bb * msc_sb + hh * msc_sh,
+    )
 
 
 @triton.jit
 def empty_partials(GG: tl.constexpr):
     """Running max / sum of the candidate pages' scores, the first real page's scores and its index."""
-    return (tl.full([GG], float("-inf"), tl.float32), tl.zeros([GG], dtype=tl.float32),
-            tl.full([GG], float("-inf"), tl.float32), tl.full([], BIG_PAGE, tl.int32))
+    return (
+        tl.full([GG], float("-inf"), tl.float32),
+        tl.zeros([GG], dtype=tl.float32),
+        tl.full([GG], float("-inf"), tl.float32),
+        tl.full([], BIG_PAGE, tl.int32),
+    )
 
 
 @triton.jit

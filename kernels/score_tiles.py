@@ -14,16 +14,26 @@ VARIANTS = ("dot", "fma", "mma")
 def fma_supported(d: int, page_size: int, rank: int, basis_bits: int) -> bool:
     """Whether variant ``"fma"`` handles these summaries: whole 16-byte chunks of each basis row and of the
     coefficients, power-of-two rank, int2/4/8 basis."""
-    return (basis_bits in (2, 4, 8) and d * basis_bits % 128 == 0 and rank & (rank - 1) == 0
-            and page_size * rank % 16 == 0 and rank <= 16)
+    return (
+        basis_bits in (2, 4, 8)
+        and d * basis_bits % 128 == 0
+        and rank & (rank - 1) == 0
+        and page_size * rank % 16 == 0
+        and rank <= 16
+    )
 
 
 def mma_supported(d: int, page_size: int, rank: int, basis_bits: int, words_per_chunk: int = 4) -> bool:
     """Whether variant ``"mma"`` handles these summaries: whole chunks of ``words_per_chunk`` int32 words
     in each basis row and centroid, 16-byte chunks of coefficients, power-of-two rank, int2/4/8 basis."""
-    return (basis_bits in (2, 4, 8) and d * basis_bits % (32 * words_per_chunk) == 0
-            and d % (4 * words_per_chunk) == 0 and rank & (rank - 1) == 0 and page_size * rank % 16 == 0
-            and rank <= 16)
+    return (
+        basis_bits in (2, 4, 8)
+        and d * basis_bits % (32 * words_per_chunk) == 0
+        and d % (4 * words_per_chunk) == 0
+        and rank & (rank - 1) == 0
+        and page_size * rank % 16 == 0
+        and rank <= 16
+    )
 
 
 def default_variant(method: int, G: int, d: int, page_size: int, rank: int, basis_bits: int) -> str:
@@ -70,8 +80,18 @@ def mma_chunk_words(block_pages: int, rank: int, basis_bits: int, query_bytes: i
     return kcw
 
 
-def mma_tiles(GG: int, block_pages, head_split, words_per_chunk, num_warps, num_stages, *, rank: int,
-              basis_bits: int, query_bytes: int) -> tuple[int, int, int, int, int]:
+def mma_tiles(
+    GG: int,
+    block_pages,
+    head_split,
+    words_per_chunk,
+    num_warps,
+    num_stages,
+    *,
+    rank: int,
+    basis_bits: int,
+    query_bytes: int,
+) -> tuple[int, int, int, int, int]:
     """``(block_pages, head_split, words_per_chunk, num_warps, num_stages)`` of variant ``"mma"``.
 
     One (page, head group) pair per thread: ``head_split`` threads per page with ``GG/head_split`` heads
@@ -96,8 +116,10 @@ def mma_tiles(GG: int, block_pages, head_split, words_per_chunk, num_warps, num_
             while num_warps > 1 and block_pages * rank * 64 // min(basis_bits, 4) * query_bytes > MMA_CODE_TILE_BYTES:
                 num_warps, block_pages = num_warps // 2, block_pages // 2
     if (block_pages * head_split) % (32 * num_warps) or block_pages & (block_pages - 1):
-        raise ValueError("variant 'mma': block_pages must be a power of two and block_pages * head_split a "
-                         "multiple of 32 * num_warps")
+        raise ValueError(
+            "variant 'mma': block_pages must be a power of two and block_pages * head_split a "
+            "multiple of 32 * num_warps"
+        )
     if words_per_chunk is None:
         words_per_chunk = mma_chunk_words(block_pages, rank, basis_bits, query_bytes)
     return block_pages, head_split, words_per_chunk, num_warps, 1 if num_stages is None else num_stages
@@ -107,8 +129,9 @@ def mma_tiles(GG: int, block_pages, head_split, words_per_chunk, num_warps, num_
 BY_TOKEN_MIN_PAGE_ROWS = 1 << 16
 
 
-def dot_tiles(m: int, GG: int, B: int, R: int, page_rows: int, by_token, block_pages, sub_blocks, num_warps,
-               num_stages):
+def dot_tiles(
+    m: int, GG: int, B: int, R: int, page_rows: int, by_token, block_pages, sub_blocks, num_warps, num_stages
+):
     """Default epilogue and tiles of `_score_kernel` for whatever the caller left ``None``."""
     if by_token is None:
         # H200, GLM-4-9B shape (G = 16, 2 KV heads), r4i4, batch 1: the per-token epilogue with 32-page

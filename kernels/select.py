@@ -58,8 +58,11 @@ def sink_and_lse(part_ptr, row, n_blk, last_page, GG: tl.constexpr, NBP: tl.cons
             fs = tl.where(add, fs, float("-inf"))
             new_m = tl.maximum(run_m, tl.maximum(tl.max(m, axis=0), tl.max(fs, axis=0)))
             safe = tl.where(new_m == float("-inf"), 0.0, new_m)
-            run_l = run_l * tl.exp(run_m - safe) + tl.sum(l * tl.exp(m - safe[None, :]), axis=0) \
+            run_l = (
+                run_l * tl.exp(run_m - safe)
+                + tl.sum(l * tl.exp(m - safe[None, :]), axis=0)
                 + tl.sum(tl.exp(fs - safe[None, :]), axis=0)
+            )
             run_m = new_m
         lse = tl.where(run_l > 0, run_m + tl.log(run_l), float("-inf"))
     return sink, lse
@@ -73,8 +76,24 @@ def free_slots(k_ptr, K_MAX):
 
 
 @triton.jit
-def _row_keys(score_ptr, part_ptr, n_blk, row_start_ptr, len_ptr, H, P, p, sink_ptr, first_prog, vrow,
-              PER_HEAD: tl.constexpr, G: tl.constexpr, GG: tl.constexpr, B: tl.constexpr, NBP: tl.constexpr):
+def _row_keys(
+    score_ptr,
+    part_ptr,
+    n_blk,
+    row_start_ptr,
+    len_ptr,
+    H,
+    P,
+    p,
+    sink_ptr,
+    first_prog,
+    vrow,
+    PER_HEAD: tl.constexpr,
+    G: tl.constexpr,
+    GG: tl.constexpr,
+    B: tl.constexpr,
+    NBP: tl.constexpr,
+):
     """Selection keys of pages ``p`` of virtual row ``vrow`` (a (row, KV head), or a (row, KV head,
     query head) for Quest): the share-average ``mean_g exp(s_g - LSE_g)`` (a head's own score for
     Quest) as `score_key` ints, ``NO_KEY`` for pages that are not candidates (not real, the sink or
@@ -108,8 +127,22 @@ def _row_keys(score_ptr, part_ptr, n_blk, row_start_ptr, len_ptr, H, P, p, sink_
 
 
 @triton.jit
-def _chunk_keys(score_ptr, part_ptr, n_blk, row_start_ptr, len_ptr, H, P, sink_ptr, PER_HEAD: tl.constexpr,
-                G: tl.constexpr, GG: tl.constexpr, B: tl.constexpr, CH: tl.constexpr, NBP: tl.constexpr):
+def _chunk_keys(
+    score_ptr,
+    part_ptr,
+    n_blk,
+    row_start_ptr,
+    len_ptr,
+    H,
+    P,
+    sink_ptr,
+    PER_HEAD: tl.constexpr,
+    G: tl.constexpr,
+    GG: tl.constexpr,
+    B: tl.constexpr,
+    CH: tl.constexpr,
+    NBP: tl.constexpr,
+):
     """Program (chunk, vrow) of a first-stage kernel: its ``CH`` pages and their `_row_keys`."""
     chunk = tl.program_id(0)
     vrow = tl.program_id(1)
@@ -118,18 +151,38 @@ def _chunk_keys(score_ptr, part_ptr, n_blk, row_start_ptr, len_ptr, H, P, sink_p
     else:
         first_prog = chunk == 0
     p = chunk * CH + tl.arange(0, CH)
-    key = _row_keys(score_ptr, part_ptr, n_blk, row_start_ptr, len_ptr, H, P, p, sink_ptr, first_prog, vrow,
-                    PER_HEAD, G, GG, B, NBP)
+    key = _row_keys(
+        score_ptr, part_ptr, n_blk, row_start_ptr, len_ptr, H, P, p, sink_ptr, first_prog, vrow, PER_HEAD, G, GG, B, NBP
+    )
     return chunk, vrow, p, key
 
 
 @triton.jit
-def _select_chunk_kernel(score_ptr, part_ptr, n_blk, row_start_ptr, len_ptr, H, P, k_ptr, K_MAX,
-                         key_ptr, page_ptr, sink_ptr, n_chunk,
-                         PER_HEAD: tl.constexpr, G: tl.constexpr, GG: tl.constexpr, B: tl.constexpr, CH: tl.constexpr,
-                         KP: tl.constexpr, NBP: tl.constexpr):
-    chunk, vrow, p, key = _chunk_keys(score_ptr, part_ptr, n_blk, row_start_ptr, len_ptr, H, P, sink_ptr,
-                                      PER_HEAD, G, GG, B, CH, NBP)
+def _select_chunk_kernel(
+    score_ptr,
+    part_ptr,
+    n_blk,
+    row_start_ptr,
+    len_ptr,
+    H,
+    P,
+    k_ptr,
+    K_MAX,
+    key_ptr,
+    page_ptr,
+    sink_ptr,
+    n_chunk,
+    PER_HEAD: tl.constexpr,
+    G: tl.constexpr,
+    GG: tl.constexpr,
+    B: tl.constexpr,
+    CH: tl.constexpr,
+    KP: tl.constexpr,
+    NBP: tl.constexpr,
+):
+    chunk, vrow, p, key = _chunk_keys(
+        score_ptr, part_ptr, n_blk, row_start_ptr, len_ptr, H, P, sink_ptr, PER_HEAD, G, GG, B, CH, NBP
+    )
     K = free_slots(k_ptr, K_MAX)
     keep = top_keys(key, K)
 
@@ -143,9 +196,24 @@ def _select_chunk_kernel(score_ptr, part_ptr, n_blk, row_start_ptr, len_ptr, H, 
 
 
 @triton.jit
-def _select_merge_kernel(key_ptr, page_ptr, sink_ptr, row_start_ptr, len_ptr, H, k_ptr, K_MAX, n_chunk,
-                         out_ptr, W, PER_HEAD: tl.constexpr, G: tl.constexpr, B: tl.constexpr,
-                         KP: tl.constexpr, M: tl.constexpr):
+def _select_merge_kernel(
+    key_ptr,
+    page_ptr,
+    sink_ptr,
+    row_start_ptr,
+    len_ptr,
+    H,
+    k_ptr,
+    K_MAX,
+    n_chunk,
+    out_ptr,
+    W,
+    PER_HEAD: tl.constexpr,
+    G: tl.constexpr,
+    B: tl.constexpr,
+    KP: tl.constexpr,
+    M: tl.constexpr,
+):
     vrow = tl.program_id(0)
     K = free_slots(k_ptr, K_MAX)
     e = tl.arange(0, M)
@@ -160,8 +228,18 @@ def _select_merge_kernel(key_ptr, page_ptr, sink_ptr, row_start_ptr, len_ptr, H,
         w = tl.arange(0, KP)
         tl.store(out_ptr + vrow * KP + w, tl.full([KP], SENTINEL, tl.int32), mask=w >= n)
     else:
-        write_page_list(out_ptr, vrow, W, page, keep, pos, n, tl.load(sink_ptr + vrow),
-                        last_page_of(row_start_ptr, len_ptr, vrow, H, B), KP)
+        write_page_list(
+            out_ptr,
+            vrow,
+            W,
+            page,
+            keep,
+            pos,
+            n,
+            tl.load(sink_ptr + vrow),
+            last_page_of(row_start_ptr, len_ptr, vrow, H, B),
+            KP,
+        )
 
 
 @triton.jit
@@ -184,8 +262,7 @@ def write_page_list(out_ptr, row, W, pages, keep, pos, n, sink, last_page, N: tl
 
 
 @triton.jit
-def _union_kernel(list_ptr, n_list, sink_ptr, row_start_ptr, len_ptr, H, out_ptr, W,
-                  B: tl.constexpr, N: tl.constexpr):
+def _union_kernel(list_ptr, n_list, sink_ptr, row_start_ptr, len_ptr, H, out_ptr, W, B: tl.constexpr, N: tl.constexpr):
     """Union of the G per-head lists of a KV head (``n_list = G*KP <= N`` entries): sort, drop repeats."""
     row = tl.program_id(0)
     e = tl.arange(0, N)
@@ -196,8 +273,9 @@ def _union_kernel(list_ptr, n_list, sink_ptr, row_start_ptr, len_ptr, H, out_ptr
     uniq = (x != BIG_PAGE) & ((e == 0) | (x != prev))
     n = tl.sum(uniq.to(tl.int32), axis=0)
     pos = tl.cumsum(uniq.to(tl.int32), axis=0) - 1
-    write_page_list(out_ptr, row, W, x, uniq, pos, n, tl.load(sink_ptr + row),
-                    last_page_of(row_start_ptr, len_ptr, row, H, B), N)
+    write_page_list(
+        out_ptr, row, W, x, uniq, pos, n, tl.load(sink_ptr + row), last_page_of(row_start_ptr, len_ptr, row, H, B), N
+    )
 
 
 @triton.jit
@@ -224,12 +302,14 @@ def mark_lists(mask: torch.Tensor, pages: torch.Tensor, block: int = 4096) -> to
     if mask.dtype not in (torch.bool, torch.int8) or not mask.is_contiguous():
         raise ValueError(f"mark_lists: mask must be a contiguous bool/int8 [rows, P] tensor, got {mask.dtype}")
     if pages.dim() != 2 or pages.shape[0] != rows or pages.dtype != torch.int32 or not pages.is_contiguous():
-        raise ValueError(f"mark_lists: pages must be contiguous int32 [{rows}, W], got {pages.dtype} "
-                         f"{tuple(pages.shape)}")
+        raise ValueError(
+            f"mark_lists: pages must be contiguous int32 [{rows}, W], got {pages.dtype} {tuple(pages.shape)}"
+        )
     W = pages.shape[1]
     if rows and P:
-        _list_mask_kernel[(rows, triton.cdiv(P, block))](pages, W, mask.view(torch.int8), P, BLOCK=block,
-                                                         WB=128, num_warps=4)
+        _list_mask_kernel[(rows, triton.cdiv(P, block))](
+            pages, W, mask.view(torch.int8), P, BLOCK=block, WB=128, num_warps=4
+        )
     return mask
 
 
@@ -243,10 +323,21 @@ def page_list_width(per_head: bool, slots: int, group: int) -> int:
     return group * max(slots - 2, 0) + 2 if per_head else slots
 
 
-def select_pages(scores: torch.Tensor, partials: torch.Tensor, *, slots: int, per_head: bool,
-                 row_start: torch.Tensor, length: int | torch.Tensor, heads: int, page_size: int,
-                 out: torch.Tensor | None = None, chunk: int | None = None,
-                 active_slots: torch.Tensor | None = None, num_warps: int | None = None) -> torch.Tensor:
+def select_pages(
+    scores: torch.Tensor,
+    partials: torch.Tensor,
+    *,
+    slots: int,
+    per_head: bool,
+    row_start: torch.Tensor,
+    length: int | torch.Tensor,
+    heads: int,
+    page_size: int,
+    out: torch.Tensor | None = None,
+    chunk: int | None = None,
+    active_slots: torch.Tensor | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
     """Page lists ``[b*h, W]`` int32 (``SENTINEL``-padded) from ``score_pages``' outputs.
 
     ``slots`` is ``k = ceil(b / B)``; ``W = k`` for the shared rule and ``G*(k-2) + 2`` for Quest's
@@ -260,9 +351,11 @@ def select_pages(scores: torch.Tensor, partials: torch.Tensor, *, slots: int, pe
     ``chunk``: pages per first-stage program; ``num_warps`` of that launch.
     """
     if scores.dim() != 3 or scores.dtype != torch.float32 or partials.dtype != torch.float32 or partials.dim() != 4:
-        raise ValueError("select_pages: scores float32 [b*h, G, P] and partials float32 [b*h, n_blk, 4, GG] "
-                         f"expected, got {scores.dtype} {tuple(scores.shape)} and {partials.dtype} "
-                         f"{tuple(partials.shape)}")
+        raise ValueError(
+            "select_pages: scores float32 [b*h, G, P] and partials float32 [b*h, n_blk, 4, GG] "
+            f"expected, got {scores.dtype} {tuple(scores.shape)} and {partials.dtype} "
+            f"{tuple(partials.shape)}"
+        )
     if slots < 0:
         raise ValueError(f"select_pages: slots must be >= 0, got {slots}")
     rows, G, P = scores.shape
@@ -285,15 +378,50 @@ def select_pages(scores: torch.Tensor, partials: torch.Tensor, *, slots: int, pe
     keys = torch.empty((vrows, n_chunk, KP), dtype=torch.int32, device=dev)
     pages = torch.empty((vrows, n_chunk, KP), dtype=torch.int32, device=dev)
     _select_chunk_kernel[(n_chunk, vrows)](
-        scores, partials, n_blk, row_start, length, heads, P, k_active, K, keys, pages, sink, n_chunk,
-        PER_HEAD=per_head, G=G, GG=GG, B=page_size, CH=CH, KP=KP, NBP=64,
-        num_warps=num_warps or (4 if CH <= 1024 else 8))
-    _select_merge_kernel[(vrows,)](keys, pages, sink, row_start, length, heads, k_active, K, n_chunk,
-                                   lists if per_head else out, KP if per_head else W,
-                                   PER_HEAD=per_head, G=G, B=page_size, KP=KP, M=M,
-                                   num_warps=4 if M <= 1024 else 8)
+        scores,
+        partials,
+        n_blk,
+        row_start,
+        length,
+        heads,
+        P,
+        k_active,
+        K,
+        keys,
+        pages,
+        sink,
+        n_chunk,
+        PER_HEAD=per_head,
+        G=G,
+        GG=GG,
+        B=page_size,
+        CH=CH,
+        KP=KP,
+        NBP=64,
+        num_warps=num_warps or (4 if CH <= 1024 else 8),
+    )
+    _select_merge_kernel[(vrows,)](
+        keys,
+        pages,
+        sink,
+        row_start,
+        length,
+        heads,
+        k_active,
+        K,
+        n_chunk,
+        lists if per_head else out,
+        KP if per_head else W,
+        PER_HEAD=per_head,
+        G=G,
+        B=page_size,
+        KP=KP,
+        M=M,
+        num_warps=4 if M <= 1024 else 8,
+    )
     if per_head:
         N = next_pow2(G * KP)
-        _union_kernel[(rows,)](lists, G * KP, sink, row_start, length, heads, out, W, B=page_size, N=N,
-                               num_warps=4 if N <= 1024 else 8)
+        _union_kernel[(rows,)](
+            lists, G * KP, sink, row_start, length, heads, out, W, B=page_size, N=N, num_warps=4 if N <= 1024 else 8
+        )
     return out

@@ -46,8 +46,10 @@ def max_budget(value, budget: int) -> int | None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise LocksConfigError(f"max_budget must be an int (tokens) or None, got {value!r} ({type(value).__name__})")
     if value < budget:
-        raise LocksConfigError(f"max_budget={value} is below the budget {budget}: pass max_budget >= {budget} "
-                               "(the widest budget set_budget will switch to), or leave it unset")
+        raise LocksConfigError(
+            f"max_budget={value} is below the budget {budget}: pass max_budget >= {budget} "
+            "(the widest budget set_budget will switch to), or leave it unset"
+        )
     return int(value)
 
 
@@ -55,13 +57,16 @@ def row_indices(indices, batch: int, where: str) -> torch.Tensor:
     """Row indices ``[n]`` (beam reorder, row selection) checked against a batch of ``batch`` rows."""
     rows = torch.as_tensor(indices)
     if rows.dtype in (torch.bool,) or rows.is_floating_point() or rows.is_complex() or rows.dim() != 1:
-        raise ValueError(f"{where}: row indices must be a 1-D integer tensor, got {rows.dtype} of shape "
-                         f"{tuple(rows.shape)}")
+        raise ValueError(
+            f"{where}: row indices must be a 1-D integer tensor, got {rows.dtype} of shape {tuple(rows.shape)}"
+        )
     if rows.numel():
         low, high = torch.stack(torch.aminmax(rows)).tolist()  # one host read (a beam search reorders every step)
         if low < 0 or high >= batch:
-            raise ValueError(f"{where}: row index out of range for a cache of batch size {batch} "
-                             f"(got {rows.tolist()}); indices must lie in 0..{batch - 1}")
+            raise ValueError(
+                f"{where}: row index out of range for a cache of batch size {batch} "
+                f"(got {rows.tolist()}); indices must lie in 0..{batch - 1}"
+            )
     return rows
 
 

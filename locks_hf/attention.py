@@ -58,9 +58,16 @@ def observe_decode_queries(callback: Callable[[int | None, int, torch.Tensor, fl
         _DECODE_OBSERVERS.remove(callback)
 
 
-def locks_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                            value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
-                            scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+def locks_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """Attention with transformers' signature: dense unless this is a decode step of a `LocksLayer`.
 
     Dense (exactly transformers' SDPA) are: prefill and any forward with several query tokens,
@@ -70,8 +77,9 @@ def locks_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     layer_idx = getattr(module, "layer_idx", None)
     layer = take_handoff(layer_idx, key, kwargs.get("sliding_window"))
     if layer is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     if kwargs.get("use_cache") is False:
         raise UnsupportedModelError(USE_CACHE_FALSE)
     for name, what in _UNSUPPORTED_KWARGS.items():
@@ -98,8 +106,9 @@ def locks_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         if q_len == 1:
             real = layer.real_tokens() * key.shape[1]
             layer.record_step(real, real)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     # Sparse decode (score the pages from their summaries, select, attend the selection) or a token
     # policy's step, on the backend the layer chose when its buffers were allocated.
     return layer.backend.decode(layer, query, scaling), None

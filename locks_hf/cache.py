@@ -65,14 +65,22 @@ class LocksCache(LocksCacheMixin, DynamicCache):
     #: Whether the static layout may grow past its capacity (`LocksStaticCache`: no).
     _growable = True
 
-    def __init__(self, config: PretrainedConfig | None = None, locks: LocksConfig | None = None, *,
-                 max_cache_len: int | None = None, max_budget: int | None = None, layout: str = "auto",
-                 **overrides) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig | None = None,
+        locks: LocksConfig | None = None,
+        *,
+        max_cache_len: int | None = None,
+        max_budget: int | None = None,
+        layout: str = "auto",
+        **overrides,
+    ) -> None:
         config = arguments.model_config(config)
         locks = (arguments.locks_config(locks, "LocksCache") or LocksConfig()).replace(**overrides)
         max_budget = arguments.max_budget(max_budget, locks.budget)
-        if max_cache_len is not None and (isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int)
-                                          or max_cache_len < 1):
+        if max_cache_len is not None and (
+            isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1
+        ):
             raise LocksConfigError(f"max_cache_len must be a positive int (prompt + new tokens), got {max_cache_len!r}")
         self.locks_config = locks
         self.max_budget = max_budget
@@ -116,8 +124,13 @@ class LocksCache(LocksCacheMixin, DynamicCache):
         return None if self._plan is None else self._plan.capacity
 
     def _allocate(self, capacity: int) -> None:
-        self.layers = build_static_layers(self._layer_types, self._layer_kwargs, self.locks_config, capacity,
-                                          page_slots_width(self.locks_config, self.max_budget))
+        self.layers = build_static_layers(
+            self._layer_types,
+            self._layer_kwargs,
+            self.locks_config,
+            capacity,
+            page_slots_width(self.locks_config, self.max_budget),
+        )
 
     def _ensure(self, capacity: int | None) -> None:
         """Re-allocate every static layer to ``capacity`` slots (``None``: nothing to do)."""
@@ -127,9 +140,12 @@ class LocksCache(LocksCacheMixin, DynamicCache):
             self._plan.capacity = capacity  # nothing written yet: (re)build the static layers at this size
             self._allocate(capacity)
             return
-        logger.warning("LocksCache: growing the static cache from %d to %d tokens (one re-allocation; a compiled "
-                       "decode step recompiles once). Pass max_cache_len to allocate it once.",
-                       self._plan.capacity, capacity)
+        logger.warning(
+            "LocksCache: growing the static cache from %d to %d tokens (one re-allocation; a compiled "
+            "decode step recompiles once). Pass max_cache_len to allocate it once.",
+            self._plan.capacity,
+            capacity,
+        )
         self._plan.capacity = capacity
         for layer, kw in zip(self.layers, self._layer_kwargs):
             if isinstance(layer, PagedLayer):
@@ -137,8 +153,9 @@ class LocksCache(LocksCacheMixin, DynamicCache):
             elif isinstance(layer, StaticLayer):
                 reallocate_hf_layer(layer, capacity, window=kw.get("sliding_window"))
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if self._plan is not None and layer_idx == self._first_kv_layer:
             if is_torchdynamo_compiling():
                 self._plan.compiled_ran = True  # a constant store: replayed after the graph, no guard
@@ -154,8 +171,11 @@ class LocksCache(LocksCacheMixin, DynamicCache):
             raise ValueError(EMPTY_INPUT)
         # Runs eagerly before every forward that builds a mask, compiled decode steps included (generate
         # prepares their 4D mask outside the graph): the place to grow the static buffers.
-        if self._plan is not None and not is_torchdynamo_compiling() and \
-                layer_idx == find_first_full_attention_index(self):
+        if (
+            self._plan is not None
+            and not is_torchdynamo_compiling()
+            and layer_idx == find_first_full_attention_index(self)
+        ):
             if self._plan.capacity is None:
                 self._ensure(self._plan.first_capacity(query_length))
             self._ensure(self._plan.announce(query_length))
@@ -219,8 +239,9 @@ class LocksCache(LocksCacheMixin, DynamicCache):
             width = page_slots_width(clone.locks_config, self.max_budget)
             clone.layers = [copied_layer(layer, locks, width) for layer in self.layers]
         elif self._plan is not None:
-            logger.warning("LocksCache.fork(%s): %s; the fork decodes with the dynamic layout",
-                           clone.locks_config.label, refusal)
+            logger.warning(
+                "LocksCache.fork(%s): %s; the fork decodes with the dynamic layout", clone.locks_config.label, refusal
+            )
             clone._plan = None
             clone.layers = dynamic_layers(self.layers, self._layer_kwargs, clone.locks_config)
         else:

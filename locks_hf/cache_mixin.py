@@ -23,8 +23,10 @@ if TYPE_CHECKING:
 else:
     _CacheBase = object
 
-EMPTY_INPUT = ("the input has no tokens (input_ids of shape [batch, 0]): a Locks cache needs at least one token per "
-               "forward; pass a non-empty prompt (e.g. start it with the tokenizer's BOS token)")
+EMPTY_INPUT = (
+    "the input has no tokens (input_ids of shape [batch, 0]): a Locks cache needs at least one token per "
+    "forward; pass a non-empty prompt (e.g. start it with the tokenizer's BOS token)"
+)
 
 
 class LocksCacheMixin(CacheStatistics, _CacheBase):
@@ -44,8 +46,9 @@ class LocksCacheMixin(CacheStatistics, _CacheBase):
             guard = self.__dict__["_use_guard"] = UseGuard()
         return guard
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         check_handoff_taken()
         if key_states.shape[2] == 0:
             raise ValueError(EMPTY_INPUT)

@@ -41,7 +41,8 @@ class UseGuard:
                     f"this Locks cache is in use by thread {holder.name!r} (in the middle of a forward) and was "
                     f"updated from thread {me.name!r}: a cache holds one sequence batch and cannot serve two "
                     "threads at once. Give each thread its own cache (LocksCache(model.config, ...) or "
-                    "cache.fork()); if that thread's forward failed, call cache.reset() before reusing the cache")
+                    "cache.fork()); if that thread's forward failed, call cache.reset() before reusing the cache"
+                )
             self.thread = None if layer_idx >= last_layer else me
 
     def release(self) -> None:

@@ -15,13 +15,22 @@ BASIS_BITS = (2, 4, 8, 16)  # 16 = unquantized (stored in the K/V dtype)
 VALUE_BITS = (8, 16)  # for coefficients and centroids
 #: Largest page: selection at a coarser grain than this reads most of a 128K context anyway.
 MAX_PAGE_SIZE = 1024
-_INT_FIELDS = ("page_size", "rank", "basis_bits", "coef_bits", "centroid_bits", "budget", "min_context",
-               "kv_bits", "kv_group", "kv_residual")
+_INT_FIELDS = (
+    "page_size",
+    "rank",
+    "basis_bits",
+    "coef_bits",
+    "centroid_bits",
+    "budget",
+    "min_context",
+    "kv_bits",
+    "kv_group",
+    "kv_residual",
+)
 #: Fields that only some selectors read (each declares them in `own_settings`); ``None`` = not set.
 SELECTOR_SETTINGS = ("lazy_alpha", "rerank")
 #: An arm label's budget suffix, as in ``locks-r8i4-b128`` (`LocksConfig.label`).
 _BUDGET_SUFFIX = re.compile(r"^(?P<family>.+)-b(?P<budget>\d+)$")
-
 
 
 @dataclass(frozen=True)
@@ -89,9 +98,7 @@ class LocksConfig:
             raise LocksConfigError(f"page_size must be a power of two in 2..{MAX_PAGE_SIZE} (e.g. 16), got {B!r}")
         selector = _selector_class(self.selector)  # LocksConfigError naming the registered selectors
         if self.group_combine not in GROUP_COMBINES:
-            raise LocksConfigError(
-                f"group_combine must be one of {GROUP_COMBINES}, got {self.group_combine!r}"
-            )
+            raise LocksConfigError(f"group_combine must be one of {GROUP_COMBINES}, got {self.group_combine!r}")
         if self.rank < 1:
             raise LocksConfigError(f"rank must be a positive int, got {self.rank!r}")
         if self.basis_bits not in BASIS_BITS:
@@ -114,8 +121,9 @@ class LocksConfig:
             if isinstance(self.rerank, bool) or not isinstance(self.rerank, numbers.Integral):
                 raise LocksConfigError(f"rerank must be an int, got {self.rerank!r} ({type(self.rerank).__name__})")
             if self.rerank < 1:
-                raise LocksConfigError(f"rerank (candidate pages per page slot) must be a positive int, e.g. 4, "
-                                       f"got {self.rerank!r}")
+                raise LocksConfigError(
+                    f"rerank (candidate pages per page slot) must be a positive int, e.g. 4, got {self.rerank!r}"
+                )
             object.__setattr__(self, "rerank", int(self.rerank))
         self._check_selector_settings(selector)
         validate_kv(self)
@@ -135,7 +143,8 @@ class LocksConfig:
                 raise LocksConfigError(
                     f"{name}={getattr(self, name)!r} is a setting of selector {' / '.join(map(repr, owners))} only; "
                     f"selector {self.selector!r} would ignore it: leave {name} unset (None) or choose "
-                    f"selector={owners[0]!r}")
+                    f"selector={owners[0]!r}"
+                )
 
     @property
     def page_slots(self) -> int:

@@ -34,8 +34,9 @@ def arm_config(arm: str, budget: int, page_size: int = 16) -> LocksConfig:
     return config_for_family(arm, budget=budget, page_size=page_size)
 
 
-def prefill(model, input_ids: torch.LongTensor, cache: LocksCache, chunk_size: int = 1024,
-            progress: bool = True) -> torch.LongTensor:
+def prefill(
+    model, input_ids: torch.LongTensor, cache: LocksCache, chunk_size: int = 1024, progress: bool = True
+) -> torch.LongTensor:
     """Run the prompt through ``cache`` in chunks (dense); return the greedy next token ``[b, 1]``."""
     from tqdm.auto import tqdm
 
@@ -61,8 +62,15 @@ class StopOnNewline:
         return torch.tensor(done, device=input_ids.device)
 
 
-def decode_from(model, input_ids: torch.LongTensor, first_token: torch.LongTensor, cache: LocksCache,
-                max_new_tokens: int, tokenizer=None, stop_at_newline: bool = False) -> torch.Tensor:
+def decode_from(
+    model,
+    input_ids: torch.LongTensor,
+    first_token: torch.LongTensor,
+    cache: LocksCache,
+    max_new_tokens: int,
+    tokenizer=None,
+    stop_at_newline: bool = False,
+) -> torch.Tensor:
     """Greedy continuation of a prefilled ``cache``: the new tokens ``[b, n]``, ``first_token`` included.
 
     ``generate`` is given prompt + first token and feeds only the token not in the cache yet.
@@ -73,9 +81,14 @@ def decode_from(model, input_ids: torch.LongTensor, first_token: torch.LongTenso
 
     start = input_ids.shape[1]
     criteria = StoppingCriteriaList([StopOnNewline(tokenizer, start)]) if stop_at_newline else None
-    out = model.generate(torch.cat([input_ids, first_token], dim=-1), past_key_values=cache,
-                         max_new_tokens=max_new_tokens - 1, do_sample=False, stopping_criteria=criteria,
-                         pad_token_id=getattr(model.generation_config, "pad_token_id", None))
+    out = model.generate(
+        torch.cat([input_ids, first_token], dim=-1),
+        past_key_values=cache,
+        max_new_tokens=max_new_tokens - 1,
+        do_sample=False,
+        stopping_criteria=criteria,
+        pad_token_id=getattr(model.generation_config, "pad_token_id", None),
+    )
     return out[:, start:]
 
 
@@ -85,18 +98,33 @@ def build_parser() -> argparse.ArgumentParser:
         description="Answer one passkey needle-in-a-haystack prompt with full attention and sparse decode arms.",
     )
     parser.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS), help="default: %(default)s")
-    parser.add_argument("--context-tokens", type=int, default=8000, help="prompt length in tokens (default: %(default)s)")
-    parser.add_argument("--depth", type=float, default=0.5, help="needle depth in the filler, 0..1 (default: %(default)s)")
-    parser.add_argument("--budget", type=int, default=128, help="token budget b per layer and KV head (default: %(default)s)")
+    parser.add_argument(
+        "--context-tokens", type=int, default=8000, help="prompt length in tokens (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--depth", type=float, default=0.5, help="needle depth in the filler, 0..1 (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--budget", type=int, default=128, help="token budget b per layer and KV head (default: %(default)s)"
+    )
     parser.add_argument("--page-size", type=int, default=16, help="tokens per page B (default: %(default)s)")
     parser.add_argument("--max-new-tokens", type=int, default=12, help="answer length limit (default: %(default)s)")
-    parser.add_argument("--no-stop-at-newline", dest="stop_at_newline", action="store_false",
-                        help="do not stop an answer at its first newline")
-    parser.add_argument("--arms", default=DEFAULT_ARMS,
-                        help=f"comma-separated arms: {family_help()}; Locks labels also without the "
-                             "locks- prefix (r8i4, r4i2, r8bf16) (default: %(default)s)")
+    parser.add_argument(
+        "--no-stop-at-newline",
+        dest="stop_at_newline",
+        action="store_false",
+        help="do not stop an answer at its first newline",
+    )
+    parser.add_argument(
+        "--arms",
+        default=DEFAULT_ARMS,
+        help=f"comma-separated arms: {family_help()}; Locks labels also without the "
+        "locks- prefix (r8i4, r4i2, r8bf16) (default: %(default)s)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="picks the pass key (default: %(default)s)")
-    parser.add_argument("--prefill-chunk", type=int, default=1024, help="prefill chunk in tokens (default: %(default)s)")
+    parser.add_argument(
+        "--prefill-chunk", type=int, default=1024, help="prefill chunk in tokens (default: %(default)s)"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     return parser
 
@@ -125,9 +153,12 @@ def main(argv: list[str] | None = None) -> int:
 
     prompt = build_needle_prompt(tokenizer, args.context_tokens, args.depth, seed=args.seed)
     input_ids = encode_prompt(tokenizer, prompt.text)
-    print(f"Prompt: {input_ids.shape[1]} tokens, pass key {prompt.answer} at token {prompt.needle_token} "
-          f"(depth {args.depth}); budget b={args.budget} tokens per layer and KV head "
-          f"({args.budget / input_ids.shape[1]:.1%} of the prompt)", flush=True)
+    print(
+        f"Prompt: {input_ids.shape[1]} tokens, pass key {prompt.answer} at token {prompt.needle_token} "
+        f"(depth {args.depth}); budget b={args.budget} tokens per layer and KV head "
+        f"({args.budget / input_ids.shape[1]:.1%} of the prompt)",
+        flush=True,
+    )
 
     with torch.inference_mode():
         # dynamic layout: each arm decodes a few tokens once, where a compiled step would cost more to
@@ -141,12 +172,12 @@ def main(argv: list[str] | None = None) -> int:
         for config in configs.values():
             start = time.perf_counter()
             fork = cache.fork(config)
-            new = decode_from(model, input_ids, first, fork, args.max_new_tokens, tokenizer,
-                              stop_at_newline=args.stop_at_newline)
+            new = decode_from(
+                model, input_ids, first, fork, args.max_new_tokens, tokenizer, stop_at_newline=args.stop_at_newline
+            )
             seconds = time.perf_counter() - start
             text = tokenizer.decode(new[0], skip_special_tokens=True)
-            rows.append((config.label, text, prompt.answer in text, fork.attended_fraction(), seconds,
-                         new.shape[1]))
+            rows.append((config.label, text, prompt.answer in text, fork.attended_fraction(), seconds, new.shape[1]))
             del fork
 
     width = max(len(r[0]) for r in rows)
@@ -155,9 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     for label, text, found, attended, seconds, _tokens in rows:
         share = "n/a" if attended != attended else f"{attended:.1%}"
         print(f"{label:<{width}}  {'yes' if found else 'NO':<5}  {share:>8}  {seconds:6.2f}s  {text!r}")
-    print(f"\n(attended: share of cached tokens read by the {len(cache.locks_layers)} full-attention layers "
-          f"over the decode steps; {len(cache.layers) - len(cache.locks_layers)} sliding-window layers are "
-          "not counted. The first token comes from the dense prefill for every arm.)")
+    print(
+        f"\n(attended: share of cached tokens read by the {len(cache.locks_layers)} full-attention layers "
+        f"over the decode steps; {len(cache.layers) - len(cache.locks_layers)} sliding-window layers are "
+        "not counted. The first token comes from the dense prefill for every arm.)"
+    )
     return 0
 
 

@@ -97,8 +97,7 @@ class LocksLayer(DynamicLayer, PolicyInputs, PagedLayer):
     def selection_read_bytes(self) -> int:
         """Bytes a page selector reads per decode step to choose its pages, over rows and KV heads
         (`locks_hf.traffic`)."""
-        reads = selection_reads(self.selector, max(self.n_summarized, default=0), self.length,
-                                self.config.page_size)
+        reads = selection_reads(self.selector, max(self.n_summarized, default=0), self.length, self.config.page_size)
         summaries = sum(t.numel() * t.element_size() for t in self.summary_view().values()) if reads.summaries else 0
         keys = self.key_read_bytes(reads.key_tokens, every=reads.every_key) if reads.key_tokens else 0
         return summaries + keys
@@ -180,8 +179,9 @@ class LocksLayer(DynamicLayer, PolicyInputs, PagedLayer):
         self.keys = self._kbuf[:, :, : self.length]
         self.values = self._vbuf[:, :, : self.length]
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._check_batch(key_states)
@@ -324,7 +324,8 @@ class LocksLayer(DynamicLayer, PolicyInputs, PagedLayer):
                 f"this cache's {self.config.selector!r} policy has started decoding (it may have evicted tokens, "
                 f"and its state was built for {self.config.label}): it cannot switch to {config.label}. Fork or "
                 "set the budget before the first decode step (e.g. right after prefill), or continue with the same "
-                "settings (fork() without a config)")
+                "settings (fork() without a config)"
+            )
         if config.summary_layout != self.config.summary_layout:
             self.summary, self.shared, self.n_summarized = {}, {}, [0] * len(self.row_start)
             self._summary_shared = False
@@ -338,7 +339,9 @@ class LocksLayer(DynamicLayer, PolicyInputs, PagedLayer):
         """A dynamic layer holding a copy of the first ``length`` slots of another Locks layer (e.g. a
         static one); its summaries are rebuilt, in one batched pass, at the next forward."""
         if config.kv_bits != 16:
-            raise ValueError("LocksLayer.from_paged copies full-precision K/V: quantize the copy (`kv_cache.to_quantized`)")
+            raise ValueError(
+                "LocksLayer.from_paged copies full-precision K/V: quantize the copy (`kv_cache.to_quantized`)"
+            )
         keys, values = layer.kv_buffers()
         # (the copy of an initialized layer: `fork.dynamic_layers`)
         assert keys is not None and values is not None and layer.slot_valid is not None
@@ -406,8 +409,7 @@ class LocksLayer(DynamicLayer, PolicyInputs, PagedLayer):
         # A page that lost its last slot is no longer complete: its summary is dropped, and it is
         # summarized again once decode completes it.
         B = self.config.page_size
-        self.n_summarized = [min(n, max(self.length - s, 0) // B)
-                             for n, s in zip(self.n_summarized, self.row_start)]
+        self.n_summarized = [min(n, max(self.length - s, 0) // B) for n, s in zip(self.n_summarized, self.row_start)]
         self.truncate_policy_inputs(self.length)
         self._refresh_views()
 

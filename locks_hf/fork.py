@@ -42,7 +42,11 @@ def dynamic_layers(layers: list, layer_kwargs: list[dict], locks: LocksConfig) -
     if not any(layer.is_initialized for layer in layers if isinstance(layer, StaticLayer)):
         return [copied_layer(layer, locks, None) for layer in layers]
     length = int(next(layer for layer in layers if isinstance(layer, PagedLayer)).length_tensor())  # one sync
-    return [dynamic_copy(layer, locks, length) if isinstance(layer, PagedLayer)
-            else to_dynamic_layer(layer, length, kw.get("sliding_window")) if isinstance(layer, StaticLayer)
-            else copied_layer(layer, locks, None)
-            for layer, kw in zip(layers, layer_kwargs)]
+    return [
+        dynamic_copy(layer, locks, length)
+        if isinstance(layer, PagedLayer)
+        else to_dynamic_layer(layer, length, kw.get("sliding_window"))
+        if isinstance(layer, StaticLayer)
+        else copied_layer(layer, locks, None)
+        for layer, kw in zip(layers, layer_kwargs)
+    ]

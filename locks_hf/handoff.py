@@ -32,8 +32,7 @@ def hand_over(layer_idx: int, layer, query_len: int) -> None:
     _HANDOFF.slot = (layer_idx, layer, query_len)
 
 
-def take_handoff(layer_idx: int | None, key: torch.Tensor, sliding_window: int | None = None
-                 ) -> PagedLayer | None:
+def take_handoff(layer_idx: int | None, key: torch.Tensor, sliding_window: int | None = None) -> PagedLayer | None:
     """The Locks layer whose `update` produced ``key`` just now, if any (consumes the hand-off).
 
     ``None`` when no Locks cache was updated (another cache, or none) or the layer is one of its
@@ -50,12 +49,14 @@ def take_handoff(layer_idx: int | None, key: torch.Tensor, sliding_window: int |
         raise UnsupportedModelError(
             f"attention of layer {layer_idx} did not receive the keys the Locks cache stored for layer {idx}: "
             "this model changes keys after the cache (e.g. multi-head latent attention) or shares caches "
-            "between layers, which Locks cannot select pages for; use attn_implementation='sdpa' and a DynamicCache")
+            "between layers, which Locks cannot select pages for; use attn_implementation='sdpa' and a DynamicCache"
+        )
     if not isinstance(layer, PagedLayer):
         if getattr(layer, "is_sliding", False) and sliding_window is None:
             raise UnsupportedModelError(
                 f"layer {layer_idx} of the Locks cache is a sliding-window layer but the model's layer "
-                f"{layer_idx} is full attention: build the cache from this model's config, LocksCache(model.config)")
+                f"{layer_idx} is full attention: build the cache from this model's config, LocksCache(model.config)"
+            )
         return None
     return layer
 
@@ -69,4 +70,5 @@ def check_handoff_taken() -> None:
         raise UnsupportedModelError(
             "the model did not call Locks' attention function on a decode step: load it with "
             "attn_implementation='locks' (after `import locks_hf`); with 'sdpa' or 'eager' a Locks cache "
-            "would decode densely")
+            "would decode densely"
+        )

@@ -87,11 +87,23 @@ class QuantizedLocksLayer(LocksLayer):
         if getattr(self, "_quantized_cache", (None,))[0] != (self._qk, self._qv):
             counts = torch.tensor([self._qk, self._qv], dtype=torch.int32).to(self.device)
             self._quantized_cache = ((self._qk, self._qv), counts)
-        return dict(key_codes=self._kcodes, key_scale=self._kscale, key_zero=self._kzero,
-                    value_codes=self._vcodes, value_scale=self._vscale, value_zero=self._vzero,
-                    key_tail=self._kres, value_tail=self._vres, quantized=self._quantized_cache[1],
-                    bits=cfg.kv_bits, group=cfg.kv_group, page_size=cfg.page_size, slot_valid=self.slot_valid,
-                    row_start=self.row_tensors()[0], length=self.length_tensor())
+        return dict(
+            key_codes=self._kcodes,
+            key_scale=self._kscale,
+            key_zero=self._kzero,
+            value_codes=self._vcodes,
+            value_scale=self._vscale,
+            value_zero=self._vzero,
+            key_tail=self._kres,
+            value_tail=self._vres,
+            quantized=self._quantized_cache[1],
+            bits=cfg.kv_bits,
+            group=cfg.kv_group,
+            page_size=cfg.page_size,
+            slot_valid=self.slot_valid,
+            row_start=self.row_tensors()[0],
+            length=self.length_tensor(),
+        )
 
     @property
     def capacity(self) -> int:
@@ -120,8 +132,10 @@ class QuantizedLocksLayer(LocksLayer):
         self._kscale, self._kzero = key_states.new_empty((b, h, 0, d)), key_states.new_empty((b, h, 0, d))
         self._vcodes = value_states.new_empty((b, h, 0, dv // per), dtype=torch.uint8)
         groups = dv // cfg.kv_group
-        self._vscale, self._vzero = (value_states.new_empty((b, h, 0, groups)),
-                                     value_states.new_empty((b, h, 0, groups)))
+        self._vscale, self._vzero = (
+            value_states.new_empty((b, h, 0, groups)),
+            value_states.new_empty((b, h, 0, groups)),
+        )
         self._qk = self._qv = self._cap = 0
         self.refresh_backend()  # the storage's device, dtype and head dims are known
 
@@ -144,15 +158,24 @@ class QuantizedLocksLayer(LocksLayer):
         def nbytes(t: torch.Tensor, n: int) -> int:
             return t[:, :, :n].numel() * t.element_size()
 
-        quantized = (nbytes(self._kcodes, self._qk) + nbytes(self._kscale, self._qk // G)
-                     + nbytes(self._kzero, self._qk // G) + nbytes(self._vcodes, self._qv)
-                     + nbytes(self._vscale, self._qv) + nbytes(self._vzero, self._qv))
+        quantized = (
+            nbytes(self._kcodes, self._qk)
+            + nbytes(self._kscale, self._qk // G)
+            + nbytes(self._kzero, self._qk // G)
+            + nbytes(self._vcodes, self._qv)
+            + nbytes(self._vscale, self._qv)
+            + nbytes(self._vzero, self._qv)
+        )
         b, h = self._dims[:2]
-        return {"quantized": quantized, "quantized_tokens": b * h * (self._qk + self._qv),
-                "full_precision": nbytes(self._kres, self._kres.shape[2]) + nbytes(self._vres, self._vres.shape[2])}
+        return {
+            "quantized": quantized,
+            "quantized_tokens": b * h * (self._qk + self._qv),
+            "full_precision": nbytes(self._kres, self._kres.shape[2]) + nbytes(self._vres, self._vres.shape[2]),
+        }
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._check_batch(key_states)
@@ -183,12 +206,18 @@ class QuantizedLocksLayer(LocksLayer):
         bits, G = self.config.kv_bits, self.config.kv_group
         if values:
             n, tail = self._qv, self._vres
-            head = dequantize_values(self._vcodes[:, :, :n], self._vscale[:, :, :n], self._vzero[:, :, :n],
-                                     bits, tail.dtype)
+            head = dequantize_values(
+                self._vcodes[:, :, :n], self._vscale[:, :, :n], self._vzero[:, :, :n], bits, tail.dtype
+            )
         else:
             n, tail = self._qk, self._kres
-            head = dequantize_keys(self._kcodes[:, :, :n], self._kscale[:, :, : n // G].repeat_interleave(G, 2),
-                                   self._kzero[:, :, : n // G].repeat_interleave(G, 2), bits, tail.dtype)
+            head = dequantize_keys(
+                self._kcodes[:, :, :n],
+                self._kscale[:, :, : n // G].repeat_interleave(G, 2),
+                self._kzero[:, :, : n // G].repeat_interleave(G, 2),
+                bits,
+                tail.dtype,
+            )
         return torch.cat([head, tail], dim=2)
 
     def _gather(self, slots: torch.Tensor, values: bool) -> torch.Tensor:
@@ -206,12 +235,14 @@ class QuantizedLocksLayer(LocksLayer):
             return full
         index = slots.clamp(max=q - 1)
         if values:
-            deq = dequantize_values(take(self._vcodes, index), take(self._vscale, index), take(self._vzero, index),
-                                    bits, tail.dtype)
+            deq = dequantize_values(
+                take(self._vcodes, index), take(self._vscale, index), take(self._vzero, index), bits, tail.dtype
+            )
         else:
             group = index // G
-            deq = dequantize_keys(take(self._kcodes, index), take(self._kscale, group), take(self._kzero, group),
-                                  bits, tail.dtype)
+            deq = dequantize_keys(
+                take(self._kcodes, index), take(self._kscale, group), take(self._kzero, group), bits, tail.dtype
+            )
         return deq if full is None else torch.where((slots >= q).unsqueeze(-1), full, deq)
 
     def page_keys(self, pages: torch.Tensor, values: bool = False) -> torch.Tensor:
@@ -244,8 +275,7 @@ class QuantizedLocksLayer(LocksLayer):
     def _quantize_keys(self, upto: int) -> None:
         cfg, qk = self.config, self._qk
         n = upto - qk
-        codes, scale, zero = quantize_keys(self._kres[:, :, :n], cfg.kv_bits, cfg.kv_group,
-                                           self.slot_valid[:, qk:upto])
+        codes, scale, zero = quantize_keys(self._kres[:, :, :n], cfg.kv_bits, cfg.kv_group, self.slot_valid[:, qk:upto])
         G = cfg.kv_group
         self._kcodes[:, :, qk:upto] = codes
         self._kscale[:, :, qk // G : upto // G] = scale
@@ -255,14 +285,16 @@ class QuantizedLocksLayer(LocksLayer):
         if cfg.summary_from == "pre" and self._summaries_from_keys():
             # pages holding newly quantized keys are summarized again, from the dequantized keys
             B = cfg.page_size
-            self.n_summarized = [min(n_done, max(qk - s, 0) // B) for n_done, s in zip(self.n_summarized,
-                                                                                       self.row_start)]
+            self.n_summarized = [
+                min(n_done, max(qk - s, 0) // B) for n_done, s in zip(self.n_summarized, self.row_start)
+            ]
 
     def _quantize_values(self, upto: int) -> None:
         cfg, qv = self.config, self._qv
         n = upto - qv
-        codes, scale, zero = quantize_values(self._vres[:, :, :n], cfg.kv_bits, cfg.kv_group,
-                                             self.slot_valid[:, qv:upto])
+        codes, scale, zero = quantize_values(
+            self._vres[:, :, :n], cfg.kv_bits, cfg.kv_group, self.slot_valid[:, qv:upto]
+        )
         self._vcodes[:, :, qv:upto] = codes
         self._vscale[:, :, qv:upto] = scale
         self._vzero[:, :, qv:upto] = zero
@@ -297,7 +329,8 @@ class QuantizedLocksLayer(LocksLayer):
                 raise ValueError(
                     f"crop({tokens_to_remove}): the cache holds {self.length} tokens, keys quantized up to slot "
                     f"{self._qk} and values up to {self._qv}; quantized groups cannot be reopened, so at most "
-                    f"{self.length - max(self._qk, self._qv)} tokens can be cropped")
+                    f"{self.length - max(self._qk, self._qv)} tokens can be cropped"
+                )
             self._kres = self._kres[:, :, : keep - self._qk]
             self._vres = self._vres[:, :, : keep - self._qv]
         super().crop(tokens_to_remove)
@@ -355,8 +388,13 @@ def to_quantized(layer: LocksLayer, config) -> QuantizedLocksLayer:
     if config.summary_from == "post":
         layer.summarize_completed()
     new = QuantizedLocksLayer(config)
-    new.__dict__.update({name: value for name, value in vars(layer).items()
-                         if name not in ("config", "selector", "backend", "keys", "values", "_kbuf", "_vbuf")})
+    new.__dict__.update(
+        {
+            name: value
+            for name, value in vars(layer).items()
+            if name not in ("config", "selector", "backend", "keys", "values", "_kbuf", "_vbuf")
+        }
+    )
     new.reset_stats()
     if not layer.is_initialized:
         return new

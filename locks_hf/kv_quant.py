@@ -57,25 +57,34 @@ def validate_kv(config) -> None:
     if bits == 16:
         changed = [f"{n}={getattr(config, n)!r}" for n in KV_FIELDS[1:] if getattr(config, n) != KV_DEFAULTS[n]]
         if changed:  # never ignore a setting silently
-            raise _error(f"{', '.join(changed)} set with kv_bits=16 (no KV quantization), where it has no effect: "
-                         "set kv_bits=4 or 2, or leave it at its default")
+            raise _error(
+                f"{', '.join(changed)} set with kv_bits=16 (no KV quantization), where it has no effect: "
+                "set kv_bits=4 or 2, or leave it at its default"
+            )
         return
     if group not in KV_GROUPS:
-        raise _error(f"kv_group must be one of {KV_GROUPS} (tokens per key group, channels per value group), "
-                     f"got {group!r}")
+        raise _error(
+            f"kv_group must be one of {KV_GROUPS} (tokens per key group, channels per value group), got {group!r}"
+        )
     if residual < group or residual % group:
-        raise _error(f"kv_residual must be a positive multiple of kv_group={group} (the full-precision keys are "
-                     f"quantized kv_residual / kv_group groups at a time), got {residual!r}")
+        raise _error(
+            f"kv_residual must be a positive multiple of kv_group={group} (the full-precision keys are "
+            f"quantized kv_residual / kv_group groups at a time), got {residual!r}"
+        )
     if residual % config.page_size:
-        raise _error(f"kv_residual={residual} must be a multiple of page_size={config.page_size}: keys are "
-                     "quantized in whole pages, so that a page's summary is built from one precision; use a "
-                     f"residual of k * {max(group, config.page_size)} tokens")
+        raise _error(
+            f"kv_residual={residual} must be a multiple of page_size={config.page_size}: keys are "
+            "quantized in whole pages, so that a page's summary is built from one precision; use a "
+            f"residual of k * {max(group, config.page_size)} tokens"
+        )
     from .selectors.registry import selector_class
 
     cls = selector_class(config.selector)
     if config.summary_from != "post" and not builds_summaries(cls):
-        raise _error(f"summary_from={config.summary_from!r}: selector {config.selector!r} builds no page "
-                     "summaries, so the order of summary and quantization does not apply (leave 'post')")
+        raise _error(
+            f"summary_from={config.summary_from!r}: selector {config.selector!r} builds no page "
+            "summaries, so the order of summary and quantization does not apply (leave 'post')"
+        )
 
 
 def check_kv_head_dim(config, head_dim: int, value_dim: int | None = None) -> None:
@@ -84,9 +93,11 @@ def check_kv_head_dim(config, head_dim: int, value_dim: int | None = None) -> No
         return
     for what, d in (("head_dim", head_dim), ("value head_dim", value_dim)):
         if d is not None and d % config.kv_group:
-            raise _error(f"kv_group={config.kv_group} does not divide the model's {what}={d}: values are quantized "
-                         f"in groups of kv_group channels; choose kv_group in "
-                         f"{tuple(g for g in KV_GROUPS if d % g == 0) or KV_GROUPS} (or kv_bits=16)")
+            raise _error(
+                f"kv_group={config.kv_group} does not divide the model's {what}={d}: values are quantized "
+                f"in groups of kv_group channels; choose kv_group in "
+                f"{tuple(g for g in KV_GROUPS if d % g == 0) or KV_GROUPS} (or kv_bits=16)"
+            )
 
 
 def full_precision(config):
@@ -101,13 +112,17 @@ def same_kv(a, b) -> bool:
 def refuse_quantized(config, where: str) -> None:
     """Raise `LocksConfigError` when ``config`` asks for quantized KV in ``where``, which stores none."""
     if config.kv_bits != 16:
-        raise _error(f"kv_bits={config.kv_bits}: {where} does not store quantized KV (the static layout keeps "
-                     "full-precision buffers); use LocksCache(..., layout='dynamic')")
+        raise _error(
+            f"kv_bits={config.kv_bits}: {where} does not store quantized KV (the static layout keeps "
+            "full-precision buffers); use LocksCache(..., layout='dynamic')"
+        )
 
 
 # -- arm labels: "<family>+kv4", "<family>+kv2g64r256-pre" --------------------------------------------------
-_SUFFIX = re.compile(r"^(?P<family>.+?)\+kv(?P<bits>\d+)(?:g(?P<group>\d+))?(?:r(?P<res>\d+))?"
-                     r"(?:-(?P<order>post|pre))?$")
+_SUFFIX = re.compile(
+    r"^(?P<family>.+?)\+kv(?P<bits>\d+)(?:g(?P<group>\d+))?(?:r(?P<res>\d+))?"
+    r"(?:-(?P<order>post|pre))?$"
+)
 LABEL_GRAMMAR = "+kv<bits>[g<group>][r<residual>][-post|-pre] (KIVI-quantized KV, e.g. locks-r8i4+kv4-post)"
 
 
@@ -151,8 +166,9 @@ def kv_token_bytes(config, key_dim: int, value_dim: int, element_size: int) -> t
 
 
 # -- the quantizer ---------------------------------------------------------------------------------------------
-def quantize(x: torch.Tensor, bits: int, dim: int, valid: torch.Tensor | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize(
+    x: torch.Tensor, bits: int, dim: int, valid: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """KIVI's asymmetric quantization of ``x`` with one (scale, zero) per slice reduced over ``dim``.
 
     ``valid`` (broadcastable to ``x``): elements that count; others (padding slots) neither widen the
@@ -220,15 +236,17 @@ def quantize_values(values: torch.Tensor, bits: int, group: int, valid: torch.Te
     return pack(codes.reshape(b, h, n, d), bits), scale.squeeze(4), zero.squeeze(4)
 
 
-def dequantize_keys(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
-                    dtype: torch.dtype) -> torch.Tensor:
+def dequantize_keys(
+    packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, dtype: torch.dtype
+) -> torch.Tensor:
     """Keys ``[..., n, d]`` from packed codes ``[..., n, d*bits/8]`` and the scale and zero of each
     token's group, ``[..., n, d]`` (already gathered per token)."""
     return dequantize(unpack(packed, bits), scale, zero, dtype)
 
 
-def dequantize_values(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
-                      dtype: torch.dtype) -> torch.Tensor:
+def dequantize_values(
+    packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, dtype: torch.dtype
+) -> torch.Tensor:
     """Values ``[..., n, d]`` from packed codes and per-token group scales ``[..., n, d/group]``."""
     codes = unpack(packed, bits)
     groups = scale.shape[-1]
@@ -240,8 +258,11 @@ def check_same_kv(old, new) -> None:
     """Raise `LocksConfigError` when ``new`` changes the KV storage settings of a layer holding K/V
     stored under ``old`` (what is quantized cannot be re-stored at another precision)."""
     if not same_kv(old, new):
+
         def describe(c):
             return ", ".join(f"{n}={getattr(c, n)!r}" for n in KV_FIELDS)
 
-        raise _error(f"cannot switch a cache layer's KV storage from ({describe(old)}) to ({describe(new)}): its K/V "
-                     "are stored at the former settings; fork a full-precision (kv_bits=16) cache to quantize it")
+        raise _error(
+            f"cannot switch a cache layer's KV storage from ({describe(old)}) to ({describe(new)}): its K/V "
+            "are stored at the former settings; fork a full-precision (kv_bits=16) cache to quantize it"
+        )

@@ -49,16 +49,23 @@ def config_refusal(locks: LocksConfig, layer_types: list[str] | None) -> str | N
     if layer_types is None:
         return "no model config was given (its layer types decide the static layers)"
     if locks.selector not in static_selector_names():
-        return (f"selector {locks.selector!r} keeps state beyond its pages (static layout supports "
-                f"{', '.join(static_selector_names())})")
+        return (
+            f"selector {locks.selector!r} keeps state beyond its pages (static layout supports "
+            f"{', '.join(static_selector_names())})"
+        )
     if locks.kv_bits != 16:
-        return (f"kv_bits={locks.kv_bits}: quantized KV is stored by the dynamic layout only (the static layout "
-                "keeps full-precision buffers)")
+        return (
+            f"kv_bits={locks.kv_bits}: quantized KV is stored by the dynamic layout only (the static layout "
+            "keeps full-precision buffers)"
+        )
     if locks.min_context:
-        return (f"min_context={locks.min_context}: a static graph cannot switch between dense and sparse "
-                "decode on the length (use min_context=0)")
-    other = sorted({kind for kind in layer_types if kind not in ("full_attention", "sliding_attention",
-                                                                  "chunked_attention")})
+        return (
+            f"min_context={locks.min_context}: a static graph cannot switch between dense and sparse "
+            "decode on the length (use min_context=0)"
+        )
+    other = sorted(
+        {kind for kind in layer_types if kind not in ("full_attention", "sliding_attention", "chunked_attention")}
+    )
     if other:
         return f"layer types {other} have no re-allocatable static layer"
     return None
@@ -87,8 +94,10 @@ def choose_layout(layout: str, locks: LocksConfig, layer_types: list[str] | None
     refusal = config_refusal(locks, layer_types)
     if layout == "static":
         if refusal:
-            raise LocksConfigError(f"the static layout cannot serve this configuration: {refusal}; "
-                                   "use layout='dynamic' (or the default 'auto')")
+            raise LocksConfigError(
+                f"the static layout cannot serve this configuration: {refusal}; "
+                "use layout='dynamic' (or the default 'auto')"
+            )
         return True
     if device_refusal() is not None:
         return False
@@ -155,7 +164,8 @@ class CapacityPlan:
         if not self.growable and total > (self.limit or capacity):
             raise ValueError(
                 f"the cache was created with max_cache_len={self.limit or capacity} tokens but {total} would be "
-                "written: create it with max_cache_len >= prompt length + max_new_tokens")
+                "written: create it with max_cache_len >= prompt length + max_new_tokens"
+            )
         if total <= capacity:
             return None
         # Geometric (each growth recompiles the decode step): doubling up to 64K slots, then +25% so
@@ -165,16 +175,21 @@ class CapacityPlan:
 
 
 # -- transformers' static layers: re-allocation --------------------------------------------------------------
-def build_static_layers(layer_types: list[str], layer_kwargs: list[dict], locks: LocksConfig, capacity: int,
-                        max_slots: int | None = None) -> list:
+def build_static_layers(
+    layer_types: list[str], layer_kwargs: list[dict], locks: LocksConfig, capacity: int, max_slots: int | None = None
+) -> list:
     """The static layers of a model: `LocksStaticLayer` for full attention, transformers' otherwise."""
-    return [LocksStaticLayer(capacity, locks, max_slots=max_slots) if kind == "full_attention"
-            else STATIC_LAYER_TYPE_MAPPING[kind](max_cache_len=capacity, **kw)
-            for kind, kw in zip(layer_types, layer_kwargs)]
+    return [
+        LocksStaticLayer(capacity, locks, max_slots=max_slots)
+        if kind == "full_attention"
+        else STATIC_LAYER_TYPE_MAPPING[kind](max_cache_len=capacity, **kw)
+        for kind, kw in zip(layer_types, layer_kwargs)
+    ]
 
 
-def reallocate_hf_layer(layer: StaticLayer, capacity: int | None = None, rows: torch.Tensor | None = None,
-                        window: int | None = None) -> None:
+def reallocate_hf_layer(
+    layer: StaticLayer, capacity: int | None = None, rows: torch.Tensor | None = None, window: int | None = None
+) -> None:
     """New buffers for one of transformers' static layers: ``capacity`` slots (a sliding layer keeps
     ``min(window, capacity)``) and/or the batch rows ``rows``; fresh tensors even when neither changes."""
     if not isinstance(layer, _RESIZABLE):

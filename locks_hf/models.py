@@ -203,15 +203,19 @@ def convert(name: str, cache_dir: str | os.PathLike | None = None, *, force: boo
         if info.prepend_bos:
             _force_bos(tokenizer)
         # transformers shows a tqdm bar ("Converting and de-quantizing GGUF tensors...").
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                     dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
         _as_plain_model(model)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         del model
-        marker = {"format": CACHE_FORMAT, "model": name, "source": f"{info.module}: {gguf.name}",
-                  "gguf_bytes": gguf.stat().st_size, "transformers": transformers.__version__,
-                  "seconds": round(time.perf_counter() - start, 1)}
+        marker = {
+            "format": CACHE_FORMAT,
+            "model": name,
+            "source": f"{info.module}: {gguf.name}",
+            "gguf_bytes": gguf.stat().st_size,
+            "transformers": transformers.__version__,
+            "seconds": round(time.perf_counter() - start, 1),
+        }
         shutil.rmtree(work)  # an assembled GGUF copy is not needed any more
         (tmp / _MARKER).write_text(json.dumps(marker, indent=1) + "\n")
         if target.exists():  # stale (invalid marker) or written by a concurrent conversion
@@ -268,7 +272,7 @@ def remove_stale_work(target: Path) -> list[Path]:
     name = target.name
     for kind in ("tmp", "old"):
         for folder in target.parent.glob(f"{_work_prefix(name, kind)}*"):
-            host, at, pid_and_suffix = folder.name[len(_work_prefix(name, kind)):].rpartition("@")
+            host, at, pid_and_suffix = folder.name[len(_work_prefix(name, kind)) :].rpartition("@")
             owner = f"{host}@{pid_and_suffix.split('-', 1)[0]}" if at else ""
             try:
                 age = time.time() - folder.stat().st_mtime
@@ -307,8 +311,14 @@ def _force_bos(tokenizer) -> None:
         pass
 
 
-def load_model(name: str = DEFAULT_MODEL, *, attn_implementation: str = "locks", dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", cache_dir: str | os.PathLike | None = None):
+def load_model(
+    name: str = DEFAULT_MODEL,
+    *,
+    attn_implementation: str = "locks",
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    cache_dir: str | os.PathLike | None = None,
+):
     """Load a supported real model and its tokenizer: ``(model, tokenizer)``, model in eval mode.
 
     Args:
@@ -364,9 +374,19 @@ def tiny_config(arch: str, **overrides):
     """The config of `tiny_model` (hidden 64, 4 query / 2 KV heads of 16, vocab 256)."""
     from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen3Config
 
-    common = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=16, num_hidden_layers=2, vocab_size=256, max_position_embeddings=4096,
-                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    common = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_hidden_layers=2,
+        vocab_size=256,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     cls: type[PretrainedConfig]
     extra: dict[str, Any]
     if arch == "llama":
@@ -405,6 +425,5 @@ def tiny_model(arch: str, *, attn_implementation: str = "locks", seed: int = 0, 
     config = tiny_config(arch, **overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
-                                                 dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
     return model.eval()

@@ -81,8 +81,10 @@ def check_model(config: PretrainedConfig) -> None:
     attention bypasses transformers' `AttentionInterface` (Falcon, GPT-J, CodeGen, ...) fail inside
     transformers while they are built (``KeyError: 'locks'``); this names the architecture first."""
     if not isinstance(config, PretrainedConfig):
-        raise TypeError(f"check_model takes a transformers config (e.g. AutoConfig.from_pretrained(name)), "
-                        f"got {type(config).__name__}")
+        raise TypeError(
+            f"check_model takes a transformers config (e.g. AutoConfig.from_pretrained(name)), "
+            f"got {type(config).__name__}"
+        )
     text_config = config.get_text_config(decoder=True)
     check_attention_dispatch(text_config)
     if text_config is not config:  # a composite model's class is named by the outer config's model type
@@ -123,8 +125,9 @@ def check_model_supported(config: PretrainedConfig, locks: LocksConfig) -> None:
     check_head_dim(locks, head_dim_of(config))
 
 
-def cache_model_mismatch(layer_idx: int, key_shape: torch.Size, n_layers: int | None,
-                         kv_heads: int | None, head_dim: int | None) -> str | None:
+def cache_model_mismatch(
+    layer_idx: int, key_shape: torch.Size, n_layers: int | None, kv_heads: int | None, head_dim: int | None
+) -> str | None:
     """Why keys of ``key_shape [b, h, t, d]`` for layer ``layer_idx`` do not belong to the model a cache
     was built for (``n_layers`` layers of ``kv_heads`` heads of ``head_dim``), or ``None``."""
     got = (layer_idx, key_shape[1], key_shape[-1])
@@ -134,5 +137,7 @@ def cache_model_mismatch(layer_idx: int, key_shape: torch.Size, n_layers: int | 
         what = f"{got[1]} KV heads of dim {got[2]} but the cache was built for {kv_heads} of dim {head_dim}"
     else:
         return None
-    return (f"this Locks cache was built from another model's config ({what}): build it from the "
-            "config of the model that uses it, e.g. LocksCache(model.config)")
+    return (
+        f"this Locks cache was built from another model's config ({what}): build it from the "
+        "config of the model that uses it, e.g. LocksCache(model.config)"
+    )

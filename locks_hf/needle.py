@@ -74,9 +74,17 @@ def _haystack_prefix(tokenizer, haystack: str, n_tokens: int) -> str:
         text = text + "\n\n" + haystack
 
 
-def build_needle_prompt(tokenizer, context_tokens: int = 8000, depth: float = 0.5, needle: str = NEEDLE,
-                        question: str = QUESTION, seed: int = 0, haystack_path: str | None = None,
-                        answer: str | None = None, instruction: str = INSTRUCTION) -> NeedlePrompt:
+def build_needle_prompt(
+    tokenizer,
+    context_tokens: int = 8000,
+    depth: float = 0.5,
+    needle: str = NEEDLE,
+    question: str = QUESTION,
+    seed: int = 0,
+    haystack_path: str | None = None,
+    answer: str | None = None,
+    instruction: str = INSTRUCTION,
+) -> NeedlePrompt:
     """A passkey prompt of about ``context_tokens`` tokens (within a few tokens), needle at ``depth``.
 
     Args:

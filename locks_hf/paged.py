@@ -34,7 +34,11 @@ def slot_validity(attention_mask: torch.Tensor | None, query_len: int, batch: in
     """
     if attention_mask is None:
         return torch.ones((batch, query_len), dtype=torch.bool, device=device)
-    mask = attention_mask if attention_mask.dtype == torch.bool else attention_mask > torch.finfo(attention_mask.dtype).min / 2
+    mask = (
+        attention_mask
+        if attention_mask.dtype == torch.bool
+        else attention_mask > torch.finfo(attention_mask.dtype).min / 2
+    )
     return mask[:, 0].any(dim=1)[:, -query_len:].expand(batch, query_len)
 
 

@@ -26,10 +26,18 @@ class LocksStaticCache(LocksCache):
 
     _growable = False
 
-    def __init__(self, config: PretrainedConfig, max_cache_len: int, locks: LocksConfig | None = None, *,
-                 max_budget: int | None = None, **overrides) -> None:
-        super().__init__(config, locks, max_cache_len=max_cache_len, max_budget=max_budget, layout="static",
-                         **overrides)
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        max_cache_len: int,
+        locks: LocksConfig | None = None,
+        *,
+        max_budget: int | None = None,
+        **overrides,
+    ) -> None:
+        super().__init__(
+            config, locks, max_cache_len=max_cache_len, max_budget=max_budget, layout="static", **overrides
+        )
 
     # -- one prefix, several decode settings (sweeps) -------------------------------------------------
     def mark_prefix(self) -> None:
@@ -37,8 +45,9 @@ class LocksStaticCache(LocksCache):
         prompt that several arms decode from). Layers that keep only a window (sliding-window
         attention) are copied here, since decode overwrites them; Locks layers copy nothing."""
         self._prefix_length = int(self.get_seq_length())
-        self._prefix_state = [None if isinstance(layer, LocksStaticLayer) else _window_state(layer)
-                              for layer in self.layers]
+        self._prefix_state = [
+            None if isinstance(layer, LocksStaticLayer) else _window_state(layer) for layer in self.layers
+        ]
 
     def rewind(self) -> None:
         """Back to the prefix of `mark_prefix`: the decode tail is forgotten, statistics restart at zero,
@@ -58,7 +67,9 @@ class LocksStaticCache(LocksCache):
 
         locks = arguments.locks_config(locks, "LocksStaticCache.set_config")
         if locks is None:
-            raise LocksConfigError("LocksStaticCache.set_config takes a LocksConfig or a label such as 'r8i4', got None")
+            raise LocksConfigError(
+                "LocksStaticCache.set_config takes a LocksConfig or a label such as 'r8i4', got None"
+            )
         self.locks_config = locks
         for layer in self.locks_layers:
             layer.set_config(locks)
@@ -73,12 +84,17 @@ class LocksStaticCache(LocksCache):
 def _window_state(layer) -> dict:
     """A copy of what a transformers static (or sliding-window) layer holds: its K/V and counters."""
     if type(layer) not in (StaticLayer, StaticSlidingWindowLayer):
-        raise ValueError(f"LocksStaticCache.mark_prefix cannot save a {type(layer).__name__} (its state is not "
-                         "only K/V): rewinding this model's cache is not supported")
+        raise ValueError(
+            f"LocksStaticCache.mark_prefix cannot save a {type(layer).__name__} (its state is not "
+            "only K/V): rewinding this model's cache is not supported"
+        )
     if not layer.is_initialized:
         return {}
-    return {name: value.clone() if torch.is_tensor(value) else value for name, value in vars(layer).items()
-            if name in ("keys", "values", "cumulative_length", "cumulative_length_int")}
+    return {
+        name: value.clone() if torch.is_tensor(value) else value
+        for name, value in vars(layer).items()
+        if name in ("keys", "values", "cumulative_length", "cumulative_length_int")
+    }
 
 
 def _restore_window_state(layer, state: dict) -> None:

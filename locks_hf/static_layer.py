@@ -87,20 +87,38 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
             self._mark_static()
 
     def _mark_static(self) -> None:
-        mark_static(self.keys, self.values, self.cumulative_length, *self._row_state().values(),
-                    self.length_t, self.counts, self.slots_t)
+        mark_static(
+            self.keys,
+            self.values,
+            self.cumulative_length,
+            *self._row_state().values(),
+            self.length_t,
+            self.counts,
+            self.slots_t,
+        )
 
     def kernel_buffers(self) -> dict[str, torch.Tensor | None] | None:
         """The buffers the kernels keep this layer's bookkeeping in (see `PagedLayer.kernel_buffers`):
         the page update writes ``n_complete`` when the selector keeps summaries."""
-        return {"row_start": self.row_start, "n_complete": self.n_complete if self.summary else None, "pad": self.pad,
-                "row_counts": self.row_counts, "selection": self.last_selection}
+        return {
+            "row_start": self.row_start,
+            "n_complete": self.n_complete if self.summary else None,
+            "pad": self.pad,
+            "row_counts": self.row_counts,
+            "selection": self.last_selection,
+        }
 
     def _row_state(self) -> dict[str, torch.Tensor]:
         """The per-row state (batch axis first) other than K/V, by attribute name (summaries as
         ``summary.<name>``)."""
-        state = {"slot_valid": self.slot_valid, "row_start": self.row_start, "pad": self.pad,
-                 "row_counts": self.row_counts, "last_selection": self.last_selection, "n_complete": self.n_complete}
+        state = {
+            "slot_valid": self.slot_valid,
+            "row_start": self.row_start,
+            "pad": self.pad,
+            "row_counts": self.row_counts,
+            "last_selection": self.last_selection,
+            "n_complete": self.n_complete,
+        }
         return {**state, **{f"summary.{n}": t for n, t in self.summary.items()}}
 
     def _new_summary(self) -> dict[str, torch.Tensor]:
@@ -110,15 +128,17 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         b, h, _, d = self.keys.shape
         B = self.config.page_size
         # The summary layout (names, shapes, dtypes) of one all-zero page, allocated for every page.
-        probe = self.summarize_pages(self.keys.new_zeros((b, h, 1, B, d)),
-                                torch.ones((b, h, 1, B), dtype=torch.bool, device=self.device))
+        probe = self.summarize_pages(
+            self.keys.new_zeros((b, h, 1, B, d)), torch.ones((b, h, 1, B), dtype=torch.bool, device=self.device)
+        )
         summary = {n: t.new_zeros((b, h, self.num_pages, *t.shape[3:])) for n, t in probe.items()}
         if not is_torchdynamo_compiling():
             mark_static(*summary.values())
         return summary
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.is_initialized and key_states.shape[0] != self.keys.shape[0]:
             raise ValueError(f"LocksStaticCache holds batch size {self.keys.shape[0]} but got {key_states.shape[0]}")
         t = key_states.shape[2]
@@ -127,7 +147,8 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
             if held + t > self.max_cache_len:
                 raise ValueError(
                     f"LocksStaticCache holds {self.max_cache_len} tokens but {held} + {t} were written: create it "
-                    "with max_cache_len >= prompt length + max_new_tokens")
+                    "with max_cache_len >= prompt length + max_new_tokens"
+                )
         keys, values = super().update(key_states, value_states, *args, **kwargs)
         self.length_t.copy_(self.cumulative_length.view(1))
         return keys, values
@@ -162,9 +183,13 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
 
     def _use_budget(self, config: LocksConfig) -> None:
         if config.page_slots > self.max_slots:
-            logger.info("LocksStaticLayer: page lists widened from %d to %d slots (a compiled step recompiles "
-                        "once; create the cache with max_budget >= %d to avoid it)", self.max_slots,
-                        config.page_slots, config.budget)
+            logger.info(
+                "LocksStaticLayer: page lists widened from %d to %d slots (a compiled step recompiles "
+                "once; create the cache with max_budget >= %d to avoid it)",
+                self.max_slots,
+                config.page_slots,
+                config.budget,
+            )
             self.max_slots = config.page_slots
         if self.slots_t is not None:
             self.slots_t.fill_(config.page_slots)
@@ -216,8 +241,9 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         end = int(self.cumulative_length)
         if attention_mask is not None:
             mask = attention_mask[..., :end]
-            self.slot_valid[:, end - query_len: end] = slot_validity(mask, query_len, self.row_start.shape[0],
-                                                                    self.device)
+            self.slot_valid[:, end - query_len : end] = slot_validity(
+                mask, query_len, self.row_start.shape[0], self.device
+            )
         slots = torch.arange(end, device=self.device)
         self.row_start.copy_(torch.where(self.slot_valid[:, :end], slots, end).amin(-1).to(torch.int32))
         self.pad.copy_((~self.slot_valid[:, :end]).sum(-1))
@@ -272,11 +298,14 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         self.batch_size = self.keys.shape[0]
         self.slot_valid = resized(pick(self.slot_valid), 1, cap, fill=True)
         self.row_start, self.pad, self.row_counts, self.n_complete = (
-            pick(t).clone() for t in (self.row_start, self.pad, self.row_counts, self.n_complete))
+            pick(t).clone() for t in (self.row_start, self.pad, self.row_counts, self.n_complete)
+        )
         self.last_selection = resized(pick(self.last_selection), 2, P, fill=False)
         self.summary = {n: resized(pick(t), 2, P) for n, t in self.summary.items()}
-        self._stored_layouts = {k: ({n: resized(pick(t), 2, P) for n, t in summary.items()}, built)
-                                for k, (summary, built) in self._stored_layouts.items()}
+        self._stored_layouts = {
+            k: ({n: resized(pick(t), 2, P) for n, t in summary.items()}, built)
+            for k, (summary, built) in self._stored_layouts.items()
+        }
         self.cumulative_length, self.length_t = self.cumulative_length.clone(), self.length_t.clone()
         self.counts, self.slots_t = self.counts.clone(), self.slots_t.clone()
         self._mark_static()
@@ -322,8 +351,18 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
             return
         idx = beam_idx.to(self.device)
         stored = [t for summary, _ in self._stored_layouts.values() for t in summary.values()]
-        for t in (self.keys, self.values, self.slot_valid, self.row_start, self.pad, self.last_selection,
-                  self.row_counts, self.n_complete, *self.summary.values(), *stored):
+        for t in (
+            self.keys,
+            self.values,
+            self.slot_valid,
+            self.row_start,
+            self.pad,
+            self.last_selection,
+            self.row_counts,
+            self.n_complete,
+            *self.summary.values(),
+            *stored,
+        ):
             t.copy_(t.index_select(0, idx))
 
     def reset(self) -> None:
@@ -371,11 +410,14 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         if config.page_size != self.config.page_size:
             raise LocksConfigError(
                 f"set_config: page_size {config.page_size} differs from the cache's {self.config.page_size}; "
-                "the page grid is fixed at creation")
+                "the page grid is fixed at creation"
+            )
         refuse_quantized(config, "LocksStaticCache")
         if config.selector not in static_selector_names() or config.min_context:
-            raise LocksConfigError(f"set_config: LocksStaticCache supports selector in {static_selector_names()} with "
-                                   f"min_context=0, got selector={config.selector!r} min_context={config.min_context}")
+            raise LocksConfigError(
+                f"set_config: LocksStaticCache supports selector in {static_selector_names()} with "
+                f"min_context=0, got selector={config.selector!r} min_context={config.min_context}"
+            )
         old, new = self.config.summary_layout, config.summary_layout
         self._use_budget(config)
         self.config, self.selector = config, make_selector(config)
@@ -387,8 +429,11 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         if new in self._stored_layouts:
             self.summary, built = self._stored_layouts.pop(new)
             # pages complete at min(built, length) are still those it summarized; later ones are stale
-            first = int(torch.div(min(built, length) - self.row_start, self.config.page_size,
-                                  rounding_mode="floor").clamp_min(0).min())
+            first = int(
+                torch.div(min(built, length) - self.row_start, self.config.page_size, rounding_mode="floor")
+                .clamp_min(0)
+                .min()
+            )
         else:
             self.summary, first = self._new_summary(), 0
         self._summarize_pages(first)

@@ -23,8 +23,9 @@ import torch
 from .quant import pack, quantize, unpack
 
 
-def summary_bytes(head_dim: int, page_size: int, rank: int, basis_bits: int = 4,
-                  coef_bits: int = 8, centroid_bits: int = 8) -> int:
+def summary_bytes(
+    head_dim: int, page_size: int, rank: int, basis_bits: int = 4, coef_bits: int = 8, centroid_bits: int = 8
+) -> int:
     """Bytes of one page's summary for one KV head: ``d*r/2 + B*r + d + 2*(r + B + 1)`` at i4.
 
     Unquantized (16-bit) parts count 2 bytes per entry and carry no scale.
@@ -40,8 +41,7 @@ def _compute_dtype(keys: torch.Tensor) -> torch.dtype:
     return torch.float64 if keys.dtype == torch.float64 else torch.float32
 
 
-def fit_pages(keys: torch.Tensor, valid: torch.Tensor, rank: int
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def fit_pages(keys: torch.Tensor, valid: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Unquantized page fit: centroid ``[..., d]``, basis rows ``[..., r, d]``, coefficients ``[..., B, r]``.
 
     ``keys`` is ``[..., B, d]``, ``valid`` ``[..., B]``; invalid (padding) slots take no part in the
@@ -66,8 +66,9 @@ def fit_pages(keys: torch.Tensor, valid: torch.Tensor, rank: int
     return torch.where(finite, mu, float("nan")), basis, coef
 
 
-def build_summary(keys: torch.Tensor, valid: torch.Tensor, rank: int, basis_bits: int = 4,
-                  coef_bits: int = 8, centroid_bits: int = 8) -> dict[str, torch.Tensor]:
+def build_summary(
+    keys: torch.Tensor, valid: torch.Tensor, rank: int, basis_bits: int = 4, coef_bits: int = 8, centroid_bits: int = 8
+) -> dict[str, torch.Tensor]:
     """Fit and store page summaries in the layout of the module docstring."""
     mu, basis, coef = fit_pages(keys, valid, rank)
     store = keys.dtype
@@ -90,8 +91,9 @@ def build_summary(keys: torch.Tensor, valid: torch.Tensor, rank: int, basis_bits
     return out
 
 
-def summary_factors(summary: dict[str, torch.Tensor], basis_bits: int, dtype: torch.dtype = torch.float32
-                    ) -> dict[str, torch.Tensor | None]:
+def summary_factors(
+    summary: dict[str, torch.Tensor], basis_bits: int, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor | None]:
     """Codes (or raw values) of ``mu``, ``basis``, ``coef`` in ``dtype`` and their scales (``None``
     when unquantized): the arguments of `estimated_page_lse`, with no dequantized copy made."""
     basis = summary["basis"]
@@ -105,12 +107,19 @@ def summary_factors(summary: dict[str, torch.Tensor], basis_bits: int, dtype: to
     return out
 
 
-def dequantize_summary(summary: dict[str, torch.Tensor], basis_bits: int, dtype: torch.dtype = torch.float32
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def dequantize_summary(
+    summary: dict[str, torch.Tensor], basis_bits: int, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Centroid ``[..., d]``, basis rows ``[..., r, d]``, coefficients ``[..., B, r]`` in ``dtype``."""
     f = summary_factors(summary, basis_bits, dtype)
     mu, basis, coef, mu_scale, basis_scale, coef_scale = (
-        f["mu"], f["basis"], f["coef"], f["mu_scale"], f["basis_scale"], f["coef_scale"])
+        f["mu"],
+        f["basis"],
+        f["coef"],
+        f["mu_scale"],
+        f["basis_scale"],
+        f["coef_scale"],
+    )
     assert mu is not None and basis is not None and coef is not None  # only the scales may be None
     # basis and coef carry one scale per row ([..., r] / [..., B]); mu one per page ([..., 1]).
     mu = mu if mu_scale is None else mu * mu_scale
@@ -124,10 +133,17 @@ def masked_lse(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits.masked_fill(~valid, float("-inf")), dim=-1)
 
 
-def estimated_page_lse(mu: torch.Tensor, basis: torch.Tensor, coef: torch.Tensor, valid: torch.Tensor,
-                       query: torch.Tensor, scale: float, mu_scale: torch.Tensor | None = None,
-                       basis_scale: torch.Tensor | None = None, coef_scale: torch.Tensor | None = None
-                       ) -> torch.Tensor:
+def estimated_page_lse(
+    mu: torch.Tensor,
+    basis: torch.Tensor,
+    coef: torch.Tensor,
+    valid: torch.Tensor,
+    query: torch.Tensor,
+    scale: float,
+    mu_scale: torch.Tensor | None = None,
+    basis_scale: torch.Tensor | None = None,
+    coef_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``s_hat_j(q) = scale * q.mu_j + LSE_i(scale * (V_j^T q) . c_i)`` over each page's real tokens.
 
     Shapes: ``mu [b, h, P, d]``, ``basis [b, h, P, r, d]``, ``coef [b, h, P, B, r]``,

@@ -102,8 +102,7 @@ class TokenPolicy(SelectionMethod):
         cached before it kept."""
         return PolicyState(self.full_mask(layer, query.shape[2]), layer.length - 1)
 
-    def select(self, layer, state: PolicyState, query: torch.Tensor, scale: float
-               ) -> tuple[torch.Tensor, int]:
+    def select(self, layer, state: PolicyState, query: torch.Tensor, scale: float) -> tuple[torch.Tensor, int]:
         """Slots this step attends, ``[b, h, 1 or G, L]``, and the bytes the choice read."""
         return state.keep, 0
 
@@ -141,8 +140,9 @@ def gather_slots(buf: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return buf.gather(2, index.unsqueeze(-1).expand(-1, -1, -1, buf.shape[-1]))
 
 
-def attend_slots(keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor, mask: torch.Tensor,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def attend_slots(
+    keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor, mask: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention of ``query [b, h, G, d]`` over the slots of ``mask [b, h, 1 or G, L]`` of
     ``keys``/``values [b, h, >=L, d]``: only the union of the group's slots is gathered.
 

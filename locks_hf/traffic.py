@@ -30,16 +30,18 @@ class SelectionReads:
 NOTHING = SelectionReads(summaries=False, key_tokens=0, every_key=False)
 
 
-def selection_reads(selector: SelectionMethod | None, complete_pages: int, written_tokens: int,
-                    page_size: int) -> SelectionReads:
+def selection_reads(
+    selector: SelectionMethod | None, complete_pages: int, written_tokens: int, page_size: int
+) -> SelectionReads:
     """The reads of a page selector's step with ``complete_pages`` pages summarized and
     ``written_tokens`` keys cached (``None``, a dense step: nothing)."""
     if selector is None:
         return NOTHING
     if selector.reads_keys:
         return SelectionReads(summaries=False, key_tokens=written_tokens, every_key=True)
-    return SelectionReads(summaries=True, key_tokens=selector.candidate_key_pages(complete_pages) * page_size,
-                          every_key=False)
+    return SelectionReads(
+        summaries=True, key_tokens=selector.candidate_key_pages(complete_pages) * page_size, every_key=False
+    )
 
 
 def selection_read_bytes(reads: SelectionReads, summary_bytes: float, key_bytes: float) -> float:

@@ -59,18 +59,28 @@ def main(argv=None) -> None:
                 token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
                 if step >= 2:  # warm-up: the first step also builds the summaries
                     times.append(time.perf_counter() - t0)
-        rows.append({"arm": name, "median_ms": 1e3 * statistics.median(times),
-                     "attended": cache.attended_fraction()})
+        rows.append({"arm": name, "median_ms": 1e3 * statistics.median(times), "attended": cache.attended_fraction()})
     dense = rows[0]["median_ms"]
-    print(f"\n{args.model}, context {ids.shape[1]} tokens, {torch.get_num_threads()} threads, "
-          f"prefill {prefill_s:.1f} s, median of {args.steps} steps\n")
+    print(
+        f"\n{args.model}, context {ids.shape[1]} tokens, {torch.get_num_threads()} threads, "
+        f"prefill {prefill_s:.1f} s, median of {args.steps} steps\n"
+    )
     print("| arm | decode step (ms) | vs dense | tokens attended |")
     print("|---|---|---|---|")
     for r in rows:
         print(f"| {r['arm']} | {r['median_ms']:.1f} | {dense / r['median_ms']:.2f}x | {r['attended']:.3f} |")
     with open(args.json, "w") as f:
-        json.dump({"model": args.model, "context": ids.shape[1], "threads": torch.get_num_threads(),
-                   "prefill_s": prefill_s, "rows": rows}, f, indent=1)
+        json.dump(
+            {
+                "model": args.model,
+                "context": ids.shape[1],
+                "threads": torch.get_num_threads(),
+                "prefill_s": prefill_s,
+                "rows": rows,
+            },
+            f,
+            indent=1,
+        )
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ def _load_locks_hf():
     """Import ``locks_hf`` (+ ``locks_hf.kernels``); without transformers, skip the package ``__init__``."""
     try:
         import locks_hf.kernels  # noqa: F401
+
         return
     except Exception:  # not installed, or transformers missing / of another version
         for name in [n for n in sys.modules if n == "locks_hf" or n.startswith("locks_hf.")]:
@@ -48,8 +49,9 @@ def _load_locks_hf():
     pkg = types.ModuleType("locks_hf")
     pkg.__path__ = [str(ROOT / "locks_hf")]
     sys.modules["locks_hf"] = pkg
-    spec = importlib.util.spec_from_file_location("locks_hf.kernels", ROOT / "kernels" / "__init__.py",
-                                                  submodule_search_locations=[str(ROOT / "kernels")])
+    spec = importlib.util.spec_from_file_location(
+        "locks_hf.kernels", ROOT / "kernels" / "__init__.py", submodule_search_locations=[str(ROOT / "kernels")]
+    )
     mod = importlib.util.module_from_spec(spec)
     sys.modules["locks_hf.kernels"] = mod
     spec.loader.exec_module(mod)
@@ -138,8 +140,13 @@ def time_graph(fns, reps: int = 30, warmup: int = 3, min_ms: float = 1.0) -> dic
             f()
     s1.record()
     torch.cuda.synchronize()
-    return {"ms": statistics.median(times), "ms_min": min(times), "ms_max": max(times),
-            "eager_ms": s0.elapsed_time(s1) / (3 * len(fns)), "calls_per_replay": rounds * len(fns)}
+    return {
+        "ms": statistics.median(times),
+        "ms_min": min(times),
+        "ms_max": max(times),
+        "eager_ms": s0.elapsed_time(s1) / (3 * len(fns)),
+        "calls_per_replay": rounds * len(fns),
+    }
 
 
 def measure_bandwidth() -> dict:
@@ -175,8 +182,14 @@ class CacheSet:
         self.summaries: dict[str, dict] = {}
 
     def kw(self):
-        return dict(slot_valid=self.slot_valid, row_start=self.row_start, n_complete=self.n_complete,
-                    length=self.length, n_pages=self.P, page_size=B)
+        return dict(
+            slot_valid=self.slot_valid,
+            row_start=self.row_start,
+            n_complete=self.n_complete,
+            length=self.length,
+            n_pages=self.P,
+            page_size=B,
+        )
 
     def build(self, labels: list[tuple[int, int]]) -> float:
         """Locks summaries for every (rank, bits) label from one eigendecomposition; Quest's min/max."""
@@ -202,8 +215,16 @@ class CacheSet:
 class Step:
     """Closures for one cache copy and one method: score, select, attend, and all three."""
 
-    def __init__(self, c: CacheSet, method: str, summary: dict | None, bits: int, slots: int, scale: float,
-                 score_cfg: dict | None = None):
+    def __init__(
+        self,
+        c: CacheSet,
+        method: str,
+        summary: dict | None,
+        bits: int,
+        slots: int,
+        scale: float,
+        score_cfg: dict | None = None,
+    ):
         self.c, self.method, self.summary, self.bits, self.slots, self.scale = c, method, summary, bits, slots, scale
         self.score_cfg = score_cfg or {}
         self.scores, self.partials = self.score()
@@ -212,26 +233,68 @@ class Step:
 
     def score(self):
         c = self.c
-        return score_pages("quest" if self.method == "quest" else self.method, c.query, summary=self.summary,
-                           keys=c.keys, scale=self.scale, basis_bits=self.bits, **c.kw(), **self.score_cfg)
+        return score_pages(
+            "quest" if self.method == "quest" else self.method,
+            c.query,
+            summary=self.summary,
+            keys=c.keys,
+            scale=self.scale,
+            basis_bits=self.bits,
+            **c.kw(),
+            **self.score_cfg,
+        )
 
     def select(self):
         c = self.c
-        return select_pages(self.scores, self.partials, slots=self.slots, per_head=self.method == "quest",
-                            row_start=c.row_start, length=c.length, heads=c.h, page_size=B)
+        return select_pages(
+            self.scores,
+            self.partials,
+            slots=self.slots,
+            per_head=self.method == "quest",
+            row_start=c.row_start,
+            length=c.length,
+            heads=c.h,
+            page_size=B,
+        )
 
     def attend(self):
         c = self.c
-        return sparse_attention(c.query, c.keys, c.values, self.pages, slot_valid=c.slot_valid,
-                                row_start=c.row_start, length=c.length, scale=self.scale, page_size=B)
+        return sparse_attention(
+            c.query,
+            c.keys,
+            c.values,
+            self.pages,
+            slot_valid=c.slot_valid,
+            row_start=c.row_start,
+            length=c.length,
+            scale=self.scale,
+            page_size=B,
+        )
 
     def total(self):
         s, p = self.score()
-        pages = select_pages(s, p, slots=self.slots, per_head=self.method == "quest", row_start=self.c.row_start,
-                             length=self.c.length, heads=self.c.h, page_size=B)
+        pages = select_pages(
+            s,
+            p,
+            slots=self.slots,
+            per_head=self.method == "quest",
+            row_start=self.c.row_start,
+            length=self.c.length,
+            heads=self.c.h,
+            page_size=B,
+        )
         c = self.c
-        return sparse_attention(c.query, c.keys, c.values, pages, slot_valid=c.slot_valid, row_start=c.row_start,
-                                length=c.length, scale=self.scale, page_size=B)
+        return sparse_attention(
+            c.query,
+            c.keys,
+            c.values,
+            pages,
+            slot_valid=c.slot_valid,
+            row_start=c.row_start,
+            length=c.length,
+            scale=self.scale,
+            page_size=B,
+        )
 
 
 def dense_fns(sets: list[CacheSet], scale: float) -> dict:
@@ -240,33 +303,56 @@ def dense_fns(sets: list[CacheSet], scale: float) -> dict:
 
     F = torch.nn.functional
     out = {}
-    for name, backend in [("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION),
-                          ("cudnn", SDPBackend.CUDNN_ATTENTION), ("math", SDPBackend.MATH)]:
+    for name, backend in [
+        ("flash", SDPBackend.FLASH_ATTENTION),
+        ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+        ("cudnn", SDPBackend.CUDNN_ATTENTION),
+        ("math", SDPBackend.MATH),
+    ]:
         for layout in ("gqa", "rows"):
+
             def make(c, backend=backend, layout=layout):
                 if layout == "gqa":
+
                     def f():
                         with sdpa_kernel(backend):
-                            return F.scaled_dot_product_attention(c.query, c.keys, c.values, scale=scale, enable_gqa=True)
+                            return F.scaled_dot_product_attention(
+                                c.query, c.keys, c.values, scale=scale, enable_gqa=True
+                            )
                 else:  # the G query heads of a KV head as G query rows: one read of each K/V head
                     q = c.query.view(c.batch, c.h, c.hq // c.h, c.d)
 
                     def f():
                         with sdpa_kernel(backend):
                             return F.scaled_dot_product_attention(q, c.keys, c.values, scale=scale)
+
                 return f
+
             out[f"sdpa-{name}-{layout}"] = [make(c) for c in sets]
 
     def ours(c):  # our split-K attention kernel over every page (the static cache's "full" decode)
-        return lambda: sparse_attention(c.query, c.keys, c.values, None, n_pages=c.P, slot_valid=c.slot_valid,
-                                        row_start=c.row_start, length=c.length, scale=scale, page_size=B)
+        return lambda: sparse_attention(
+            c.query,
+            c.keys,
+            c.values,
+            None,
+            n_pages=c.P,
+            slot_valid=c.slot_valid,
+            row_start=c.row_start,
+            length=c.length,
+            scale=scale,
+            page_size=B,
+        )
+
     out["locks-dense-kernel"] = [ours(c) for c in sets]
 
     from torch.nn.attention.flex_attention import flex_attention
+
     flex = torch.compile(flex_attention, dynamic=False)  # eager flex_attention is a reference loop
 
     def flexed(c):
         return lambda: flex(c.query, c.keys, c.values, scale=scale, enable_gqa=True)
+
     out["flex-attention"] = [flexed(c) for c in sets]
     return out
 
@@ -280,16 +366,23 @@ def prefill_layer_ms(model: str, T: int) -> float:
     F = torch.nn.functional
     dev, dt = "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
-    w = {n: torch.randn(s, device=dev, dtype=dt, generator=g) * 0.02 for n, s in {
-        "qkv": (hidden, (hq + 2 * h) * d), "o": (hq * d, hidden), "gu": (hidden, 2 * ffn), "down": (ffn, hidden)}.items()}
+    w = {
+        n: torch.randn(s, device=dev, dtype=dt, generator=g) * 0.02
+        for n, s in {
+            "qkv": (hidden, (hq + 2 * h) * d),
+            "o": (hq * d, hidden),
+            "gu": (hidden, 2 * ffn),
+            "down": (ffn, hidden),
+        }.items()
+    }
     x = torch.randn((T, hidden), device=dev, dtype=dt, generator=g)
 
     def layer():
         y = F.rms_norm(x, (hidden,))
         qkv = y @ w["qkv"]
         q = qkv[:, : hq * d].view(1, T, hq, d).transpose(1, 2)
-        k = qkv[:, hq * d: (hq + h) * d].view(1, T, h, d).transpose(1, 2)
-        v = qkv[:, (hq + h) * d:].view(1, T, h, d).transpose(1, 2)
+        k = qkv[:, hq * d : (hq + h) * d].view(1, T, h, d).transpose(1, 2)
+        v = qkv[:, (hq + h) * d :].view(1, T, h, d).transpose(1, 2)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         x2 = x + a.transpose(1, 2).reshape(T, hq * d) @ w["o"]
         y2 = F.rms_norm(x2, (hidden,))
@@ -318,8 +411,10 @@ def build_cost(model: str, T: int, labels) -> dict:
     valid = torch.ones((1, 1, 1, B), device=DEV, dtype=torch.bool).expand(1, h, T // B, B)
     res = {}
     for r, bits in labels:
+
         def run(r=r, bits=bits):
             return K.build_summary(pages, valid, r, bits)
+
         run()
         torch.cuda.synchronize()
         ts = []
@@ -333,6 +428,7 @@ def build_cost(model: str, T: int, labels) -> dict:
     gram = torch.randn((1, h, T // B, B, B), device=DEV)
     gram = gram @ gram.transpose(-1, -2)
     from locks_hf.kernels.eigh import sym_eigh
+
     sym_eigh(gram)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -356,12 +452,22 @@ def build_cost(model: str, T: int, labels) -> dict:
 # ----------------------------------------------------------------------------------------------
 # main benchmark
 # ----------------------------------------------------------------------------------------------
-def bench_config(model: str, length: int, batch: int, budget: int, labels, bw: float, log, score_cfgs: dict,
-                 reps: int, dense_all: bool) -> list[dict]:
+def bench_config(
+    model: str,
+    length: int,
+    batch: int,
+    budget: int,
+    labels,
+    bw: float,
+    log,
+    score_cfgs: dict,
+    reps: int,
+    dense_all: bool,
+) -> list[dict]:
     hq, h, d, _, _ = MODELS[model]
     P = length // B
     slots = math.ceil(budget / B)
-    scale = d ** -0.5
+    scale = d**-0.5
     kv_bytes = batch * h * length * d * 2 * 2
     touched = batch * h * (P * 490 + slots * B * d * 4)
     nbuf = max(2, min(16, math.ceil(L2_TARGET / touched)))
@@ -376,8 +482,9 @@ def bench_config(model: str, length: int, batch: int, budget: int, labels, bw: f
     # dense: every backend/layout, keep the fastest
     dense = {}
     for name, fns in dense_fns(sets, scale).items():
-        if ("math" in name and length > (128 << 10) or name == "flex-attention" and length > (512 << 10)) \
-                and not dense_all:
+        if (
+            "math" in name and length > (128 << 10) or name == "flex-attention" and length > (512 << 10)
+        ) and not dense_all:
             continue  # far from the best dense (math: 10-100x; FlexAttention: 35x at 512K) and slow to time
         try:
             dense[name] = time_graph(fns, reps=reps)["ms"]
@@ -389,8 +496,10 @@ def bench_config(model: str, length: int, batch: int, budget: int, labels, bw: f
     best = min(ok, key=ok.get)
     dense_ms = ok[best]
     dense_floor = kv_bytes / (bw * 1e9)
-    log(f"{model} {fmt_ctx(length)} b{batch}: dense {best} {dense_ms:.4f} ms (floor {dense_floor:.4f}); "
-        + ", ".join(f"{k}={v:.4f}" for k, v in ok.items()))
+    log(
+        f"{model} {fmt_ctx(length)} b{batch}: dense {best} {dense_ms:.4f} ms (floor {dense_floor:.4f}); "
+        + ", ".join(f"{k}={v:.4f}" for k, v in ok.items())
+    )
 
     arms = [(f"r{r}i{bits}", "locks", bits) for r, bits in labels] + [("quest", "quest", 16)]
     for label, method, bits in arms:
@@ -410,18 +519,37 @@ def bench_config(model: str, length: int, batch: int, budget: int, labels, bw: f
         kv_sel = batch * h * attended * B * d * 4
         floor = (summ_bytes + kv_sel) / (bw * 1e9)
         score_floor = summ_bytes / (bw * 1e9)
-        row = dict(base, arm=label, score_ms=t["score"]["ms"], select_ms=t["select"]["ms"], attend_ms=t["attend"]["ms"],
-                   total_ms=t["total"]["ms"], total_eager_ms=t["total"]["eager_ms"], total_ms_min=t["total"]["ms_min"],
-                   total_ms_max=t["total"]["ms_max"], dense_ms=dense_ms, dense_backend=best, dense_candidates_ms=ok,
-                   dense_floor_ms=dense_floor,
-                   floor_ms=floor, score_floor_ms=score_floor, speedup=dense_ms / t["total"]["ms"],
-                   over_floor=t["total"]["ms"] / floor, score_ns_per_page=t["score"]["ms"] * 1e6 / (batch * h * P),
-                   pages_attended=attended, width=width, summary_build_ms=build_ms, score_cfg=cfg,
-                   score_gbps=summ_bytes / t["score"]["ms"] / 1e6)
+        row = dict(
+            base,
+            arm=label,
+            score_ms=t["score"]["ms"],
+            select_ms=t["select"]["ms"],
+            attend_ms=t["attend"]["ms"],
+            total_ms=t["total"]["ms"],
+            total_eager_ms=t["total"]["eager_ms"],
+            total_ms_min=t["total"]["ms_min"],
+            total_ms_max=t["total"]["ms_max"],
+            dense_ms=dense_ms,
+            dense_backend=best,
+            dense_candidates_ms=ok,
+            dense_floor_ms=dense_floor,
+            floor_ms=floor,
+            score_floor_ms=score_floor,
+            speedup=dense_ms / t["total"]["ms"],
+            over_floor=t["total"]["ms"] / floor,
+            score_ns_per_page=t["score"]["ms"] * 1e6 / (batch * h * P),
+            pages_attended=attended,
+            width=width,
+            summary_build_ms=build_ms,
+            score_cfg=cfg,
+            score_gbps=summ_bytes / t["score"]["ms"] / 1e6,
+        )
         rows.append(row)
-        log(f"  {label:6s} score {row['score_ms']:.4f} select {row['select_ms']:.4f} attend {row['attend_ms']:.4f} "
+        log(
+            f"  {label:6s} score {row['score_ms']:.4f} select {row['select_ms']:.4f} attend {row['attend_ms']:.4f} "
             f"total {row['total_ms']:.4f} (eager {row['total_eager_ms']:.4f}) floor {floor:.4f} "
-            f"x{row['speedup']:.1f} vs dense, {row['over_floor']:.2f}x floor, score {row['score_gbps']:.0f} GB/s")
+            f"x{row['speedup']:.1f} vs dense, {row['over_floor']:.2f}x floor, score {row['score_gbps']:.0f} GB/s"
+        )
         del steps
     del sets
     torch.cuda.empty_cache()
@@ -438,19 +566,37 @@ def sweep_score(model: str, length: int, label: str, log, reps: int, variants=("
     for s in sets:
         s.build([(r, bits)])
     G = hq // h
-    cands = [dict(variant="dot", block_pages=bp, sub_blocks=ns, num_warps=nw, num_stages=st, by_token=bt)
-             for bp, ns, nw, st, bt in [(16, 8, 4, 2, False), (32, 8, 4, 2, False), (32, 4, 4, 3, False),
-                                        (32, 8, 4, 2, True), (64, 8, 4, 2, True), (32, 8, 8, 2, True),
-                                        (128, 4, 4, 2, True), (64, 4, 8, 2, True), (16, 8, 4, 2, True)]
-             if not (G >= 16 and bp > 32 and not bt)]
-    cands += [dict(variant="fma"), dict(variant="fma", block_pages=256, num_warps=8),
-              dict(variant="fma", sub_blocks=2), dict(variant="fma", maxnreg=128),
-              dict(variant="fma", block_pages=256, num_warps=8, maxnreg=128)]
+    cands = [
+        dict(variant="dot", block_pages=bp, sub_blocks=ns, num_warps=nw, num_stages=st, by_token=bt)
+        for bp, ns, nw, st, bt in [
+            (16, 8, 4, 2, False),
+            (32, 8, 4, 2, False),
+            (32, 4, 4, 3, False),
+            (32, 8, 4, 2, True),
+            (64, 8, 4, 2, True),
+            (32, 8, 8, 2, True),
+            (128, 4, 4, 2, True),
+            (64, 4, 8, 2, True),
+            (16, 8, 4, 2, True),
+        ]
+        if not (G >= 16 and bp > 32 and not bt)
+    ]
+    cands += [
+        dict(variant="fma"),
+        dict(variant="fma", block_pages=256, num_warps=8),
+        dict(variant="fma", sub_blocks=2),
+        dict(variant="fma", maxnreg=128),
+        dict(variant="fma", block_pages=256, num_warps=8, maxnreg=128),
+    ]
     best, best_ms, res = None, float("inf"), []
     for cfg in [c for c in cands if c["variant"] in variants]:
         try:
-            fns = [lambda s=s, cfg=cfg: score_pages("locks", s.query, summary=s.summaries[label], scale=0.1,
-                                                     basis_bits=bits, **s.kw(), **cfg) for s in sets]
+            fns = [
+                lambda s=s, cfg=cfg: score_pages(
+                    "locks", s.query, summary=s.summaries[label], scale=0.1, basis_bits=bits, **s.kw(), **cfg
+                )
+                for s in sets
+            ]
             ms = time_graph(fns, reps=reps)["ms"]
         except Exception as e:
             log(f"  sweep {cfg}: {type(e).__name__} {str(e)[:100]}")
@@ -465,15 +611,20 @@ def sweep_score(model: str, length: int, label: str, log, reps: int, variants=("
 
 
 def markdown(rows: list[dict], bw: float, extra: dict) -> str:
-    out = [f"Device bandwidth used for floors: {bw:.2f} TB/s (measured; see json).", "",
-           "| model | ctx | batch | arm | score ms | select ms | attend ms | **total ms** | byte floor ms | total/floor "
-           "| best dense ms (backend) | **speedup vs dense** | eager total ms |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        f"Device bandwidth used for floors: {bw:.2f} TB/s (measured; see json).",
+        "",
+        "| model | ctx | batch | arm | score ms | select ms | attend ms | **total ms** | byte floor ms | total/floor "
+        "| best dense ms (backend) | **speedup vs dense** | eager total ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        out.append(f"| {r['model']} | {fmt_ctx(r['context'])} | {r['batch']} | {r['arm']} | {r['score_ms']:.4f} | "
-                   f"{r['select_ms']:.4f} | {r['attend_ms']:.4f} | **{r['total_ms']:.4f}** | {r['floor_ms']:.4f} | "
-                   f"{r['over_floor']:.2f} | {r['dense_ms']:.4f} ({r['dense_backend']}) | **{r['speedup']:.1f}x** | "
-                   f"{r['total_eager_ms']:.4f} |")
+        out.append(
+            f"| {r['model']} | {fmt_ctx(r['context'])} | {r['batch']} | {r['arm']} | {r['score_ms']:.4f} | "
+            f"{r['select_ms']:.4f} | {r['attend_ms']:.4f} | **{r['total_ms']:.4f}** | {r['floor_ms']:.4f} | "
+            f"{r['over_floor']:.2f} | {r['dense_ms']:.4f} ({r['dense_backend']}) | **{r['speedup']:.1f}x** | "
+            f"{r['total_eager_ms']:.4f} |"
+        )
     return "\n".join(out)
 
 
@@ -492,8 +643,9 @@ def main(argv=None):
     ap.add_argument("--sweep-variants", default="dot,fma", help="scoring variants the sweep tries")
     ap.add_argument("--build", action="store_true", help="summary build vs one prefill layer at --build-context")
     ap.add_argument("--build-context", default="128K")
-    ap.add_argument("--dense-all", action="store_true",
-                    help="also time the math SDPA backend past 128K and FlexAttention past 512K")
+    ap.add_argument(
+        "--dense-all", action="store_true", help="also time the math SDPA backend past 128K and FlexAttention past 512K"
+    )
     ap.add_argument("--out", default="bench_decode.json")
     ap.add_argument("--md", default=None)
     args = ap.parse_args(argv)
@@ -508,8 +660,13 @@ def main(argv=None):
         log_lines.append(msg)
 
     dev = torch.cuda.get_device_properties(0)
-    info = {"device": dev.name, "sms": dev.multi_processor_count, "torch": torch.__version__,
-            "triton": triton.__version__, "command": " ".join(sys.argv)}
+    info = {
+        "device": dev.name,
+        "sms": dev.multi_processor_count,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "command": " ".join(sys.argv),
+    }
     log(json.dumps(info))
     result = {"info": info, "rows": [], "checks": [], "build": {}, "sweep": {}}
 
@@ -522,7 +679,7 @@ def main(argv=None):
     result["bandwidth"] = bwi
     log(f"bandwidth: copy {bwi['copy_tbps']:.2f} TB/s, read {bwi['read_tbps']:.2f} TB/s -> floors at {bw:.2f} TB/s")
     models = args.models.split(",")
-    labels = [(int(x[1:x.index("i")]), int(x[x.index("i") + 1:])) for x in args.labels.split(",")]
+    labels = [(int(x[1 : x.index("i")]), int(x[x.index("i") + 1 :])) for x in args.labels.split(",")]
 
     if args.check:  # the float64 checks at real shapes are GPU tests; their verdict goes in the json
         import pytest
@@ -537,8 +694,7 @@ def main(argv=None):
         for m in models:
             for label in args.sweep_labels.split(","):
                 try:
-                    sw = sweep_score(m, 512 << 10, label, log, reps=10,
-                                     variants=tuple(args.sweep_variants.split(",")))
+                    sw = sweep_score(m, 512 << 10, label, log, reps=10, variants=tuple(args.sweep_variants.split(",")))
                 except Exception as e:
                     log(f"SWEEP FAILED {m} {label}: {type(e).__name__}: {str(e)[-300:]}")
                     continue
@@ -555,10 +711,16 @@ def main(argv=None):
             except Exception as e:
                 log(f"BUILD FAILED {m}: {type(e).__name__}: {str(e)[-300:]}")
                 continue
-            result["build"][m] = {"context": T, "prefill_layer_ms": pre, **{f"build_{k}_ms": v for k, v in bc.items()},
-                                  **{f"build_{k}_share": v / pre for k, v in bc.items()}}
-            log(f"build {m} {fmt_ctx(T)}: prefill layer {pre:.1f} ms; " +
-                ", ".join(f"{k} {v:.2f} ms ({100 * v / pre:.2f}%)" for k, v in bc.items()))
+            result["build"][m] = {
+                "context": T,
+                "prefill_layer_ms": pre,
+                **{f"build_{k}_ms": v for k, v in bc.items()},
+                **{f"build_{k}_share": v / pre for k, v in bc.items()},
+            }
+            log(
+                f"build {m} {fmt_ctx(T)}: prefill layer {pre:.1f} ms; "
+                + ", ".join(f"{k} {v:.2f} ms ({100 * v / pre:.2f}%)" for k, v in bc.items())
+            )
             save()
     for batch in [int(x) for x in args.batch.split(",")]:
         for m in models:
@@ -567,8 +729,9 @@ def main(argv=None):
                 if batch > 1 and L > parse_ctx(args.max_context_batched):
                     continue
                 try:
-                    result["rows"] += bench_config(m, L, batch, args.budget, labels, bw, log, score_cfgs, args.reps,
-                                                   args.dense_all)
+                    result["rows"] += bench_config(
+                        m, L, batch, args.budget, labels, bw, log, score_cfgs, args.reps, args.dense_all
+                    )
                 except Exception as e:
                     log(f"CONFIG FAILED {m} {ctx} batch {batch}: {type(e).__name__}: {str(e)[-300:]}")
                     torch.cuda.empty_cache()

@@ -39,14 +39,35 @@ from locks_hf import LocksCache, LocksConfig, LocksStaticCache, traffic
 from locks_hf.selectors import config_for_family, make_selector
 
 SHAPES = {
-    "llama3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                        num_key_value_heads=8, head_dim=128, vocab_size=128256),
+    "llama3.1-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+    ),
     # GLM-4-9B-Chat-1M: the paper's headline efficiency model (40 layers, 32 query / 2 KV heads); a Llama
     # block of its shape (GLM's partial RoPE does not change the cost of a decode step).
-    "glm4-9b": dict(hidden_size=4096, intermediate_size=13696, num_hidden_layers=40, num_attention_heads=32,
-                    num_key_value_heads=2, head_dim=128, vocab_size=151552),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, vocab_size=256),
+    "glm4-9b": dict(
+        hidden_size=4096,
+        intermediate_size=13696,
+        num_hidden_layers=40,
+        num_attention_heads=32,
+        num_key_value_heads=2,
+        head_dim=128,
+        vocab_size=151552,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+    ),
 }
 
 
@@ -62,8 +83,14 @@ def synthetic_prefill(cache, config, n_tokens: int, device, dtype, page_size: in
     gen = torch.Generator(device=device).manual_seed(0)
     for idx in range(config.num_hidden_layers):
         pages = n_tokens // B
-        keys = (torch.randn(1, h, pages, 1, d, device=device, generator=gen) * 2
-                + torch.randn(1, h, pages, B, d, device=device, generator=gen)).flatten(2, 3).to(dtype)
+        keys = (
+            (
+                torch.randn(1, h, pages, 1, d, device=device, generator=gen) * 2
+                + torch.randn(1, h, pages, B, d, device=device, generator=gen)
+            )
+            .flatten(2, 3)
+            .to(dtype)
+        )
         values = torch.randn(1, h, n_tokens, d, device=device, generator=gen, dtype=dtype)
         cache.update(keys, values, idx)
         layer = cache.layers[idx]
@@ -72,7 +99,7 @@ def synthetic_prefill(cache, config, n_tokens: int, device, dtype, page_size: in
             # what a real prefill also leaves: the last prompt queries (RocketKV's SnapKV stage, TriAttention's
             # statistics) and, after KVzip's reconstruction passes, its scores (random here: the cost is the same)
             queries = torch.randn(1, config.num_attention_heads, 32, d, device=device, generator=gen).to(dtype)
-            layer.observe_prompt_queries(queries, d ** -0.5)
+            layer.observe_prompt_queries(queries, d**-0.5)
             if hasattr(layer, "prefill_scores"):
                 layer.prefill_scores["kvzip"] = torch.rand(1, h, n_tokens, device=device, generator=gen)
         del keys, values
@@ -101,8 +128,9 @@ def read_bytes_per_step(locks: LocksConfig, config, context: int, dtype: torch.d
     pages = context // B
     reads = traffic.selection_reads(selector, pages, context, B)
     probe = selector.summarize(torch.zeros(1, 1, 1, B, d, dtype=dtype), torch.ones(1, 1, 1, B, dtype=torch.bool))
-    estimate = traffic.selection_read_bytes(reads, pages * sum(t.numel() * t.element_size() for t in probe.values()),
-                                            token)
+    estimate = traffic.selection_read_bytes(
+        reads, pages * sum(t.numel() * t.element_size() for t in probe.values()), token
+    )
     return n * h * (estimate + traffic.attended_kv_bytes(locks.page_slots * B, token, token))
 
 
@@ -194,8 +222,10 @@ def profile_step(stepper: Stepper, steps: int, top: int = 12) -> dict:
     events.sort(key=lambda e: -e.device_time_total)
     total = sum(e.device_time_total for e in events) / steps / 1e3
     kernels = sum(e.count for e in events) / steps
-    rows = [{"name": e.key[:90], "ms_per_step": e.device_time_total / steps / 1e3, "per_step": e.count / steps}
-            for e in events[:top]]
+    rows = [
+        {"name": e.key[:90], "ms_per_step": e.device_time_total / steps / 1e3, "per_step": e.count / steps}
+        for e in events[:top]
+    ]
     print(f"  profile: {kernels:.0f} kernels/step, {total:.2f} ms GPU kernel time/step")
     for r in rows:
         print(f"    {r['ms_per_step']:8.3f} ms  x{r['per_step']:5.0f}  {r['name']}")
@@ -207,10 +237,13 @@ def main(argv=None) -> None:
     ap.add_argument("--shape", default="llama3.1-8b", choices=list(SHAPES))
     ap.add_argument("--contexts", default="128K,512K")
     ap.add_argument("--budget", type=int, default=2048)
-    ap.add_argument("--arms", default="full,r4i4,r8i4,quest",
-                    help=f"comma list: full (dense), {HF_STATIC} (transformers' StaticCache; with graphs), quest, "
-                         "oracle, Locks labels (r4i4, ...), the baselines (rocketkv, shadowkv, kvzip, rkv, triattention, "
-                         "lazy_eviction; eager only)")
+    ap.add_argument(
+        "--arms",
+        default="full,r4i4,r8i4,quest",
+        help=f"comma list: full (dense), {HF_STATIC} (transformers' StaticCache; with graphs), quest, "
+        "oracle, Locks labels (r4i4, ...), the baselines (rocketkv, shadowkv, kvzip, rkv, triattention, "
+        "lazy_eviction; eager only)",
+    )
     ap.add_argument("--graphs", default="none", choices=["none", "cuda", "compile"])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
@@ -254,14 +287,26 @@ def main(argv=None) -> None:
                 times = time_steps(stepper, args.steps)
                 med = statistics.median(times)
                 attended = cache.attended_fraction() if hasattr(cache, "attended_fraction") else 1.0
-                rows.append({"context": ctx, "arm": name, "median_ms": med, "tokens_per_s": 1e3 / med,
-                             "attended": attended, "read_bytes": read_bytes_per_step(locks, config, ctx, dtype), "replay_vs_eager_max_abs": diff, "all_ms": times})
+                rows.append(
+                    {
+                        "context": ctx,
+                        "arm": name,
+                        "median_ms": med,
+                        "tokens_per_s": 1e3 / med,
+                        "attended": attended,
+                        "read_bytes": read_bytes_per_step(locks, config, ctx, dtype),
+                        "replay_vs_eager_max_abs": diff,
+                        "all_ms": times,
+                    }
+                )
                 print(rows[-1]["context"], name, f"{med:.2f} ms", f"replay diff {diff}", flush=True)
                 if args.profile and device.type == "cuda":
                     rows[-1]["profile"] = profile_step(stepper, args.profile)
                 if args.graphs == "none":
                     cache.reset_stats()
-                    cache.crop(-(args.steps + args.warmup + args.profile))  # back to the prefilled length for the next arm
+                    cache.crop(
+                        -(args.steps + args.warmup + args.profile)
+                    )  # back to the prefilled length for the next arm
                 del stepper, cache
                 gc.collect()  # the stepper's closures form a cycle: free the cache before the next arm's
                 if device.type == "cuda":
@@ -270,10 +315,14 @@ def main(argv=None) -> None:
 
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     mode = {"none": "eager", "cuda": "CUDA graph", "compile": "torch.compile reduce-overhead"}[args.graphs]
-    print(f"\nComplete decode step, {args.shape} random weights, {dtype}, batch 1, b={args.budget}, {mode}, "
-          f"median of {args.steps} steps ({where})\n")
-    print(f"| context | arm | ms/step | tokens/s | vs dense (full) | vs {HF_STATIC} | tokens attended | MB read/step "
-          "| replay vs eager |")
+    print(
+        f"\nComplete decode step, {args.shape} random weights, {dtype}, batch 1, b={args.budget}, {mode}, "
+        f"median of {args.steps} steps ({where})\n"
+    )
+    print(
+        f"| context | arm | ms/step | tokens/s | vs dense (full) | vs {HF_STATIC} | tokens attended | MB read/step "
+        "| replay vs eager |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratios = []
@@ -282,8 +331,10 @@ def main(argv=None) -> None:
             ratios.append(f"{ms / r['median_ms']:.2f}x" if ms else "-")
         diff = "-" if r["replay_vs_eager_max_abs"] is None else f"{r['replay_vs_eager_max_abs']:.2g}"
         mb = "-" if r["read_bytes"] is None else f"{r['read_bytes'] / 2**20:.1f}"
-        print(f"| {r['context'] // 1024}K | {r['arm']} | {r['median_ms']:.2f} | {r['tokens_per_s']:.1f} | "
-              f"{ratios[0]} | {ratios[1]} | {r['attended']:.4f} | {mb} | {diff} |")
+        print(
+            f"| {r['context'] // 1024}K | {r['arm']} | {r['median_ms']:.2f} | {r['tokens_per_s']:.1f} | "
+            f"{ratios[0]} | {ratios[1]} | {r['attended']:.4f} | {mb} | {diff} |"
+        )
     with open(args.out, "w") as f:
         json.dump({"shape": args.shape, "budget": args.budget, "graphs": args.graphs, "rows": rows}, f, indent=1)
 

@@ -87,8 +87,9 @@ def kv_bf16_token_bytes(config) -> int:
     return 2 * config.num_key_value_heads * head_dim * 2
 
 
-def run_arm(model, ids: torch.Tensor, name: str, budget: int, new_tokens: int, warm_steps: int,
-            prefill_chunk: int = 0) -> dict:
+def run_arm(
+    model, ids: torch.Tensor, name: str, budget: int, new_tokens: int, warm_steps: int, prefill_chunk: int = 0
+) -> dict:
     cache = make_cache(name, model.config, budget, ids.shape[1] + new_tokens)
     clock = StepClock()
     before = allocated()
@@ -96,25 +97,43 @@ def run_arm(model, ids: torch.Tensor, name: str, budget: int, new_tokens: int, w
         torch.cuda.reset_peak_memory_stats()
     chunked = {"prefill_chunk_size": prefill_chunk} if prefill_chunk else {}
     t0 = time.perf_counter()
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                         do_sample=False, stopping_criteria=StoppingCriteriaList([clock]), pad_token_id=0, **chunked)
+    out = model.generate(
+        ids,
+        past_key_values=cache,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        stopping_criteria=StoppingCriteriaList([clock]),
+        pad_token_id=0,
+        **chunked,
+    )
     steps = [1e3 * (b - a) for a, b in zip(clock.stamps, clock.stamps[1:])]
     timed = steps[warm_steps:] or steps
     median = statistics.median(timed)
-    row = {"arm": name, "batch": ids.shape[0], "context": ids.shape[1], "prefill_s": clock.stamps[0] - t0,
-           "ms_per_step": median, "tokens_per_s": 1e3 * ids.shape[0] / median,
-           "warmup_s": max(0.0, sum(steps[:warm_steps]) - warm_steps * median) / 1e3, "step_ms": steps,
-           "tokens": out[0, ids.shape[1]:].tolist(),
-           "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if model.device.type == "cuda" else None,
-           "compiled_layout": bool(getattr(cache, "is_static", False)) or name == "hf-static",
-           "attended": cache.attended_fraction() if hasattr(cache, "attended_fraction") else 1.0}
+    row = {
+        "arm": name,
+        "batch": ids.shape[0],
+        "context": ids.shape[1],
+        "prefill_s": clock.stamps[0] - t0,
+        "ms_per_step": median,
+        "tokens_per_s": 1e3 * ids.shape[0] / median,
+        "warmup_s": max(0.0, sum(steps[:warm_steps]) - warm_steps * median) / 1e3,
+        "step_ms": steps,
+        "tokens": out[0, ids.shape[1] :].tolist(),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if model.device.type == "cuda" else None,
+        "compiled_layout": bool(getattr(cache, "is_static", False)) or name == "hf-static",
+        "attended": cache.attended_fraction() if hasattr(cache, "attended_fraction") else 1.0,
+    }
     if model.device.type == "cuda" and cache is not None:
         held = allocated()
         del cache
         row["cache_gib"] = (held - allocated()) / 2**30
         tokens = ids.shape[0] * (ids.shape[1] + new_tokens)
-        layers = sum(kind == "full_attention" for kind in getattr(model.config, "layer_types", None)
-                     or ["full_attention"] * model.config.num_hidden_layers)
+        layers = sum(
+            kind == "full_attention"
+            for kind in getattr(model.config, "layer_types", None)
+            or ["full_attention"] * model.config.num_hidden_layers
+        )
         row["kv_ratio"] = row["cache_gib"] * 2**30 / (tokens * layers * kv_bf16_token_bytes(model.config))
         row["peak_gib"] -= before / 2**30  # the weights and whatever ran before are not the generate()'s
     else:
@@ -127,15 +146,19 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="llama3.1-8b", choices=list(SHAPES))
     ap.add_argument("--runs", default="128K:1,32K:8", help="comma list of context:batch")
-    ap.add_argument("--arms", default="hf-dynamic,hf-static,r4i4,r8i4,static-r4i4",
-                    help=f"{', '.join(HF_ARMS)}, a Locks label (r4i4...), quest, full, oracle; "
-                         f"'{STATIC_PREFIX}<arm>' for LocksStaticCache, '{DYNAMIC_PREFIX}<arm>' for the dynamic layout; "
-                         "a '+kv4-post'-style suffix quantizes the KV (dynamic layout)")
+    ap.add_argument(
+        "--arms",
+        default="hf-dynamic,hf-static,r4i4,r8i4,static-r4i4",
+        help=f"{', '.join(HF_ARMS)}, a Locks label (r4i4...), quest, full, oracle; "
+        f"'{STATIC_PREFIX}<arm>' for LocksStaticCache, '{DYNAMIC_PREFIX}<arm>' for the dynamic layout; "
+        "a '+kv4-post'-style suffix quantizes the KV (dynamic layout)",
+    )
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--warm-steps", type=int, default=3, help="first decode steps counted as warm-up")
-    ap.add_argument("--prefill-chunk", type=int, default=0,
-                    help="prefill in chunks of this many tokens (0: one forward)")
+    ap.add_argument(
+        "--prefill-chunk", type=int, default=0, help="prefill in chunks of this many tokens (0: one forward)"
+    )
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (use --shape tiny)")
     ap.add_argument("--out", default="bench_generate.json")
     args = ap.parse_args(argv)
@@ -148,8 +171,14 @@ def main(argv=None) -> None:
         model = LlamaForCausalLM._from_config(config, attn_implementation="locks", dtype=dtype).eval()
     model.generation_config.eos_token_id = None  # random weights: always decode --new-tokens
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    result = {"shape": args.shape, "budget": args.budget, "new_tokens": args.new_tokens, "device": where,
-              "torch": torch.__version__, "rows": []}
+    result = {
+        "shape": args.shape,
+        "budget": args.budget,
+        "new_tokens": args.new_tokens,
+        "device": where,
+        "torch": torch.__version__,
+        "rows": [],
+    }
     with torch.no_grad():
         for run in args.runs.split(","):
             context, batch = run.split(":")
@@ -159,8 +188,11 @@ def main(argv=None) -> None:
                 torch._dynamo.reset()  # each arm compiles its own graph (never hits dynamo's recompile limit)
                 row = run_arm(model, ids, name, args.budget, args.new_tokens, args.warm_steps, args.prefill_chunk)
                 result["rows"].append(row)
-                print(f"{tokens_label(n)} x{b} {name}: {row['ms_per_step']:.2f} ms/step, warm-up {row['warmup_s']:.1f} s, "
-                      f"prefill {row['prefill_s']:.1f} s, peak {row['peak_gib'] or 0:.1f} GiB", flush=True)
+                print(
+                    f"{tokens_label(n)} x{b} {name}: {row['ms_per_step']:.2f} ms/step, warm-up {row['warmup_s']:.1f} s, "
+                    f"prefill {row['prefill_s']:.1f} s, peak {row['peak_gib'] or 0:.1f} GiB",
+                    flush=True,
+                )
                 with open(args.out, "w") as f:
                     json.dump(result, f, indent=1)
                 gc.collect()
@@ -168,10 +200,14 @@ def main(argv=None) -> None:
                     torch.cuda.empty_cache()
             del ids
 
-    print(f"\ngenerate(), {args.shape} random weights, {dtype}, {args.new_tokens} greedy tokens, b={args.budget}, "
-          f"median ms per step after {args.warm_steps} warm-up steps ({where})\n")
-    print("| context | batch | arm | ms/step | vs hf-dynamic | vs hf-static | warm-up s | prefill s | peak GiB | "
-          "cache GiB | KV vs bf16 | attended | tokens = first Locks arm |")
+    print(
+        f"\ngenerate(), {args.shape} random weights, {dtype}, {args.new_tokens} greedy tokens, b={args.budget}, "
+        f"median ms per step after {args.warm_steps} warm-up steps ({where})\n"
+    )
+    print(
+        "| context | batch | arm | ms/step | vs hf-dynamic | vs hf-static | warm-up s | prefill s | peak GiB | "
+        "cache GiB | KV vs bf16 | attended | tokens = first Locks arm |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in result["rows"]:
         same_run = [x for x in result["rows"] if (x["context"], x["batch"]) == (r["context"], r["batch"])]
@@ -182,9 +218,11 @@ def main(argv=None) -> None:
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
         held = "-" if r["cache_gib"] is None else f"{r['cache_gib']:.2f}"
         ratio = "-" if r["kv_ratio"] is None else f"{r['kv_ratio']:.3f}"
-        print(f"| {tokens_label(r['context'])} | {r['batch']} | {r['arm']} | {r['ms_per_step']:.2f} | {ratios[0]} | "
-              f"{ratios[1]} | {r['warmup_s']:.1f} | {r['prefill_s']:.1f} | {peak} | {held} | "
-              f"{ratio} | {r['attended']:.4f} | {same} |")
+        print(
+            f"| {tokens_label(r['context'])} | {r['batch']} | {r['arm']} | {r['ms_per_step']:.2f} | {ratios[0]} | "
+            f"{ratios[1]} | {r['warmup_s']:.1f} | {r['prefill_s']:.1f} | {peak} | {held} | "
+            f"{ratio} | {r['attended']:.4f} | {same} |"
+        )
 
 
 if __name__ == "__main__":

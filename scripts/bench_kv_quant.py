@@ -37,8 +37,9 @@ def parse_ctx(s: str) -> int:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--shape", default="llama3.1-8b", choices=sorted(SHAPES))
     ap.add_argument("--contexts", default="128K,512K", help="cached tokens, comma-separated (K/M suffixes)")
     ap.add_argument("--batch", type=int, default=1)
@@ -92,16 +93,20 @@ def quantized_storage(keys, values, slot_valid, bits, group, qk, qv, chunk=1 << 
 
     b, h, T, d = keys.shape
     per = 8 // bits
-    st = dict(key_codes=keys.new_zeros((b, h, T, d // per), dtype=torch.uint8),
-              key_scale=keys.new_zeros((b, h, -(-T // group), d)), key_zero=keys.new_zeros((b, h, -(-T // group), d)),
-              value_codes=keys.new_zeros((b, h, T, d // per), dtype=torch.uint8),
-              value_scale=keys.new_zeros((b, h, T, d // group)), value_zero=keys.new_zeros((b, h, T, d // group)))
+    st = dict(
+        key_codes=keys.new_zeros((b, h, T, d // per), dtype=torch.uint8),
+        key_scale=keys.new_zeros((b, h, -(-T // group), d)),
+        key_zero=keys.new_zeros((b, h, -(-T // group), d)),
+        value_codes=keys.new_zeros((b, h, T, d // per), dtype=torch.uint8),
+        value_scale=keys.new_zeros((b, h, T, d // group)),
+        value_zero=keys.new_zeros((b, h, T, d // group)),
+    )
     for s in range(0, qk, chunk):  # chunk is a multiple of group
         e = min(s + chunk, qk)
         codes, scale, zero = quantize_keys(keys[:, :, s:e], bits, group, slot_valid[:, s:e])
         st["key_codes"][:, :, s:e] = codes
-        st["key_scale"][:, :, s // group: e // group] = scale
-        st["key_zero"][:, :, s // group: e // group] = zero
+        st["key_scale"][:, :, s // group : e // group] = scale
+        st["key_zero"][:, :, s // group : e // group] = zero
     for s in range(0, qv, chunk):
         e = min(s + chunk, qv)
         codes, scale, zero = quantize_values(values[:, :, s:e], bits, group, slot_valid[:, s:e])
@@ -126,13 +131,15 @@ def page_lists(n, b, h, T, B, slots, gen):
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("bench_kv_quant.py times Triton kernels on a CUDA GPU and none is available here "
-                 "(the kernels' CPU tests are tests/test_kv_quant_kernels.py)")
+        sys.exit(
+            "bench_kv_quant.py times Triton kernels on a CUDA GPU and none is available here "
+            "(the kernels' CPU tests are tests/test_kv_quant_kernels.py)"
+        )
     from locks_hf import kernels
 
     hq, h, d = SHAPES[args.shape]
     b, dev, dtype = args.batch, "cuda", torch.bfloat16
-    scale = d ** -0.5
+    scale = d**-0.5
     rows = []
     for T in (parse_ctx(c) for c in args.contexts.split(",")):
         gen = torch.Generator(device=dev).manual_seed(args.seed + T)
@@ -149,8 +156,17 @@ def main(argv=None) -> list[dict]:
             flat = [p.view(b * h, -1) for p in lists]
 
             def bf16(p, keys=keys, values=values):
-                return kernels.sparse_attention(query, keys, values, p, slot_valid=slot_valid, row_start=row_start,
-                                                length=length, scale=scale, page_size=B)
+                return kernels.sparse_attention(
+                    query,
+                    keys,
+                    values,
+                    p,
+                    slot_valid=slot_valid,
+                    row_start=row_start,
+                    length=length,
+                    scale=scale,
+                    page_size=B,
+                )
 
             base_us = time_graph([lambda p=p: bf16(p) for p in flat], args.reps)
             want = bf16(flat[0]).view(b, hq, d).double()
@@ -158,35 +174,67 @@ def main(argv=None) -> list[dict]:
                 st = quantized_storage(keys, values, slot_valid, bits, args.group, qk, qv)
 
                 def quant(p, warps, st=st, bits=bits):
-                    return kernels.quantized_attention(query, p, **st, bits=bits, group=args.group,
-                                                       slot_valid=slot_valid, row_start=row_start, length=length,
-                                                       scale=scale, page_size=B, num_warps=warps)
+                    return kernels.quantized_attention(
+                        query,
+                        p,
+                        **st,
+                        bits=bits,
+                        group=args.group,
+                        slot_valid=slot_valid,
+                        row_start=row_start,
+                        length=length,
+                        scale=scale,
+                        page_size=B,
+                        num_warps=warps,
+                    )
 
                 for warps in (int(x) for x in args.warps.split(",")):
                     us = time_graph([lambda p=p: quant(p, warps) for p in lists], args.reps)
                     got = quant(lists[0], warps).view(b, hq, d).double()
                     err = ((got - want).norm() / want.norm()).item()
-                    row = {"shape": args.shape, "context": T, "batch": b, "page_size": B, "budget": args.budget,
-                           "bits": bits, "group": args.group, "residual": args.residual, "num_warps": warps,
-                           "bf16_us": base_us, "quant_us": us, "speedup": base_us / us, "rel_err_vs_bf16": err}
+                    row = {
+                        "shape": args.shape,
+                        "context": T,
+                        "batch": b,
+                        "page_size": B,
+                        "budget": args.budget,
+                        "bits": bits,
+                        "group": args.group,
+                        "residual": args.residual,
+                        "num_warps": warps,
+                        "bf16_us": base_us,
+                        "quant_us": us,
+                        "speedup": base_us / us,
+                        "rel_err_vs_bf16": err,
+                    }
                     rows.append(row)
-                    print(f"{args.shape} T={T >> 10}K B={B:3d} kv{bits}g{args.group} warps {warps}: bf16 "
-                          f"{base_us:8.2f} us  quantized {us:8.2f} us  x{base_us / us:5.2f}  rel err vs bf16 "
-                          f"{err:.2e}", flush=True)
+                    print(
+                        f"{args.shape} T={T >> 10}K B={B:3d} kv{bits}g{args.group} warps {warps}: bf16 "
+                        f"{base_us:8.2f} us  quantized {us:8.2f} us  x{base_us / us:5.2f}  rel err vs bf16 "
+                        f"{err:.2e}",
+                        flush=True,
+                    )
                 del st
             torch.cuda.empty_cache()
         keys = values = None
         torch.cuda.empty_cache()
     print()
-    print(f"{'context':>8} {'B':>4} {'bits':>4} {'warps':>5} {'bf16 us':>9} {'quant us':>9} {'speedup':>8} "
-          f"{'rel err':>9}")
+    print(
+        f"{'context':>8} {'B':>4} {'bits':>4} {'warps':>5} {'bf16 us':>9} {'quant us':>9} {'speedup':>8} {'rel err':>9}"
+    )
     for r in rows:
-        print(f"{r['context'] >> 10:>7}K {r['page_size']:>4} {r['bits']:>4} {r['num_warps']:>5} {r['bf16_us']:>9.2f} "
-              f"{r['quant_us']:>9.2f} {r['speedup']:>8.2f} {r['rel_err_vs_bf16']:>9.2e}")
+        print(
+            f"{r['context'] >> 10:>7}K {r['page_size']:>4} {r['bits']:>4} {r['num_warps']:>5} {r['bf16_us']:>9.2f} "
+            f"{r['quant_us']:>9.2f} {r['speedup']:>8.2f} {r['rel_err_vs_bf16']:>9.2e}"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(),
-                               "args": vars(args), "rows": rows}, indent=1))
+    out.write_text(
+        json.dumps(
+            {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(), "args": vars(args), "rows": rows},
+            indent=1,
+        )
+    )
     print(f"wrote {out}")
     return rows
 

@@ -73,8 +73,7 @@ class SyntheticBench(Benchmark):
 
     name = "synthetic"
 
-    def __init__(self, records: int, prompt: int, new: int, vocab: int, samples: int = 1, sampling=None,
-                 seed: int = 0):
+    def __init__(self, records: int, prompt: int, new: int, vocab: int, samples: int = 1, sampling=None, seed: int = 0):
         self.n, self.prompt, self.new, self.vocab = records, prompt, new, vocab
         self.samples, self.sampling, self.seed = samples, sampling, seed
 
@@ -118,8 +117,19 @@ def run_engine(model, bench, arms, engine: str, args, keep_runs: bool = False, *
     device = next(model.parameters()).device
     _reset_memory(device)
     with tempfile.TemporaryDirectory() as tmp:
-        runner = SweepRunner(model, IdTokenizer(), bench, arms, tmp, model_name="random", progress=False,
-                             engine=engine, batch_rows=args.batch_rows, step=args.step, **kw)
+        runner = SweepRunner(
+            model,
+            IdTokenizer(),
+            bench,
+            arms,
+            tmp,
+            model_name="random",
+            progress=False,
+            engine=engine,
+            batch_rows=args.batch_rows,
+            step=args.step,
+            **kw,
+        )
         t0 = time.perf_counter()
         runner.run()
         if device.type == "cuda":
@@ -136,11 +146,20 @@ def run_engine(model, bench, arms, engine: str, args, keep_runs: bool = False, *
         warm = 0.0  # eager: nothing to capture or compile (its first step's lazy work is in decode)
         decode = sum(r["seconds"] for r in rows)
     extra = {"arm_runs": runner.arm_runs} if keep_runs else {}
-    return {**extra, "engine": engine, "wall_s": wall, "prefill_s": prefill, "warmup_s": warm, "decode_s": decode,
-            "tokens": tokens, "decode_tokens_per_s": tokens / decode if decode else None,
-            "peak_gb": _peak_gb(device), "generations": len(rows),
-            "preds": {(r["id"], r["arm"], r["sample"]): r["pred"] for r in rows},
-            "attended": {(r["id"], r["arm"], r["sample"]): r["attended_fraction"] for r in rows}}
+    return {
+        **extra,
+        "engine": engine,
+        "wall_s": wall,
+        "prefill_s": prefill,
+        "warmup_s": warm,
+        "decode_s": decode,
+        "tokens": tokens,
+        "decode_tokens_per_s": tokens / decode if decode else None,
+        "peak_gb": _peak_gb(device),
+        "generations": len(rows),
+        "preds": {(r["id"], r["arm"], r["sample"]): r["pred"] for r in rows},
+        "attended": {(r["id"], r["arm"], r["sample"]): r["attended_fraction"] for r in rows},
+    }
 
 
 def identity_check(model, args, vocab: int, arm_names, context: int, new: int, records: int) -> dict:
@@ -158,9 +177,17 @@ def identity_check(model, args, vocab: int, arm_names, context: int, new: int, r
         model.to(dtype)
     same = sum(old["preds"][k] == new_["preds"].get(k) for k in old["preds"])
     attended = all(new_["attended"][k] == old["attended"][k] for k in old["attended"])
-    return {"context": context, "new": new, "records": records, "budget": budget, "arms": arm_names,
-            "dtype": args.check_dtype,
-            "identical": same, "compared": len(old["preds"]), "attended_equal": attended}
+    return {
+        "context": context,
+        "new": new,
+        "records": records,
+        "budget": budget,
+        "arms": arm_names,
+        "dtype": args.check_dtype,
+        "identical": same,
+        "compared": len(old["preds"]),
+        "attended_equal": attended,
+    }
 
 
 def job_a(model, args, vocab):
@@ -171,8 +198,16 @@ def job_a(model, args, vocab):
     old_bench = SyntheticBench(args.a_old_records or args.a_records, ctx, args.a_new, vocab)
     old = run_engine(model, old_bench, arms, "eager", args)
     subset = None if not args.a_old_records else f"{args.a_old_records} records"
-    return {"job": "a", "context": ctx, "records": args.a_records, "arms": [a.name for a in arms],
-            "new_tokens": args.a_new, "static": _public(new), "eager": _public(old), "eager_subset": subset}
+    return {
+        "job": "a",
+        "context": ctx,
+        "records": args.a_records,
+        "arms": [a.name for a in arms],
+        "new_tokens": args.a_new,
+        "static": _public(new),
+        "eager": _public(old),
+        "eager_subset": subset,
+    }
 
 
 def job_b(model, args, vocab):
@@ -180,12 +215,18 @@ def job_b(model, args, vocab):
     sampling = {"temperature": 0.6, "top_p": 0.95}
     bench = SyntheticBench(1, args.b_prompt, args.b_new, vocab, samples=args.b_samples, sampling=sampling)
     new = run_engine(model, bench, arms, "static", args)
-    old_bench = SyntheticBench(1, args.b_prompt, args.b_old_new, vocab, samples=args.b_old_samples,
-                               sampling=sampling)
+    old_bench = SyntheticBench(1, args.b_prompt, args.b_old_new, vocab, samples=args.b_old_samples, sampling=sampling)
     old = run_engine(model, old_bench, arms, "eager", args)
-    return {"job": "b", "prompt": args.b_prompt, "samples": args.b_samples, "arms": [a.name for a in arms],
-            "new_tokens": args.b_new, "static": _public(new), "eager": _public(old),
-            "eager_subset": f"{args.b_old_samples} sample(s) x {args.b_old_new} tokens per arm"}
+    return {
+        "job": "b",
+        "prompt": args.b_prompt,
+        "samples": args.b_samples,
+        "arms": [a.name for a in arms],
+        "new_tokens": args.b_new,
+        "static": _public(new),
+        "eager": _public(old),
+        "eager_subset": f"{args.b_old_samples} sample(s) x {args.b_old_new} tokens per arm",
+    }
 
 
 def job_warmup(model, args, vocab):
@@ -196,18 +237,29 @@ def job_warmup(model, args, vocab):
     budgets = [int(b) for b in args.w_budgets.split(",")]
     names = args.w_arms.split(",")
     arms = parse_arms([n for n in names if n == "full"], budgets[:1]) + parse_arms(
-        [n for n in names if n != "full"], budgets)
+        [n for n in names if n != "full"], budgets
+    )
     ctx = parse_tokens(args.a_context)
     bench = SyntheticBench(args.w_records, ctx, args.w_new, vocab)
     t0 = time.perf_counter()
     new = run_engine(model, bench, arms, "static", args, keep_runs=True)
     wall = time.perf_counter() - t0
     runs = new.pop("arm_runs")
-    per_arm = [{"arm": r["arm"], "warmup_s": r["warmup_seconds"], "new_step": r["new_step"]} for r in runs
-               if r["batch"] == 0]
-    return {"job": "warmup", "context": ctx, "records": args.w_records, "arms": [a.name for a in arms],
-            "n_arms": len(arms), "new_tokens": args.w_new, "static": _public(new), "wall_s": wall,
-            "steps_built": sum(r["new_step"] for r in runs), "per_arm": per_arm}
+    per_arm = [
+        {"arm": r["arm"], "warmup_s": r["warmup_seconds"], "new_step": r["new_step"]} for r in runs if r["batch"] == 0
+    ]
+    return {
+        "job": "warmup",
+        "context": ctx,
+        "records": args.w_records,
+        "arms": [a.name for a in arms],
+        "n_arms": len(arms),
+        "new_tokens": args.w_new,
+        "static": _public(new),
+        "wall_s": wall,
+        "steps_built": sum(r["new_step"] for r in runs),
+        "per_arm": per_arm,
+    }
 
 
 def job_memory(model, args, vocab):
@@ -220,21 +272,39 @@ def job_memory(model, args, vocab):
     rows = [Row(torch.zeros(ctx, dtype=torch.long), [5], args.memory_new, lambda new: False)]
     dtype = next(model.parameters()).dtype
     t0 = time.perf_counter()
-    batch = engine.prepare(rows, arms[0].config,
-                           prefill=lambda cache: synthetic_prefill(cache, model.config, ctx, device, dtype))
+    batch = engine.prepare(
+        rows, arms[0].config, prefill=lambda cache: synthetic_prefill(cache, model.config, ctx, device, dtype)
+    )
     prefill_s = time.perf_counter() - t0
     per_arm = []
     for arm in arms:
         run = batch.decode(arm.config)
-        per_arm.append({"arm": arm.name, "tokens": len(run.results[0].tokens), "seconds": run.seconds,
-                        "warmup_s": run.warmup_seconds, "peak_gb_so_far": _peak_gb(device)})
-        print(f"  memory {ctx} tokens, {arm.name}: {run.seconds:.1f} s, peak {_fmt(per_arm[-1]['peak_gb_so_far'])} GB",
-              flush=True)
+        per_arm.append(
+            {
+                "arm": arm.name,
+                "tokens": len(run.results[0].tokens),
+                "seconds": run.seconds,
+                "warmup_s": run.warmup_seconds,
+                "peak_gb_so_far": _peak_gb(device),
+            }
+        )
+        print(
+            f"  memory {ctx} tokens, {arm.name}: {run.seconds:.1f} s, peak {_fmt(per_arm[-1]['peak_gb_so_far'])} GB",
+            flush=True,
+        )
     kv = sum(t.numel() * t.element_size() for layer in batch.cache.locks_layers for t in (layer.keys, layer.values))
     batch.close()
-    return {"job": "memory", "context": ctx, "arms": [a.name for a in arms], "prefill": "synthetic K/V",
-            "prefill_s": prefill_s, "kv_gb": kv / 2**30, "peak_gb": _peak_gb(device), "per_arm": per_arm,
-            "ok": True}
+    return {
+        "job": "memory",
+        "context": ctx,
+        "arms": [a.name for a in arms],
+        "prefill": "synthetic K/V",
+        "prefill_s": prefill_s,
+        "kv_gb": kv / 2**30,
+        "peak_gb": _peak_gb(device),
+        "per_arm": per_arm,
+        "ok": True,
+    }
 
 
 def _public(result: dict) -> dict:
@@ -247,8 +317,10 @@ def _fmt(x, spec=".1f"):
 
 def print_table(results: list[dict], header: str) -> None:
     print(f"\n{header}\n")
-    print("| job | engine | generations | wall s | prefill s | warm-up s | decode tokens | decode tok/s | "
-          "speed-up | peak GB |")
+    print(
+        "| job | engine | generations | wall s | prefill s | warm-up s | decode tokens | decode tok/s | "
+        "speed-up | peak GB |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if r["job"] in ("memory", "warmup"):
@@ -258,26 +330,34 @@ def print_table(results: list[dict], header: str) -> None:
             e = r[name]
             speed = e["decode_tokens_per_s"] / base if base and e["decode_tokens_per_s"] else None
             note = f" ({r['eager_subset']})" if name == "eager" and r.get("eager_subset") else ""
-            print(f"| {r['job']} | {name}{note} | {e['generations']} | {_fmt(e['wall_s'])} | {_fmt(e['prefill_s'])} | "
-                  f"{_fmt(e['warmup_s'])} | {e['tokens']} | {_fmt(e['decode_tokens_per_s'])} | "
-                  f"{_fmt(speed, '.1f')}x | {_fmt(e['peak_gb'])} |")
+            print(
+                f"| {r['job']} | {name}{note} | {e['generations']} | {_fmt(e['wall_s'])} | {_fmt(e['prefill_s'])} | "
+                f"{_fmt(e['warmup_s'])} | {e['tokens']} | {_fmt(e['decode_tokens_per_s'])} | "
+                f"{_fmt(speed, '.1f')}x | {_fmt(e['peak_gb'])} |"
+            )
     for r in results:
         if "identity" in r:
             c = r["identity"]
-            print(f"\nidentity ({r['job']}): {c['identical']}/{c['compared']} generations with the same tokens, "
-                  f"attended fractions equal: {c['attended_equal']} ({c['dtype']}, context {c['context']}, budget "
-                  f"{c['budget']}, {c['new']} new tokens, arms {','.join(c['arms'])})")
+            print(
+                f"\nidentity ({r['job']}): {c['identical']}/{c['compared']} generations with the same tokens, "
+                f"attended fractions equal: {c['attended_equal']} ({c['dtype']}, context {c['context']}, budget "
+                f"{c['budget']}, {c['new']} new tokens, arms {','.join(c['arms'])})"
+            )
         if r["job"] == "warmup":
             e = r["static"]
-            print(f"\nwarm-up: {r['n_arms']} arms x {r['records']} records of {r['context']} tokens: warm-up "
-                  f"{_fmt(e['warmup_s'])} s in all (steps built: {r['steps_built']}), wall {_fmt(r['wall_s'])} s, "
-                  f"prefill {_fmt(e['prefill_s'])} s, decode {_fmt(e['decode_tokens_per_s'])} tok/s, peak "
-                  f"{_fmt(e['peak_gb'])} GB")
+            print(
+                f"\nwarm-up: {r['n_arms']} arms x {r['records']} records of {r['context']} tokens: warm-up "
+                f"{_fmt(e['warmup_s'])} s in all (steps built: {r['steps_built']}), wall {_fmt(r['wall_s'])} s, "
+                f"prefill {_fmt(e['prefill_s'])} s, decode {_fmt(e['decode_tokens_per_s'])} tok/s, peak "
+                f"{_fmt(e['peak_gb'])} GB"
+            )
             for a in r["per_arm"]:
                 print(f"  {a['arm']:<22} warm-up {a['warmup_s']:6.1f} s  {'built' if a['new_step'] else 'replayed'}")
         if r["job"] == "memory":
-            print(f"\nmemory: {r['context']}-token prefix (synthetic K/V, {r['kv_gb']:.1f} GB) served "
-                  f"{len(r['arms'])} arms ({','.join(r['arms'])}) on one cache; peak {_fmt(r['peak_gb'])} GB")
+            print(
+                f"\nmemory: {r['context']}-token prefix (synthetic K/V, {r['kv_gb']:.1f} GB) served "
+                f"{len(r['arms'])} arms ({','.join(r['arms'])}) on one cache; peak {_fmt(r['peak_gb'])} GB"
+            )
 
 
 def main(argv=None) -> None:
@@ -285,8 +365,12 @@ def main(argv=None) -> None:
     ap.add_argument("--jobs", default="a,b", help="comma list of a, b, memory, warmup")
     ap.add_argument("--shape", default="llama3.1-8b", choices=list(SHAPES))
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--step", default="auto", choices=["auto", "graph", "compile", "eager"],
-                    help="the static engine's step (auto: CUDA graph on a GPU)")
+    ap.add_argument(
+        "--step",
+        default="auto",
+        choices=["auto", "graph", "compile", "eager"],
+        help="the static engine's step (auto: CUDA graph on a GPU)",
+    )
     ap.add_argument("--batch-rows", type=int, default=8)
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--arms", default="full,oracle,locks-r8i4,locks-r4i4,quest")
@@ -309,8 +393,9 @@ def main(argv=None) -> None:
     ap.add_argument("--check-context", type=int, default=1024, help="identity check: prompt tokens")
     ap.add_argument("--check-new", type=int, default=16)
     ap.add_argument("--check-records", type=int, default=2)
-    ap.add_argument("--check-dtype", default="float32", help="identity check: weights and K/V dtype (exact cast "
-                    "from bf16 and back)")
+    ap.add_argument(
+        "--check-dtype", default="float32", help="identity check: weights and K/V dtype (exact cast from bf16 and back)"
+    )
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--out", default="bench_sweep.json")
     args = ap.parse_args(argv)
@@ -332,16 +417,24 @@ def main(argv=None) -> None:
         res = jobs[name](model, args, vocab)
         if name in ("a", "b") and not args.no_check:
             names = args.arms.split(",") if name == "a" else args.b_arms.split(",")
-            res["identity"] = identity_check(model, args, vocab, names, args.check_context, args.check_new,
-                                             args.check_records)
+            res["identity"] = identity_check(
+                model, args, vocab, names, args.check_context, args.check_new, args.check_records
+            )
         res["job_seconds"] = time.perf_counter() - t0
         results.append(res)
         print(f"job {name}: {res['job_seconds']:.0f} s", flush=True)
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    print_table(results, f"Sweep benchmark, {args.shape} random weights, {dtype}, b={args.budget}, static step "
-                         f"{args.step} ({where})")
-    Path(args.out).write_text(json.dumps({"shape": args.shape, "device": where, "dtype": str(dtype),
-                                          "args": vars(args), "results": results}, indent=1) + "\n")
+    print_table(
+        results,
+        f"Sweep benchmark, {args.shape} random weights, {dtype}, b={args.budget}, static step {args.step} ({where})",
+    )
+    Path(args.out).write_text(
+        json.dumps(
+            {"shape": args.shape, "device": where, "dtype": str(dtype), "args": vars(args), "results": results},
+            indent=1,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

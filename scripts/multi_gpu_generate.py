@@ -43,13 +43,25 @@ def run_arm(model, config, ids: torch.Tensor, locks: LocksConfig, new_tokens: in
     cache = LocksCache(config, locks, layout="dynamic")  # the eager path (what this script has always measured)
     clock = StepClock()
     t0 = time.perf_counter()
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                         do_sample=False, stopping_criteria=StoppingCriteriaList([clock]), pad_token_id=0)
+    out = model.generate(
+        ids,
+        past_key_values=cache,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        stopping_criteria=StoppingCriteriaList([clock]),
+        pad_token_id=0,
+    )
     steps = [1e3 * (b - a) for a, b in zip(clock.stamps, clock.stamps[1:])]
     placement = sorted({str(layer.keys.device) for layer in cache.locks_layers})
-    return {"tokens": out[0, ids.shape[1]:].tolist(), "prefill_s": clock.stamps[0] - t0,
-            "step_ms_median": statistics.median(steps), "step_ms": steps, "cache_devices": placement,
-            "attended": cache.attended_fraction()}
+    return {
+        "tokens": out[0, ids.shape[1] :].tolist(),
+        "prefill_s": clock.stamps[0] - t0,
+        "step_ms_median": statistics.median(steps),
+        "step_ms": steps,
+        "cache_devices": placement,
+        "attended": cache.attended_fraction(),
+    }
 
 
 def split_over_gpus(model, layer_class: str):
@@ -80,33 +92,56 @@ def main(argv=None) -> None:
         model = LlamaForCausalLM._from_config(config, attn_implementation="locks", dtype=torch.bfloat16).eval()
     n = parse_tokens(args.context)
     ids = torch.randint(3, config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0)).to("cuda:0")
-    arms = {a: LocksConfig(selector=a, budget=args.budget) if a in ("full", "quest", "oracle")
-            else LocksConfig.from_label(a, budget=args.budget) for a in args.arms.split(",")}
+    arms = {
+        a: LocksConfig(selector=a, budget=args.budget)
+        if a in ("full", "quest", "oracle")
+        else LocksConfig.from_label(a, budget=args.budget)
+        for a in args.arms.split(",")
+    }
 
-    results = {"context": n, "shape": args.shape, "budget": args.budget, "gpus": torch.cuda.device_count(),
-               "gpu": torch.cuda.get_device_name(0), "one_gpu": {}, "split": {}}
+    results = {
+        "context": n,
+        "shape": args.shape,
+        "budget": args.budget,
+        "gpus": torch.cuda.device_count(),
+        "gpu": torch.cuda.get_device_name(0),
+        "one_gpu": {},
+        "split": {},
+    }
     with torch.no_grad():
         for name, locks in arms.items():
             results["one_gpu"][name] = run_arm(model, config, ids, locks, args.new_tokens)
-            print(name, "1 GPU", {k: v for k, v in results["one_gpu"][name].items() if k not in ("tokens", "step_ms")},
-                  flush=True)
+            print(
+                name,
+                "1 GPU",
+                {k: v for k, v in results["one_gpu"][name].items() if k not in ("tokens", "step_ms")},
+                flush=True,
+            )
         model, device_map = split_over_gpus(model, "LlamaDecoderLayer")
         results["device_map"] = {k: str(v) for k, v in device_map.items()}
         for name, locks in arms.items():
             results["split"][name] = run_arm(model, config, ids, locks, args.new_tokens)
-            print(name, "split", {k: v for k, v in results["split"][name].items() if k not in ("tokens", "step_ms")},
-                  flush=True)
+            print(
+                name,
+                "split",
+                {k: v for k, v in results["split"][name].items() if k not in ("tokens", "step_ms")},
+                flush=True,
+            )
 
-    print(f"\n{args.shape} random weights, bf16, {n // 1024}K-token prompt, {args.new_tokens} greedy tokens, "
-          f"b={args.budget}, eager ({results['gpu']})\n")
+    print(
+        f"\n{args.shape} random weights, bf16, {n // 1024}K-token prompt, {args.new_tokens} greedy tokens, "
+        f"b={args.budget}, eager ({results['gpu']})\n"
+    )
     print("| arm | tokens identical (split vs 1 GPU) | step ms, 1 GPU | step ms, split | cache devices (split) |")
     print("|---|---|---|---|---|")
     for name in arms:
         one, split = results["one_gpu"][name], results["split"][name]
         same = one["tokens"] == split["tokens"]
         results["split"][name]["identical"] = same
-        print(f"| {name} | {'yes' if same else 'NO'} | {one['step_ms_median']:.1f} | {split['step_ms_median']:.1f} | "
-              f"{', '.join(split['cache_devices'])} |")
+        print(
+            f"| {name} | {'yes' if same else 'NO'} | {one['step_ms_median']:.1f} | {split['step_ms_median']:.1f} | "
+            f"{', '.join(split['cache_devices'])} |"
+        )
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
 

@@ -31,9 +31,17 @@ import torch
 from locks_hf.models import TINY_ARCHS, tiny_model
 
 #: Test files whose tests run Triton kernels (interpreted on a CPU machine): marked ``interpret``.
-INTERPRETER_TEST_FILES = frozenset({"test_kernels.py", "test_page_update.py", "test_eigh.py",
-                                    "test_score_variants.py", "test_rerank_kernels.py",
-                                    "test_kv_quant_kernels.py", "test_kv_quant_backend.py"})
+INTERPRETER_TEST_FILES = frozenset(
+    {
+        "test_kernels.py",
+        "test_page_update.py",
+        "test_eigh.py",
+        "test_score_variants.py",
+        "test_rerank_kernels.py",
+        "test_kv_quant_kernels.py",
+        "test_kv_quant_backend.py",
+    }
+)
 #: Test files that run the kernels compiled on a GPU and interpreted without one: in the GPU suite
 #: (marked ``gpu``) without needing CUDA.
 KERNEL_TEST_FILES = INTERPRETER_TEST_FILES | {"test_select_attend_fast.py"}
@@ -49,7 +57,9 @@ def pytest_collection_modifyitems(config, items):
         if item.path.name in KERNEL_TEST_FILES:
             item.add_marker(pytest.mark.gpu)
         if needs_cuda and not COMPILED_CUDA:
-            item.add_marker(pytest.mark.skip(reason="needs a CUDA device and compiled kernels (TRITON_INTERPRET unset)"))
+            item.add_marker(
+                pytest.mark.skip(reason="needs a CUDA device and compiled kernels (TRITON_INTERPRET unset)")
+            )
 
 
 def tiny(arch: str, attn: str = "locks", dtype=torch.float64, seed: int = 0, **overrides):

@@ -70,7 +70,7 @@ def test_snapkv_stage_keeps_the_pooled_top_tokens_and_the_window():
                 for t in range(T - w):
                     score[t] += float(p[t])
         half = POOL_KERNEL // 2
-        pooled = [max(score[max(0, t - half): t + half + 1]) for t in range(T - w)]
+        pooled = [max(score[max(0, t - half) : t + half + 1]) for t in range(T - w)]
         want = set(_ranked(pooled)[: keep - w]) | set(range(T - w, T))
         assert set(torch.nonzero(got[0, j]).flatten().tolist()) == want
     assert (got.sum(-1) == keep).all()
@@ -91,7 +91,7 @@ def test_hybrid_stage_scores_match_the_published_estimate():
             est = []
             for t in range(R):
                 c0 = (t // chunk) * chunk
-                kmax = (keys[0, j, c0: c0 + chunk] * sign).amax(0)
+                kmax = (keys[0, j, c0 : c0 + chunk] * sign).amax(0)
                 est.append(sum(float(qs[g, c] * sign[c] * kmax[c]) for c in top))
             temp = math.sqrt(d * sum(abs(float(qs[g, c])) for c in top) / float(qs[g].abs().sum()))
             per_head.append(torch.softmax(torch.tensor(est, dtype=torch.float64) / temp, 0))
@@ -144,8 +144,13 @@ def test_covering_budget_generates_the_dense_tokens(arch, selector):
 
 # (prompt, budget, new tokens) for each method to leave tokens out (R-KV: its first compression at
 # 128 generated tokens; ShadowKV: its smallest budget and a prompt beyond its 48 outlier chunks)
-SPARSE_RUN = {"rocketkv": (300, 64, 10), "rkv": (300, 64, 140), "lazy_eviction": (300, 64, 40),
-              "shadowkv": (1000, 512, 6), "triattention": (30, 64, 120)}
+SPARSE_RUN = {
+    "rocketkv": (300, 64, 10),
+    "rkv": (300, 64, 140),
+    "lazy_eviction": (300, 64, 40),
+    "shadowkv": (1000, 512, 6),
+    "triattention": (30, 64, 120),
+}
 
 
 def test_sparse_runs_cover_every_generate_method():
@@ -153,8 +158,9 @@ def test_sparse_runs_cover_every_generate_method():
 
 
 # Runs of 100+ generated tokens take most of this file's time: `slow` (CI runs them).
-@pytest.mark.parametrize("selector", [pytest.param(s, marks=pytest.mark.slow) if SPARSE_RUN[s][2] >= 100 else s
-                                      for s in SPARSE_RUN])
+@pytest.mark.parametrize(
+    "selector", [pytest.param(s, marks=pytest.mark.slow) if SPARSE_RUN[s][2] >= 100 else s for s in SPARSE_RUN]
+)
 def test_small_budget_generate_runs(arch, selector):
     model = tiny(arch)
     prompt, budget, n = SPARSE_RUN[selector]
@@ -176,7 +182,7 @@ def test_shadowkv_landmarks_outliers_and_chunk_scores_follow_the_published_rule(
     for j in range(h):
         lowest = []
         for c in range(C):
-            chunk = keys[j, c * 8:(c + 1) * 8]
+            chunk = keys[j, c * 8 : (c + 1) * 8]
             mean = chunk.mean(0)
             assert torch.allclose(marks[j, c], mean, atol=1e-12)
             lowest.append(min(float(k @ mean / (k.norm() * mean.norm())) for k in chunk))
@@ -198,7 +204,7 @@ def test_shadowkv_attends_outliers_local_window_and_the_budgets_chunks():
     state = cache.locks_layers[0].policy_state
     chunks = T // CHUNK - 4
     fixed = state.keep[0, :, 0, :T]
-    assert (fixed[:, chunks * CHUNK:]).all()  # the local window
+    assert (fixed[:, chunks * CHUNK :]).all()  # the local window
     assert (fixed[:, : chunks * CHUNK].sum(-1) == OUTLIER_CHUNKS * CHUNK).all()
     selected = (512 - 416) // CHUNK * CHUNK
     # every step: the outliers, the local window, the selected chunks and the generated tokens
@@ -250,8 +256,9 @@ def test_trig_scores_match_the_published_expectation_over_future_offsets():
                 k = torch.complex(pre[j, r, :F], pre[j, r, F:])
                 phi = torch.angle(q_mean[j, g] * k.conj())
                 amp = q_mean[j, g].abs() * k.abs()
-                trig = sum(float((amp * torch.cos(omega * (now + off - positions[r]) + phi)).sum())
-                           for off in OFFSETS.tolist()) / len(OFFSETS)
+                trig = sum(
+                    float((amp * torch.cos(omega * (now + off - positions[r]) + phi)).sum()) for off in OFFSETS.tolist()
+                ) / len(OFFSETS)
                 extra = float(((q_abs[j, g] - q_mean[j, g].abs()) * k.abs()).sum())
                 assert got[j, g, r] == pytest.approx(trig + extra, abs=1e-9)
 
@@ -278,12 +285,12 @@ def test_triattention_keeps_the_prompt_and_the_best_generated_tokens():
         candidates = torch.arange(prompt, 128)  # every generated token was resident
         scores = trig_scores(layer.keys[0, j, candidates], q_mean[0, j], q_abs[0, j], state.info["omega"], 128.0)
         ranked = _ranked(scores.amax(0).tolist())[: budget - prompt]
-        assert set(torch.nonzero(state.keep[0, j, 0, prompt:]).flatten().add(prompt).tolist()) == \
-            {int(candidates[i]) for i in ranked}
+        assert set(torch.nonzero(state.keep[0, j, 0, prompt:]).flatten().add(prompt).tolist()) == {
+            int(candidates[i]) for i in ranked
+        }
 
 
 def test_triattention_needs_the_model_config():
-
     model = tiny("llama")
     cache = LocksCache(None, LocksConfig(selector="triattention", budget=64))
     with pytest.raises(Exception, match="model config"):
@@ -342,9 +349,9 @@ def test_rkv_scores_match_importance_minus_redundancy():
     for j in range(h):
         imp = torch.zeros(R - w, dtype=torch.float64)
         for i in range(w):
-            logits = torch.stack([0.4 * keys[0, j, :R - w] @ window[0, j, g, i] for g in range(G)]).amax(0)
+            logits = torch.stack([0.4 * keys[0, j, : R - w] @ window[0, j, g, i] for g in range(G)]).amax(0)
             imp += torch.softmax(logits, 0) / w
-        pooled = torch.stack([imp[max(0, t - 3): t + 4].max() for t in range(R - w)])
+        pooled = torch.stack([imp[max(0, t - 3) : t + 4].max() for t in range(R - w)])
         want = MIX_LAMBDA * pooled - (1 - MIX_LAMBDA) * _brute_redundancy(keys[0, j])[: R - w]
         assert torch.allclose(got[0, j], want, atol=1e-12)
 
@@ -366,7 +373,7 @@ def test_rkv_compression_keeps_the_best_scores_and_the_newest_tokens():
     got = policy.compressed(layer, state, window, 0.3)
     for j in range(h):
         resident = torch.nonzero(keep[0, j, 0]).flatten().tolist()
-        scores = rkv_scores(layer.keys[:, j:j + 1, resident], window[:, j:j + 1], 0.3)[0, 0].tolist()
+        scores = rkv_scores(layer.keys[:, j : j + 1, resident], window[:, j : j + 1], 0.3)[0, 0].tolist()
         want = {resident[i] for i in _ranked(scores)[: budget - 8]} | set(resident[-8:])
         assert set(torch.nonzero(got[0, j, 0]).flatten().tolist()) == want
     # under b + 128 resident tokens nothing happens
@@ -408,10 +415,15 @@ def test_lazy_eviction_recurrence_and_importance_follow_the_published_rule():
                 period[i] = max(period[i], t - last[i])
                 last[i] = t
     assert state.slot["last"].flatten().tolist() == last and state.slot["period"].flatten().tolist() == period
-    want = [2 / (1 + math.exp(1 + (steps - l) / (p + 1e-5))) + (0 if p == 0 else 2 / (1 + math.exp(p - 1)))
-            for l, p in zip(last, period)]
-    assert torch.allclose(importance(steps, state.slot["last"], state.slot["period"]).flatten(),
-                          torch.tensor(want, dtype=torch.float64), atol=1e-12)
+    want = [
+        2 / (1 + math.exp(1 + (steps - l) / (p + 1e-5))) + (0 if p == 0 else 2 / (1 + math.exp(p - 1)))
+        for l, p in zip(last, period)
+    ]
+    assert torch.allclose(
+        importance(steps, state.slot["last"], state.slot["period"]).flatten(),
+        torch.tensor(want, dtype=torch.float64),
+        atol=1e-12,
+    )
 
 
 def test_lazy_eviction_cut_keeps_the_window_and_the_most_important():
@@ -457,7 +469,6 @@ def test_lazy_eviction_decode_keeps_each_query_heads_budget():
     assert cache.decode_traffic()["attended_tokens"] <= G * (budget + W)
 
 
-
 @pytest.mark.parametrize("arch,alpha", [("llama", 5e-4), ("qwen3", 1e-4), ("gemma3", 1e-4)])
 def test_lazy_eviction_alpha_follows_the_model_family(arch, alpha):
     from locks_hf.baselines.lazy_eviction import family_alpha
@@ -486,7 +497,9 @@ def test_lazy_eviction_alpha_is_configurable_and_decides_what_recurs():
         states[alpha] = cache.locks_layers[0].policy_state
     assert states[1e-12].info["alpha"] == 1e-12
     prompt = slice(0, 80)
-    assert (states[1e-12].slot["last"][..., prompt] == 3).all() and (states[1e-12].slot["period"][..., prompt] == 1).all()
+    assert (states[1e-12].slot["last"][..., prompt] == 3).all() and (
+        states[1e-12].slot["period"][..., prompt] == 1
+    ).all()
     assert (states[0.999].slot["last"][..., prompt] == 0).all() and (states[0.999].slot["period"] == 0).all()
     for bad in (0.0, 1.0, -1e-4):
         with pytest.raises(ValueError, match="lazy_alpha"):
@@ -505,9 +518,9 @@ def test_kvzip_repeat_inputs_follow_the_published_chunking():
     context = torch.randint(3, 256, (1, SINK + CHUNK + 100), generator=GEN)
     chunks = repeat_inputs(encode, context)
     assert [(s, e) for s, e, _ in chunks] == [(SINK, SINK + CHUNK), (SINK + CHUNK, SINK + CHUNK + 100)]
-    assert torch.equal(chunks[0][2], torch.cat([encode(FIRST_PROMPT), context[:, SINK:SINK + CHUNK]], 1))
-    tail = context[:, SINK + CHUNK - 8:SINK + CHUNK]
-    assert torch.equal(chunks[1][2], torch.cat([encode(NEXT_PROMPT), tail, context[:, SINK + CHUNK:]], 1))
+    assert torch.equal(chunks[0][2], torch.cat([encode(FIRST_PROMPT), context[:, SINK : SINK + CHUNK]], 1))
+    tail = context[:, SINK + CHUNK - 8 : SINK + CHUNK]
+    assert torch.equal(chunks[1][2], torch.cat([encode(NEXT_PROMPT), tail, context[:, SINK + CHUNK :]], 1))
 
 
 def test_kvzip_scores_are_the_max_reconstruction_attention():
@@ -599,11 +612,22 @@ def _padded_batch_case(name, new_tokens, **options):
         with pytest.raises(ValueError, match="batch size 1"):
             score_context(model, ByteTokenizer(), cache, batch)
         return
-    out = model.generate(batch, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                         past_key_values=LocksCache(model.config, cfg), **options)
+    out = model.generate(
+        batch,
+        attention_mask=mask,
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        past_key_values=LocksCache(model.config, cfg),
+        **options,
+    )
     for row, ids in enumerate([a, b]):
-        alone = model.generate(ids[None], max_new_tokens=new_tokens, do_sample=False,
-                               past_key_values=LocksCache(model.config, cfg), **options)
+        alone = model.generate(
+            ids[None],
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            past_key_values=LocksCache(model.config, cfg),
+            **options,
+        )
         assert torch.equal(out[row, -new_tokens:], alone[0, -new_tokens:]), f"row {row} depends on the batch"
 
 

@@ -25,8 +25,26 @@ def _load(name: str = "bench_decode_step"):
 
 def test_bench_decode_step_runs_on_cpu(tmp_path):
     out = tmp_path / "step.json"
-    _load().main(["--shape", "tiny", "--device", "cpu", "--contexts", "512", "--budget", "64",
-                  "--arms", "full,r4i4,quest", "--steps", "2", "--warmup", "1", "--out", str(out)])
+    _load().main(
+        [
+            "--shape",
+            "tiny",
+            "--device",
+            "cpu",
+            "--contexts",
+            "512",
+            "--budget",
+            "64",
+            "--arms",
+            "full,r4i4,quest",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     rows = {r["arm"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"full", "r4i4", "quest"}
     assert rows["full"]["attended"] == 1.0
@@ -37,12 +55,28 @@ def test_bench_decode_step_runs_on_cpu(tmp_path):
 def test_bench_generate_runs_on_cpu(tmp_path):
     """scripts/bench_generate.py: every kind of arm through a real generate() (tiny model, CPU)."""
     out = tmp_path / "generate.json"
-    _load("bench_generate").main(["--shape", "tiny", "--device", "cpu", "--runs", "400:1,300:2", "--budget", "64",
-                                  "--new-tokens", "6", "--arms", "hf-dynamic,hf-static,r4i4,static-r4i4",
-                                  "--out", str(out)])
+    _load("bench_generate").main(
+        [
+            "--shape",
+            "tiny",
+            "--device",
+            "cpu",
+            "--runs",
+            "400:1,300:2",
+            "--budget",
+            "64",
+            "--new-tokens",
+            "6",
+            "--arms",
+            "hf-dynamic,hf-static,r4i4,static-r4i4",
+            "--out",
+            str(out),
+        ]
+    )
     rows = json.loads(out.read_text())["rows"]
     assert [(r["context"], r["batch"], r["arm"]) for r in rows] == [
-        (n, b, a) for n, b in ((400, 1), (300, 2)) for a in ("hf-dynamic", "hf-static", "r4i4", "static-r4i4")]
+        (n, b, a) for n, b in ((400, 1), (300, 2)) for a in ("hf-dynamic", "hf-static", "r4i4", "static-r4i4")
+    ]
     for r in rows:
         assert r["ms_per_step"] > 0 and len(r["step_ms"]) == 5 and len(r["tokens"]) == 6
         assert (r["attended"] == 1.0) == r["arm"].startswith("hf-")
@@ -66,8 +100,13 @@ def test_compile_time_script_compiles_the_rolled_fma_kernel_for_sm90():
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
         pytest.skip("this Triton has no bundled ptxas")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(SCRIPT.parent / "dev" / "compile_time.py"), "--ranks", "8"],
-                         capture_output=True, text=True, env=env, timeout=600)
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT.parent / "dev" / "compile_time.py"), "--ranks", "8"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     m = re.search(r"rank 8 bits \d+: ([\d.]+) s \{'registers': (\d+), 'local_bytes': (\d+)", run.stdout)
     assert m, run.stdout
@@ -82,12 +121,54 @@ def test_bench_sweep_runs_on_cpu(tmp_path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     out = tmp_path / "sweep.json"
-    module.main(["--shape", "tiny", "--device", "cpu", "--jobs", "warmup,a,b,memory", "--budget", "64",
-                 "--w-arms", "full,locks-r4i4,quest", "--w-budgets", "64,96", "--w-new", "3",
-                 "--arms", "full,locks-r4i4,quest", "--a-records", "2", "--a-context", "128", "--a-new", "3",
-                 "--b-arms", "full,quest", "--b-prompt", "16", "--b-new", "20", "--b-samples", "2",
-                 "--b-old-new", "4", "--context", "256", "--memory-new", "2", "--check-context", "48",
-                 "--check-new", "3", "--check-records", "1", "--out", str(out)])
+    module.main(
+        [
+            "--shape",
+            "tiny",
+            "--device",
+            "cpu",
+            "--jobs",
+            "warmup,a,b,memory",
+            "--budget",
+            "64",
+            "--w-arms",
+            "full,locks-r4i4,quest",
+            "--w-budgets",
+            "64,96",
+            "--w-new",
+            "3",
+            "--arms",
+            "full,locks-r4i4,quest",
+            "--a-records",
+            "2",
+            "--a-context",
+            "128",
+            "--a-new",
+            "3",
+            "--b-arms",
+            "full,quest",
+            "--b-prompt",
+            "16",
+            "--b-new",
+            "20",
+            "--b-samples",
+            "2",
+            "--b-old-new",
+            "4",
+            "--context",
+            "256",
+            "--memory-new",
+            "2",
+            "--check-context",
+            "48",
+            "--check-new",
+            "3",
+            "--check-records",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     results = {r["job"]: r for r in json.loads(out.read_text())["results"]}
     a, b, memory, warmup = results["a"], results["b"], results["memory"], results["warmup"]
     assert warmup["n_arms"] == 5 and warmup["steps_built"] == 3  # one batch: full, r4i4, quest
@@ -105,8 +186,24 @@ def test_soak_script_runs_on_cpu(tmp_path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     out = tmp_path / "soak.json"
-    summary = module.main(["--shape", "tiny", "--device", "cpu", "--prompt", "128", "--new-tokens", "200",
-                           "--sample-every", "100", "--budget", "64", "--out", str(out)])
+    summary = module.main(
+        [
+            "--shape",
+            "tiny",
+            "--device",
+            "cpu",
+            "--prompt",
+            "128",
+            "--new-tokens",
+            "200",
+            "--sample-every",
+            "100",
+            "--budget",
+            "64",
+            "--out",
+            str(out),
+        ]
+    )
     assert summary["attended_fraction"] < 0.5 and len(json.loads(out.read_text())["samples"]) == 2
 
 

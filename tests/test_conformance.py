@@ -57,8 +57,8 @@ def _left_padded(rows):
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.long)
     for i, r in enumerate(rows):
-        ids[i, width - len(r):] = r
-        mask[i, width - len(r):] = 1
+        ids[i, width - len(r) :] = r
+        mask[i, width - len(r) :] = 1
     return ids, mask
 
 
@@ -69,16 +69,22 @@ def _tiny_generate(model, rows, cfg, layout, new):
     kw = {} if layout == "dynamic" else dict(layout="static", max_cache_len=ids.shape[1] + new)
     if not _needs_context_scores(cfg.selector):
         cache = LocksCache(model.config, cfg, **kw)
-        return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
-                              past_key_values=cache)[:, -new:]
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, past_key_values=cache)[
+            :, -new:
+        ]
     (real,) = rows  # KVzip scores one prompt (batch size 1)
     base = LocksCache(model.config, _config("full", cfg.budget))
     with torch.no_grad():  # prefill all but the last prompt token, positions as generate() gives them
-        model(ids[:, :-1], attention_mask=mask[:, :-1], position_ids=(mask[:, :-1].cumsum(-1) - 1).clamp_min(0),
-              past_key_values=base)
+        model(
+            ids[:, :-1],
+            attention_mask=mask[:, :-1],
+            position_ids=(mask[:, :-1].cumsum(-1) - 1).clamp_min(0),
+            past_key_values=base,
+        )
     score_context(model, ByteTokenizer(), base, real[None, :-1])
-    return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
-                          past_key_values=base.fork(cfg))[:, -new:]
+    return model.generate(
+        ids, attention_mask=mask, max_new_tokens=new, do_sample=False, past_key_values=base.fork(cfg)
+    )[:, -new:]
 
 
 def _padding_cases():
@@ -109,23 +115,35 @@ def test_padding_filling_whole_pages_decodes_as_the_row_alone(selector, layout, 
             padded = _kvzip_padded(model, ids, mask, short, cfg, new)
         else:
             kw = {} if layout == "dynamic" else dict(layout="static", max_cache_len=ids.shape[1] + new)
-            padded = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
-                                    past_key_values=LocksCache(model.config, cfg, **kw))[:, -new:]
+            padded = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                do_sample=False,
+                past_key_values=LocksCache(model.config, cfg, **kw),
+            )[:, -new:]
         assert torch.equal(padded, alone), f"{length} real tokens"
 
 
 def _kvzip_padded(model, ids, mask, short, cfg, new):
     base = LocksCache(model.config, _config("full", cfg.budget))
     with torch.no_grad():
-        model(ids[:, :-1], attention_mask=mask[:, :-1], position_ids=(mask[:, :-1].cumsum(-1) - 1).clamp_min(0),
-              past_key_values=base)
+        model(
+            ids[:, :-1],
+            attention_mask=mask[:, :-1],
+            position_ids=(mask[:, :-1].cumsum(-1) - 1).clamp_min(0),
+            past_key_values=base,
+        )
     score_context(model, ByteTokenizer(), base, short[None, :-1])
-    return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
-                          past_key_values=base.fork(cfg))[:, -new:]
+    return model.generate(
+        ids, attention_mask=mask, max_new_tokens=new, do_sample=False, past_key_values=base.fork(cfg)
+    )[:, -new:]
 
 
-@pytest.mark.parametrize("selector,layout,budget", [
-    p for p in _padding_cases() if not _needs_context_scores(p.values[0]) and p.values[2] == 2 * B])
+@pytest.mark.parametrize(
+    "selector,layout,budget",
+    [p for p in _padding_cases() if not _needs_context_scores(p.values[0]) and p.values[2] == 2 * B],
+)
 def test_batch_with_a_row_almost_all_padding_decodes_each_row_as_alone(selector, layout, budget):
     """A long row next to a row of a few tokens (the rest padding, whole pages of it): each row's tokens
     are those it gets alone (the short row fits the budget; the long one selects pages)."""
@@ -138,9 +156,11 @@ def test_batch_with_a_row_almost_all_padding_decodes_each_row_as_alone(selector,
 
 
 # -- generate() scenarios on SmolLM2 (transformers' cache tests, written for Locks) ------------------
-PROMPTS = ["The cat sat on the mat and looked out of the window at the birds in the garden. It was a "
-           "warm day and the sun was shining. The cat wondered whether",
-           "Paris is"]
+PROMPTS = [
+    "The cat sat on the mat and looked out of the window at the birds in the garden. It was a "
+    "warm day and the sun was shining. The cat wondered whether",
+    "Paris is",
+]
 NEW = 6
 SPARSE = 2 * B  # two pages: the selection path from the first decode step of a prompt over 32 tokens
 COVERING = 4096
@@ -157,9 +177,16 @@ def _smollm_cases():
         if selector_class(selector).dense:
             continue  # "full" is dense at every budget: its covering case is the one below
         for label, budget in _budgets(selector):
-            marks = [pytest.mark.skip(reason="kvzip scores its context per prompt (score_context), "
-                                             "outside generate(): covered by the padding tests")] \
-                if _needs_context_scores(selector) else []
+            marks = (
+                [
+                    pytest.mark.skip(
+                        reason="kvzip scores its context per prompt (score_context), "
+                        "outside generate(): covered by the padding tests"
+                    )
+                ]
+                if _needs_context_scores(selector)
+                else []
+            )
             yield pytest.param(selector, label, budget, id=f"{selector}-{label}", marks=marks)
     yield pytest.param("full", "covering", COVERING, id="full-covering")
 
@@ -233,8 +260,7 @@ def _beam_reorders(out):
     return bool(((idx[:, 1:] != idx[:, :-1]) & (idx[:, 1:] >= 0)).any())
 
 
-BEAMS = dict(num_beams=4, num_return_sequences=3, return_dict_in_generate=True, output_scores=True,
-             max_new_tokens=8)
+BEAMS = dict(num_beams=4, num_return_sequences=3, return_dict_in_generate=True, output_scores=True, max_new_tokens=8)
 
 
 @pytest.mark.slow
@@ -253,8 +279,12 @@ def test_beam_search_with_several_returned_sequences(smollm2, selector, label, b
         assert _beam_reorders(ref), "the prompt must make the beams reorder"
         assert torch.equal(out.sequences, ref.sequences) and torch.equal(out.beam_indices, ref.beam_indices)
     else:
-        padded = _gen(model, tok([text], padding=True, pad_to_multiple_of=64, return_tensors="pt"),
-                      _locks(model, selector, budget), **BEAMS)
+        padded = _gen(
+            model,
+            tok([text], padding=True, pad_to_multiple_of=64, return_tensors="pt"),
+            _locks(model, selector, budget),
+            **BEAMS,
+        )
         assert torch.equal(out.sequences[:, -8:], padded.sequences[:, -8:])
 
 
@@ -275,8 +305,9 @@ def test_deep_copied_prompt_cache_reused_for_two_prompts(smollm2, selector, labe
         inputs = tok([prefix + suffix], return_tensors="pt")
         out = _gen(model, inputs, copy.deepcopy(prompt_cache))
         if label == "covering":
-            want = _dense(model, tok, ("prompt", suffix),
-                          lambda: _gen(model, inputs, copy.deepcopy(prefilled(DynamicCache()))))
+            want = _dense(
+                model, tok, ("prompt", suffix), lambda: _gen(model, inputs, copy.deepcopy(prefilled(DynamicCache())))
+            )
         else:  # a fresh cache prefilled with the prefix: the copied one was left untouched by the first use
             want = _gen(model, inputs, prefilled(_locks(model, selector, budget)))
         assert torch.equal(out, want)

@@ -25,8 +25,11 @@ def test_stale_work_folders_are_removed_on_the_next_load(tmp_path):
     host, dead = socket.gethostname(), _dead_pid()
     stale = [tmp_path / f".{name}.tmp-{host}@{dead}-x1y2", tmp_path / f".{name}.old-{host}@{dead}"]
     legacy = tmp_path / f".{name}.tmp-abc123"  # no owner recorded: removed once old
-    live = [tmp_path / f".{name}.tmp-{host}@{os.getpid()}-k9", tmp_path / f".{name}.tmp-otherhost@{dead}-k9",
-            tmp_path / f".{name}.tmp-fresh1"]
+    live = [
+        tmp_path / f".{name}.tmp-{host}@{os.getpid()}-k9",
+        tmp_path / f".{name}.tmp-otherhost@{dead}-k9",
+        tmp_path / f".{name}.tmp-fresh1",
+    ]
     for folder in [*stale, legacy, *live]:
         (folder / "gguf").mkdir(parents=True)
     day_ago = time.time() - 2 * 24 * 3600

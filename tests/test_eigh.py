@@ -76,13 +76,24 @@ def test_top_subspace_of_separated_spectrum():
 
 def test_degenerate_spectra():
     g = torch.Generator().manual_seed(2)
-    evals = torch.tensor([[1.0] * 8 + [2.0] * 8,  # two 8-fold eigenvalues
-                          [1.0] * 6 + [2.0] * 5 + [2.0 + 1e-6] * 5,  # a tight cluster
-                          [0.0] * 15 + [3.0],  # rank 1
-                          [-1.0] * 8 + [1.0] * 8])  # +-lambda pairs: (A + sigma I)^2 must not merge them
+    evals = torch.tensor(
+        [
+            [1.0] * 8 + [2.0] * 8,  # two 8-fold eigenvalues
+            [1.0] * 6 + [2.0] * 5 + [2.0 + 1e-6] * 5,  # a tight cluster
+            [0.0] * 15 + [3.0],  # rank 1
+            [-1.0] * 8 + [1.0] * 8,
+        ]
+    )  # +-lambda pairs: (A + sigma I)^2 must not merge them
     u = torch.randn(16, 1, generator=g)
-    a = torch.cat([_rotated(g, evals), (u @ u.T)[None], torch.zeros(1, 16, 16), torch.eye(16)[None],
-                   torch.diag(torch.arange(16.0).flip(0))[None]])  # diagonal, descending
+    a = torch.cat(
+        [
+            _rotated(g, evals),
+            (u @ u.T)[None],
+            torch.zeros(1, 16, 16),
+            torch.eye(16)[None],
+            torch.diag(torch.arange(16.0).flip(0))[None],
+        ]
+    )  # diagonal, descending
     _check(a, *_eigh(a))
 
 

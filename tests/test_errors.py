@@ -12,17 +12,20 @@ from locks_hf.attention import locks_attention_forward
 pytestmark = pytest.mark.compat
 
 
-@pytest.mark.parametrize("kwargs,needle", [
-    (dict(rank=0), "rank must be a positive int"),
-    (dict(rank=17), "rank must be in"),
-    (dict(budget=16), "budget must be at least two pages"),
-    (dict(page_size=12), "power of two"),
-    (dict(selector="topk"), "selector must be one of"),
-    (dict(group_combine="vote"), "group_combine must be one of"),
-    (dict(basis_bits=3), "basis_bits must be one of"),
-    (dict(coef_bits=4), "coef_bits must be one of"),
-    (dict(min_context=-1), "min_context"),
-])
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        (dict(rank=0), "rank must be a positive int"),
+        (dict(rank=17), "rank must be in"),
+        (dict(budget=16), "budget must be at least two pages"),
+        (dict(page_size=12), "power of two"),
+        (dict(selector="topk"), "selector must be one of"),
+        (dict(group_combine="vote"), "group_combine must be one of"),
+        (dict(basis_bits=3), "basis_bits must be one of"),
+        (dict(coef_bits=4), "coef_bits must be one of"),
+        (dict(min_context=-1), "min_context"),
+    ],
+)
 def test_bad_config_values(kwargs, needle):
     with pytest.raises(LocksConfigError, match=needle):
         LocksConfig(**kwargs)
@@ -48,15 +51,22 @@ def test_rank_above_head_dim():
 
 
 def test_softcapping_model_is_refused():
-    config = Gemma2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                          num_hidden_layers=2)
+    config = Gemma2Config(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2
+    )
     with pytest.raises(UnsupportedModelError, match="soft-capping"):
         LocksCache(config)
 
 
 def test_all_sliding_model_is_refused():
-    config = MistralConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                           sliding_window=4096, layer_types=["sliding_attention"] * 2)
+    config = MistralConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        sliding_window=4096,
+        layer_types=["sliding_attention"] * 2,
+    )
     with pytest.raises(UnsupportedModelError, match="sliding_window=None"):
         LocksCache(config)
 

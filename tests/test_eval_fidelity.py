@@ -30,8 +30,10 @@ def _brute(keys, values, valid, query, scale, selected):
         for hi in range(h):
             for g in range(G):
                 toks = [(p, i) for p in range(P) for i in range(B) if valid[bi, 0, p, i]]
-                lg = torch.tensor([scale * float(query[bi, hi, g].double() @ keys[bi, hi, p, i].double()) for p, i in toks],
-                                  dtype=torch.float64)
+                lg = torch.tensor(
+                    [scale * float(query[bi, hi, g].double() @ keys[bi, hi, p, i].double()) for p, i in toks],
+                    dtype=torch.float64,
+                )
                 w = torch.softmax(lg, 0)
                 vals = torch.stack([values[bi, hi, p, i].double() for p, i in toks])
                 o = w @ vals

@@ -1,6 +1,5 @@
 """InfiniteBench: scoring the published yi-34b-200k predictions reproduces the README; regeneration."""
 
-
 from pathlib import Path
 
 import pytest
@@ -32,14 +31,18 @@ def _check_reproduces_readme(table):
 
 def test_yi_34b_200k_shipped_predictions_reproduce_readme():
     table = score_prediction_dir(SHIPPED_YI)
-    assert sorted(r["task"] for r in table) == sorted(p.name[len("preds_"):-len(".jsonl.gz")]
-                                                      for p in SHIPPED_YI.glob("preds_*.jsonl.gz"))
+    assert sorted(r["task"] for r in table) == sorted(
+        p.name[len("preds_") : -len(".jsonl.gz")] for p in SHIPPED_YI.glob("preds_*.jsonl.gz")
+    )
     assert len(table) == 10
     _check_reproduces_readme(table)
 
 
-@pytest.mark.skipif(_yi_dir() is None, reason="full evaluation data not found (set $LOCKS_HF_DATA; "
-                    "tests/conftest.py sets the team's copy beside the clone): needs infinitebench/reference_predictions/yi-34b-200k")
+@pytest.mark.skipif(
+    _yi_dir() is None,
+    reason="full evaluation data not found (set $LOCKS_HF_DATA; "
+    "tests/conftest.py sets the team's copy beside the clone): needs infinitebench/reference_predictions/yi-34b-200k",
+)
 def test_yi_34b_200k_all_twelve_tasks_reproduce_readme():
     table = score_prediction_dir(_yi_dir())
     assert len(table) == 12

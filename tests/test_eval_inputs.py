@@ -30,15 +30,26 @@ def _message(call) -> str:
 
 # -------------------------------------------------------------------------------------------------
 # every reader, every corruption
-PRED = {"id": "t-0", "task": "t", "length": 1024, "arm": "full", "family": "full", "budget": None,
-        "selector": "full", "sample": 0, "pred": "x", "score": 1.0}
+PRED = {
+    "id": "t-0",
+    "task": "t",
+    "length": 1024,
+    "arm": "full",
+    "family": "full",
+    "budget": None,
+    "selector": "full",
+    "sample": 0,
+    "pred": "x",
+    "score": 1.0,
+}
 
 
 def _published_run(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    (run / "config.json").write_text(json.dumps({"model": "m", "benchmark": {"name": "ruler"},
-                                                 "arms": [{"name": "full"}]}, indent=1))
+    (run / "config.json").write_text(
+        json.dumps({"model": "m", "benchmark": {"name": "ruler"}, "arms": [{"name": "full"}]}, indent=1)
+    )
     (run / "results.jsonl").write_text("".join(json.dumps({**PRED, "id": f"t-{i}"}) + "\n" for i in range(3)))
     return run
 
@@ -53,12 +64,19 @@ def _sweep_run(tmp_path):
     run = _published_run(tmp_path)
     (run / "results.jsonl").unlink()
     (run / "records").mkdir()
-    (run / "records" / "t-1024.jsonl").write_text("".join(
-        json.dumps({"id": f"t-1024-{i}", "task": "t", "length": 1024, "index": i, "input": "in", "answer_prefix": ":"})
-        + "\n" for i in range(3)))
+    (run / "records" / "t-1024.jsonl").write_text(
+        "".join(
+            json.dumps(
+                {"id": f"t-1024-{i}", "task": "t", "length": 1024, "index": i, "input": "in", "answer_prefix": ":"}
+            )
+            + "\n"
+            for i in range(3)
+        )
+    )
     (run / "predictions").mkdir()
-    (run / "predictions" / "shard-0-of-1.jsonl").write_text("".join(json.dumps({**PRED, "id": f"t-1024-{i}"}) + "\n"
-                                                                    for i in range(3)))
+    (run / "predictions" / "shard-0-of-1.jsonl").write_text(
+        "".join(json.dumps({**PRED, "id": f"t-1024-{i}"}) + "\n" for i in range(3))
+    )
     (run / "manifest.json").write_text(json.dumps({"seeds": {"sweep": 0}}, indent=1))
     return run
 
@@ -68,12 +86,14 @@ def _data_dir(tmp_path):
     from locks_hf.eval.paths import package_data
 
     data = tmp_path / "data"
-    for rel, sample in [("ruler/ruler_tasks.json", "ruler_tasks.json"),
-                        ("ruler/qa_sources/squad_v2_dev_sample500.jsonl", "ruler_squad_v2_dev_sample12.jsonl"),
-                        ("ruler/qa_sources/hotpotqa_dev_distractor_subset1100.json", "ruler_hotpotqa_dev_distractor_sample5.json"),
-                        ("math/math500.jsonl", "math500_sample8.jsonl"),
-                        ("longbench/longbench_tasks.json", "longbench_tasks.json"),
-                        ("infinitebench/infinitebench_tasks.json", "infinitebench_tasks.json")]:
+    for rel, sample in [
+        ("ruler/ruler_tasks.json", "ruler_tasks.json"),
+        ("ruler/qa_sources/squad_v2_dev_sample500.jsonl", "ruler_squad_v2_dev_sample12.jsonl"),
+        ("ruler/qa_sources/hotpotqa_dev_distractor_subset1100.json", "ruler_hotpotqa_dev_distractor_sample5.json"),
+        ("math/math500.jsonl", "math500_sample8.jsonl"),
+        ("longbench/longbench_tasks.json", "longbench_tasks.json"),
+        ("infinitebench/infinitebench_tasks.json", "infinitebench_tasks.json"),
+    ]:
         (data / rel).parent.mkdir(parents=True, exist_ok=True)
         (data / rel).write_bytes(package_data(sample).read_bytes())
     return data
@@ -85,6 +105,7 @@ def _ruler_source(method):
 
         data = _data_dir(tmp_path)
         return lambda: getattr(RulerSources(data_dir=str(data)), method)()
+
     return setup
 
 
@@ -101,14 +122,16 @@ def _spec(module):
 
         data = _data_dir(tmp_path)
         return lambda: importlib.import_module(f"locks_hf.eval.{module}").load_spec(str(data))
+
     return setup
 
 
 def _ib_score(tmp_path):
     folder = tmp_path / "yi-34b-200k"
     folder.mkdir()
-    (folder / "preds_passkey.jsonl").write_text("".join(
-        json.dumps({"prediction": "12345", "ground_truth": ["12345"]}) + "\n" for _ in range(3)))
+    (folder / "preds_passkey.jsonl").write_text(
+        "".join(json.dumps({"prediction": "12345", "ground_truth": ["12345"]}) + "\n" for _ in range(3))
+    )
     return lambda: main(["infinitebench-score", "--predictions", str(folder)])
 
 
@@ -125,8 +148,21 @@ def _longbench(tmp_path):
 
 def _fidelity_records(tmp_path):
     run = _sweep_run(tmp_path)
-    return lambda: main(["fidelity", "--model", "tiny-llama", "--records-from", str(run), "--arms", "oracle",
-                         "--budgets", "64", "--out", str(tmp_path / "fid")])
+    return lambda: main(
+        [
+            "fidelity",
+            "--model",
+            "tiny-llama",
+            "--records-from",
+            str(run),
+            "--arms",
+            "oracle",
+            "--budgets",
+            "64",
+            "--out",
+            str(tmp_path / "fid"),
+        ]
+    )
 
 
 def _merge(tmp_path):
@@ -145,9 +181,12 @@ def _report_fidelity(tmp_path):
     run = _published_run(tmp_path)
     fid = tmp_path / "fid"
     fid.mkdir()
-    (fid / "fidelity_raw.jsonl").write_text("".join(
-        json.dumps({"prompt": f"p{i}", "layer": 0, "length": 64, "arm": "oracle-b64", "recall": 1.0}) + "\n"
-        for i in range(3)))
+    (fid / "fidelity_raw.jsonl").write_text(
+        "".join(
+            json.dumps({"prompt": f"p{i}", "layer": 0, "length": 64, "arm": "oracle-b64", "recall": 1.0}) + "\n"
+            for i in range(3)
+        )
+    )
     return lambda: main(["report", "--run", str(run), "--fidelity", str(fid), "--out", str(tmp_path / "docs")])
 
 
@@ -165,8 +204,13 @@ READERS = [
     ("LongBench --records-dir", _longbench, "records/multi_news.jsonl", "jsonl", False),
     ("math problems", _math, "data/math/math500.jsonl", "jsonl", False),
     ("RULER squad", _ruler_source("squad"), "data/ruler/qa_sources/squad_v2_dev_sample500.jsonl", "jsonl", False),
-    ("RULER hotpotqa", _ruler_source("hotpotqa"), "data/ruler/qa_sources/hotpotqa_dev_distractor_subset1100.json",
-     "json", False),
+    (
+        "RULER hotpotqa",
+        _ruler_source("hotpotqa"),
+        "data/ruler/qa_sources/hotpotqa_dev_distractor_subset1100.json",
+        "json",
+        False,
+    ),
     ("RULER spec", _spec("ruler"), "data/ruler/ruler_tasks.json", "json", False),
     ("LongBench spec", _spec("longbench"), "data/longbench/longbench_tasks.json", "json", False),
     ("InfiniteBench spec", _spec("infinitebench"), "data/infinitebench/infinitebench_tasks.json", "json", False),
@@ -176,26 +220,37 @@ READERS = [
 def _jsonl_corruptions(text: bytes):
     """(name, corrupted bytes, the line the error must name); line 2 of a file of 2+ lines."""
     first, rest = text.split(b"\n", 1)
-    return [("garbage line", first + b"\nnot json at all\n" + rest, 2),
-            ("torn line inside", first + b'\n{"id": "x", "ta\n' + rest, 2),
-            ("not UTF-8", first + b'\n{"id": "\xff\xfe"}\n' + rest, 2),
-            ("not an object", first + b"\n[1, 2]\n" + rest, 2)]
+    return [
+        ("garbage line", first + b"\nnot json at all\n" + rest, 2),
+        ("torn line inside", first + b'\n{"id": "x", "ta\n' + rest, 2),
+        ("not UTF-8", first + b'\n{"id": "\xff\xfe"}\n' + rest, 2),
+        ("not an object", first + b"\n[1, 2]\n" + rest, 2),
+    ]
 
 
 def _json_corruptions(text: bytes):
-    return [("truncated", text[: len(text) // 2], None), ("garbage", b"\x00garbage", 1), ("empty", b"", 1),
-            ("not UTF-8", b'{"a": "\xff"}', 1)]
+    return [
+        ("truncated", text[: len(text) // 2], None),
+        ("garbage", b"\x00garbage", 1),
+        ("empty", b"", 1),
+        ("not UTF-8", b'{"a": "\xff"}', 1),
+    ]
 
 
 CASES = []
 for _name, _setup, _rel, _kind, _appended in READERS:
-    for _corruption in ["garbage line", "torn line inside", "not UTF-8", "not an object"] if _kind == "jsonl" else \
-            ["truncated", "garbage", "empty", "not UTF-8"]:
+    for _corruption in (
+        ["garbage line", "torn line inside", "not UTF-8", "not an object"]
+        if _kind == "jsonl"
+        else ["truncated", "garbage", "empty", "not UTF-8"]
+    ):
         CASES.append(pytest.param(_setup, _rel, _kind, _corruption, id=f"{_name}: {_corruption}"))
 
 
 @pytest.mark.parametrize("setup,rel,kind,corruption", CASES)
-def test_every_file_the_harness_reads_corrupted_is_an_error_naming_file_and_line(tmp_path, setup, rel, kind, corruption):
+def test_every_file_the_harness_reads_corrupted_is_an_error_naming_file_and_line(
+    tmp_path, setup, rel, kind, corruption
+):
     call = setup(tmp_path)
     path = tmp_path / rel
     variants = (_jsonl_corruptions if kind == "jsonl" else _json_corruptions)(path.read_bytes())
@@ -207,10 +262,14 @@ def test_every_file_the_harness_reads_corrupted_is_an_error_naming_file_and_line
     assert any(word in message for word in ("fix", "remove", "delete", "restore", "use another", "name")), message
 
 
-@pytest.mark.parametrize("name,setup,rel,kind,appended", [r for r in READERS if r[3] == "jsonl"],
-                         ids=[r[0] for r in READERS if r[3] == "jsonl"])
-def test_a_torn_last_line_is_dropped_only_in_files_the_harness_appends_to(tmp_path, name, setup, rel, kind,
-                                                                           appended, caplog):
+@pytest.mark.parametrize(
+    "name,setup,rel,kind,appended",
+    [r for r in READERS if r[3] == "jsonl"],
+    ids=[r[0] for r in READERS if r[3] == "jsonl"],
+)
+def test_a_torn_last_line_is_dropped_only_in_files_the_harness_appends_to(
+    tmp_path, name, setup, rel, kind, appended, caplog
+):
     call = setup(tmp_path)
     path = tmp_path / rel
     whole = path.read_bytes()
@@ -229,7 +288,8 @@ def test_a_truncated_gzip_is_an_error_naming_it(tmp_path):
     (run / "results.jsonl").unlink()
     (run / "results.jsonl.gz").write_bytes(gzip.compress(body)[:-12])
     assert f"{run / 'results.jsonl.gz'}: not a complete gzip file" in _message(
-        lambda: main(["report", "--run", str(run), "--out", str(tmp_path / "docs")]))
+        lambda: main(["report", "--run", str(run), "--out", str(tmp_path / "docs")])
+    )
 
 
 def test_an_empty_predictions_file_is_an_error(tmp_path):
@@ -245,16 +305,36 @@ def test_infinitebench_score_of_a_folder_without_predictions_is_an_error(tmp_pat
 
 
 def test_fidelity_records_from_a_folder_without_records_is_an_error(tmp_path):
-    message = _message(lambda: main(["fidelity", "--model", "tiny-llama", "--records-from", str(tmp_path),
-                                     "--out", str(tmp_path / "fid")]))
+    message = _message(
+        lambda: main(
+            ["fidelity", "--model", "tiny-llama", "--records-from", str(tmp_path), "--out", str(tmp_path / "fid")]
+        )
+    )
     assert f"--records-from {tmp_path}: no records/<task>.jsonl" in message
     assert not (tmp_path / "fid").exists()
 
 
 def test_resume_of_a_run_with_a_truncated_config_is_an_error(tmp_path):
     out = tmp_path / "run"
-    sweep = ["sweep", "--model", "tiny-llama", "--tasks", "niah_single_1", "--lengths", "1024", "--num-samples", "1",
-             "--arms", "full", "--max-new-tokens", "1", "--threads", "1", "--out", str(out)]
+    sweep = [
+        "sweep",
+        "--model",
+        "tiny-llama",
+        "--tasks",
+        "niah_single_1",
+        "--lengths",
+        "1024",
+        "--num-samples",
+        "1",
+        "--arms",
+        "full",
+        "--max-new-tokens",
+        "1",
+        "--threads",
+        "1",
+        "--out",
+        str(out),
+    ]
     main(sweep)
     text = (out / "config.json").read_text()
     (out / "config.json").write_text(text[: len(text) // 2])
@@ -324,8 +404,17 @@ def test_every_path_option_is_checked():
     """The class: every option whose value is an input path exists-checked when parsed."""
     from locks_hf.eval.cli import ExistingPath
 
-    inputs = {"--data-dir", "--records-dir", "--haystack", "--wordlists", "--records-from", "--run", "--notes",
-              "--fidelity", "--predictions"}
+    inputs = {
+        "--data-dir",
+        "--records-dir",
+        "--haystack",
+        "--wordlists",
+        "--records-from",
+        "--run",
+        "--notes",
+        "--fidelity",
+        "--predictions",
+    }
     for name, sub in _subparsers().items():
         for action in sub._actions:
             if set(action.option_strings) & inputs:
@@ -343,8 +432,10 @@ def _numeric_options():
     for name, sub in _subparsers().items():
         for action in sub._actions:
             if isinstance(action.type, Number):
-                out += [pytest.param(name, action.option_strings[-1], bad, id=f"{name} {action.option_strings[-1]} {bad!r}")
-                        for bad in action.type.out_of_range()]
+                out += [
+                    pytest.param(name, action.option_strings[-1], bad, id=f"{name} {action.option_strings[-1]} {bad!r}")
+                    for bad in action.type.out_of_range()
+                ]
     return out
 
 
@@ -371,8 +462,10 @@ def test_empty_lists_are_refused_not_read_as_the_default(tmp_path, capsys, optio
     assert info.value.code == 2 and f"argument {option}" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("option,value", [("--top-p", "1"), ("--top-p", "0.01"), ("--temperature", "0"),
-                                          ("--budgets", "64,128"), ("--seed", "0")])
+@pytest.mark.parametrize(
+    "option,value",
+    [("--top-p", "1"), ("--top-p", "0.01"), ("--temperature", "0"), ("--budgets", "64,128"), ("--seed", "0")],
+)
 def test_values_in_range_are_taken(tmp_path, option, value):
     args = build_parser().parse_args(["sweep", option, value, "--out", str(tmp_path)])
     assert float(str(getattr(args, option[2:].replace("-", "_"))).split(",")[0]) == float(value.split(",")[0])
@@ -383,21 +476,31 @@ def test_values_in_range_are_taken(tmp_path, option, value):
 def test_help_loads_no_evaluation_dependency_and_shows_every_default():
     """`--help` imports the package (which registers the attention with transformers, so torch comes
     along, and transformers brings accelerate) but none of what a sweep needs: datasets, plotting, scorers."""
-    code = ("import runpy, sys\n"
-            "for argv in (['--help'], ['sweep', '--help']):\n"
-            "    sys.argv = ['locks-hf-eval', *argv]\n"
-            "    try:\n"
-            "        runpy.run_module('locks_hf.eval.cli', run_name='__main__', alter_sys=True)\n"
-            "    except SystemExit as e:\n"
-            "        assert e.code == 0, e.code\n"
-            "heavy = ('datasets', 'matplotlib', 'rouge_score', 'rouge', 'math_verify', 'jieba', 'gguf')\n"
-            "print('HEAVY', sorted(m for m in sys.modules if m.split('.')[0] in heavy))\n")
+    code = (
+        "import runpy, sys\n"
+        "for argv in (['--help'], ['sweep', '--help']):\n"
+        "    sys.argv = ['locks-hf-eval', *argv]\n"
+        "    try:\n"
+        "        runpy.run_module('locks_hf.eval.cli', run_name='__main__', alter_sys=True)\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code == 0, e.code\n"
+        "heavy = ('datasets', 'matplotlib', 'rouge_score', 'rouge', 'math_verify', 'jieba', 'gguf')\n"
+        "print('HEAVY', sorted(m for m in sys.modules if m.split('.')[0] in heavy))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "HEAVY []" in out.stdout, out.stdout.splitlines()[-1]
     text = "".join(out.stdout.split())  # argparse wraps lines, also after a hyphen
-    for shown in ("(default: 0.95)", "(default: 0.6)", "(default: 64,128,256,512,1024,2048)", "(default: ruler)",
-                  "(default: 16)", "(default: eager)", "(default: dense-question)", "(default: off)"):
+    for shown in (
+        "(default: 0.95)",
+        "(default: 0.6)",
+        "(default: 64,128,256,512,1024,2048)",
+        "(default: ruler)",
+        "(default: 16)",
+        "(default: eager)",
+        "(default: dense-question)",
+        "(default: off)",
+    ):
         assert shown.replace(" ", "") in text, shown
     assert "shared/data" not in out.stdout  # users are not pointed at the developers' data folder
 
@@ -413,8 +516,19 @@ def test_every_option_of_every_command_says_its_default():
 def test_a_sweep_says_what_it_is_about_to_run(tmp_path):
     from locks_hf.eval.arms import parse_arms
 
-    args = build_parser().parse_args(["sweep", "--arms", "full,oracle,quest", "--budgets", "64,128",
-                                      "--lengths", "4096,8192", "--out", str(tmp_path)])
+    args = build_parser().parse_args(
+        [
+            "sweep",
+            "--arms",
+            "full,oracle,quest",
+            "--budgets",
+            "64,128",
+            "--lengths",
+            "4096,8192",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     arms = parse_arms(["full", "oracle", "quest"], [64, 128])
     plan = sweep_plan(args, arms, [])
     assert "260 records = default tasks (all 13 tasks) x 2 length(s) (4096, 8192) x 10 records" in plan

@@ -17,8 +17,16 @@ TOK = ByteTokenizer()
 
 def _runner(out, monkeypatch, seed=0, haystack=None, allow=False):
     bench = RulerBenchmark(TOK, ["niah_single_1"], [1024], num_samples=1, haystack_path=haystack)
-    runner = SweepRunner(torch.nn.Linear(1, 1), TOK, bench, parse_arms(["full"], [64]), out, progress=False,
-                         seed=seed, allow_manifest_change=allow)
+    runner = SweepRunner(
+        torch.nn.Linear(1, 1),
+        TOK,
+        bench,
+        parse_arms(["full"], [64]),
+        out,
+        progress=False,
+        seed=seed,
+        allow_manifest_change=allow,
+    )
     monkeypatch.setattr(runner, "_run_record", _no_generation)  # the manifest is all this test is about
     return runner
 

@@ -14,7 +14,10 @@ def test_math500_answers():
     assert check_answer("so the result is \\boxed{\\frac{14}{3}}", "\\frac{14}{3}")["score"] == 1.0
     assert check_answer("\\boxed{\\dfrac{14}{3}}", "\\frac{14}{3}")["score"] == 1.0
     assert check_answer("\\boxed{4.67}", "\\frac{14}{3}")["score"] == 0.0
-    assert check_answer("\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}", "\\left( 3, \\frac{\\pi}{2} \\right)")["score"] == 1.0
+    assert (
+        check_answer("\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}", "\\left( 3, \\frac{\\pi}{2} \\right)")["score"]
+        == 1.0
+    )
     assert check_answer("\\boxed{(3, \\pi)}", "\\left( 3, \\frac{\\pi}{2} \\right)")["score"] == 0.0
     assert check_answer("The answer is $\\boxed{0.5}$", "\\frac{1}{2}")["score"] == 1.0
     assert check_answer("no answer here", "9")["score"] == 0.0

@@ -28,13 +28,18 @@ def test_retrieval_count_classification_codesim():
 
 
 def test_first_line_rule_and_rouge():
-    assert M.longbench_sample_score("trec", "classification", "\nHuman\nLocation", ["Human"],
-                                    all_classes=["Human", "Location"]) == 1.0
+    assert (
+        M.longbench_sample_score(
+            "trec", "classification", "\nHuman\nLocation", ["Human"], all_classes=["Human", "Location"]
+        )
+        == 1.0
+    )
     assert M.rouge_score("the cat sat on the mat", "the cat sat on the mat") == pytest.approx(1.0)
     assert M.rouge_score("", "the cat") == 0.0
     r = M.rouge_score("the cat sat", "the cat sat on the mat")
     try:
         import rouge  # noqa: F401  (LongBench's package: R divides by the *unique* reference words)
+
         # LCS 3; P = 3/3; R = 3/|{the,cat,sat,on,mat}| = 3/5; F = 2PR/(P+R) = 0.75
         assert r == pytest.approx(0.75, abs=1e-6)
     except ImportError:  # rouge-score fallback: R = 3/6, F = 2/3

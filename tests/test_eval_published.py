@@ -41,5 +41,11 @@ def test_published_predictions_give_the_published_scores(run):
 
 
 def test_the_published_runs_are_there():
-    assert [p.name for p in RUNS] == ["ruler-baselines-4k", "ruler-baselines-8k", "ruler-gemma3-4k", "ruler-gemma3-8k",
-                                      "ruler-tight-4k", "ruler-tight-8k"]
+    assert [p.name for p in RUNS] == [
+        "ruler-baselines-4k",
+        "ruler-baselines-8k",
+        "ruler-gemma3-4k",
+        "ruler-gemma3-8k",
+        "ruler-tight-4k",
+        "ruler-tight-8k",
+    ]

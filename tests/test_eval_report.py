@@ -5,8 +5,12 @@ import json
 
 from locks_hf.eval.report import load_cells, tables_markdown, write_report
 
-ARMS = [("full", "full", None), ("quest-b64", "quest", 64), ("quest-b512", "quest", 512),
-        ("shadowkv-b512", "shadowkv", 512)]
+ARMS = [
+    ("full", "full", None),
+    ("quest-b64", "quest", 64),
+    ("quest-b512", "quest", 512),
+    ("shadowkv-b512", "shadowkv", 512),
+]
 
 
 def _run(tmp_path, skip=(), length=1024, name="run"):
@@ -14,18 +18,31 @@ def _run(tmp_path, skip=(), length=1024, name="run"):
     at ``length``; ``skip`` lists (task, arm) rows left out."""
     run = tmp_path / name
     run.mkdir()
-    (run / "config.json").write_text(json.dumps({"model": "m", "benchmark": {"name": "ruler"},
-                                                 "arms": [{"name": a} for a, _, _ in ARMS]}))
+    (run / "config.json").write_text(
+        json.dumps({"model": "m", "benchmark": {"name": "ruler"}, "arms": [{"name": a} for a, _, _ in ARMS]})
+    )
     rows = []
     for t, task in enumerate(["t1", "t2"]):
         for i, (arm, family, budget) in enumerate(ARMS):
             if (task, arm) in skip:
                 continue
             tokens = 1000 if budget is None else budget
-            rows.append({"id": f"{task}-0", "task": task, "length": length, "arm": arm, "family": family,
-                         "budget": budget, "selector": family, "pred": "x", "score": (t + i) % 2,
-                         "attended_fraction": tokens / 1000, "attended_tokens": tokens,
-                         "read_bytes": 2048.0 * tokens + 1024 * t})
+            rows.append(
+                {
+                    "id": f"{task}-0",
+                    "task": task,
+                    "length": length,
+                    "arm": arm,
+                    "family": family,
+                    "budget": budget,
+                    "selector": family,
+                    "pred": "x",
+                    "score": (t + i) % 2,
+                    "attended_fraction": tokens / 1000,
+                    "attended_tokens": tokens,
+                    "read_bytes": 2048.0 * tokens + 1024 * t,
+                }
+            )
     (run / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return run
 

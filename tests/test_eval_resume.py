@@ -9,8 +9,18 @@ import pytest
 from locks_hf.eval.jsonl import InputFileError, end_last_line, read_jsonl
 from locks_hf.eval.merge import merge
 
-ROW = {"id": "vt-4096-0", "task": "vt", "length": 4096, "arm": "full", "family": "full", "budget": None,
-       "selector": "full", "sample": 0, "pred": "", "score": 1.0}
+ROW = {
+    "id": "vt-4096-0",
+    "task": "vt",
+    "length": 4096,
+    "arm": "full",
+    "family": "full",
+    "budget": None,
+    "selector": "full",
+    "sample": 0,
+    "pred": "",
+    "score": 1.0,
+}
 
 
 def _row(**changes):
@@ -53,5 +63,7 @@ def test_a_complete_row_without_an_id_is_named(tmp_path, line):
     path = tmp_path / "predictions" / "shard-0-of-1.jsonl"
     path.parent.mkdir()
     path.write_text(_row() + line + "\n")
-    with pytest.raises(InputFileError, match=r"shard-0-of-1.jsonl:2: (a row without \['id'|a (list|str), not an object)"):
+    with pytest.raises(
+        InputFileError, match=r"shard-0-of-1.jsonl:2: (a row without \['id'|a (list|str), not an object)"
+    ):
         merge(tmp_path)

@@ -73,7 +73,12 @@ def test_metrics_hand_computed():
 
 
 def test_sentence_split():
-    assert split_sentences("Hi there. This is it! Ok? yes. 42 is. ") == ["Hi there.", "This is it!", "Ok? yes.", "42 is."]
+    assert split_sentences("Hi there. This is it! Ok? yes. 42 is. ") == [
+        "Hi there.",
+        "This is it!",
+        "Ok? yes.",
+        "42 is.",
+    ]
 
 
 def _gemma_tokenizer():
@@ -109,11 +114,19 @@ def test_records_do_not_depend_on_the_hash_seed():
     from pathlib import Path
 
     tasks, n = ("vt", "fwe", "niah_multikey_2"), 3
-    code = ("import json; from locks_hf.eval.ruler import RulerGenerator; from locks_hf.eval.testing import ByteTokenizer; "
-            f"print(json.dumps([RulerGenerator(ByteTokenizer()).record(t, 4096, i) for t in {tasks!r} for i in range({n})]))")
+    code = (
+        "import json; from locks_hf.eval.ruler import RulerGenerator; from locks_hf.eval.testing import ByteTokenizer; "
+        f"print(json.dumps([RulerGenerator(ByteTokenizer()).record(t, 4096, i) for t in {tasks!r} for i in range({n})]))"
+    )
     seed = "2" if os.environ.get("PYTHONHASHSEED") == "1" else "1"
     root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONHASHSEED": seed}).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONHASHSEED": seed},
+    ).stdout
     here = [RulerGenerator(TOK).record(t, 4096, i) for t in tasks for i in range(n)]
     assert json.loads(out) == json.loads(json.dumps(here))

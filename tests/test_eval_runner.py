@@ -32,16 +32,26 @@ def _arms():
 
 
 def _run(model, out, shard=None):
-    r = SweepRunner(model, TOK, _bench(), _arms(), out, model_name="tiny-gemma3", shard=shard, progress=False,
-                    max_new_tokens=6)
+    r = SweepRunner(
+        model, TOK, _bench(), _arms(), out, model_name="tiny-gemma3", shard=shard, progress=False, max_new_tokens=6
+    )
     r.run()
     return r
 
 
 def test_arms():
     arms = parse_arms(["full", "oracle", "locks-r8i4", "r4i4", "quest"], [64, 128])
-    assert [a.name for a in arms] == ["full", "oracle-b64", "oracle-b128", "locks-r8i4-b64", "locks-r8i4-b128",
-                                      "locks-r4i4-b64", "locks-r4i4-b128", "quest-b64", "quest-b128"]
+    assert [a.name for a in arms] == [
+        "full",
+        "oracle-b64",
+        "oracle-b128",
+        "locks-r8i4-b64",
+        "locks-r8i4-b128",
+        "locks-r4i4-b64",
+        "locks-r4i4-b128",
+        "quest-b64",
+        "quest-b128",
+    ]
     assert arms[3].config.rank == 8 and arms[3].config.basis_bits == 4 and arms[3].config.budget == 64
     with pytest.raises(ValueError):
         parse_arms(["bogus"], [64])
@@ -99,7 +109,8 @@ def test_end_to_end_resume_and_shards(model, tmp_path, monkeypatch):
     _run(model, single)
     merge(single)
     assert (single / "results.jsonl").read_text() == "".join(
-        json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in rows)
+        json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in rows
+    )
 
     # two shards + merge == one process
     sharded = tmp_path / "sharded"
@@ -117,8 +128,18 @@ def test_sparse_question_protocol_and_report(model, tmp_path):
     bench = _bench()
     # keep the test fast: only the last 12 prompt bytes count as the question (fed one by one)
     bench.question_start_text = lambda rec: len(bench.prompt_text(rec)) - 12
-    r = SweepRunner(model, TOK, bench, arms, out, model_name="tiny-gemma3", progress=False,
-                    max_new_tokens=2, protocol="sparse-question", limit=1)
+    r = SweepRunner(
+        model,
+        TOK,
+        bench,
+        arms,
+        out,
+        model_name="tiny-gemma3",
+        progress=False,
+        max_new_tokens=2,
+        protocol="sparse-question",
+        limit=1,
+    )
     r.run()
     merge(out)
     cfg = json.loads((out / "config.json").read_text())

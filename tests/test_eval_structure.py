@@ -19,13 +19,13 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
                 base = node.module or ""
                 names = [base] if base else [a.name for a in node.names]
             elif node.module and (node.module == PACKAGE or node.module.startswith(PACKAGE + ".")):
-                base = node.module[len(PACKAGE) + 1:]
+                base = node.module[len(PACKAGE) + 1 :]
                 names = [base] if base else [a.name for a in node.names]
             else:
                 continue
             out.update(n.split(".")[0] for n in names)
         elif isinstance(node, ast.Import):
-            out.update(a.name[len(PACKAGE) + 1:].split(".")[0] for a in node.names if a.name.startswith(PACKAGE + "."))
+            out.update(a.name[len(PACKAGE) + 1 :].split(".")[0] for a in node.names if a.name.startswith(PACKAGE + "."))
     return out & modules - {path.stem}
 
 

@@ -55,36 +55,85 @@ class _Streamer:
 
 #: Every registered selector generate() can run on its own (page selectors and token-level baselines).
 SELECTORS = [n for n in selector_names() if not getattr(selector_class(n), "needs_context_scores", False)]
-VALID_FIELDS = st.fixed_dictionaries({}, optional={
-    "page_size": st.sampled_from([4, 8, 16]),
-    "rank": st.sampled_from([1, 2, 3]),
-    "basis_bits": st.sampled_from([2, 4, 8, 16]),
-    "coef_bits": st.sampled_from([8, 16]),
-    "centroid_bits": st.sampled_from([8, 16]),
-    "selector": st.sampled_from(SELECTORS),
-    "rerank": st.sampled_from([1, 2, 8]),
-    "group_combine": st.sampled_from(["share_average", "group_max", "group_mass"]),
-    "min_context": st.sampled_from([0, 0, 0, 64]),
-})
+VALID_FIELDS = st.fixed_dictionaries(
+    {},
+    optional={
+        "page_size": st.sampled_from([4, 8, 16]),
+        "rank": st.sampled_from([1, 2, 3]),
+        "basis_bits": st.sampled_from([2, 4, 8, 16]),
+        "coef_bits": st.sampled_from([8, 16]),
+        "centroid_bits": st.sampled_from([8, 16]),
+        "selector": st.sampled_from(SELECTORS),
+        "rerank": st.sampled_from([1, 2, 8]),
+        "group_combine": st.sampled_from(["share_average", "group_max", "group_mass"]),
+        "min_context": st.sampled_from([0, 0, 0, 64]),
+    },
+)
 #: One bad field at a time (a third of the examples), so that most examples reach generate().
-BAD_FIELD = st.one_of(st.none(), st.none(), st.sampled_from([
-    ("page_size", 3), ("page_size", 0), ("page_size", 2**40), ("page_size", 16.0), ("rank", 0), ("rank", 32),
-    ("rank", True), ("basis_bits", 3), ("basis_bits", 4.0), ("coef_bits", 4), ("selector", "topk"),
-    ("group_combine", "vote"), ("min_context", -1), ("rerank", 0), ("lazy_alpha", 1e-4)]))
+BAD_FIELD = st.one_of(
+    st.none(),
+    st.none(),
+    st.sampled_from(
+        [
+            ("page_size", 3),
+            ("page_size", 0),
+            ("page_size", 2**40),
+            ("page_size", 16.0),
+            ("rank", 0),
+            ("rank", 32),
+            ("rank", True),
+            ("basis_bits", 3),
+            ("basis_bits", 4.0),
+            ("coef_bits", 4),
+            ("selector", "topk"),
+            ("group_combine", "vote"),
+            ("min_context", -1),
+            ("rerank", 0),
+            ("lazy_alpha", 1e-4),
+        ]
+    ),
+)
 #: How the cache is built: the settings as a LocksConfig, as an arm label, the model in place of its config,
 #: or a wrong argument type or value (refused before any token).
-CACHE_ARGS = st.sampled_from(["config", "config", "config", "label", "model", "max_budget", "locks_dict",
-                              "locks_int", "bad_label", "max_budget_str", "max_budget_low"])
+CACHE_ARGS = st.sampled_from(
+    [
+        "config",
+        "config",
+        "config",
+        "label",
+        "model",
+        "max_budget",
+        "locks_dict",
+        "locks_int",
+        "bad_label",
+        "max_budget_str",
+        "max_budget_low",
+    ]
+)
 
 
-@settings(max_examples=40, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(arch=st.sampled_from(TINY_ARCHS), attn=st.sampled_from(["locks", "locks", "locks", "sdpa"]),
-       fields=VALID_FIELDS, bad=BAD_FIELD, covering=st.booleans(), static=st.sampled_from([None, None, None, None, "fits", "short"]),
-       prompt=st.integers(20, 90), new=st.integers(1, 4), batch=st.sampled_from([1, 1, 2]),
-       option=st.sampled_from([{}, {}, {"num_beams": 2}, {"prompt_lookup_num_tokens": 2}]), cache_args=CACHE_ARGS)
-def test_fuzz_library_error_or_dense_tokens(arch, attn, fields, bad, covering, static, prompt, new, batch, option,
-                                            cache_args):
+@settings(
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(
+    arch=st.sampled_from(TINY_ARCHS),
+    attn=st.sampled_from(["locks", "locks", "locks", "sdpa"]),
+    fields=VALID_FIELDS,
+    bad=BAD_FIELD,
+    covering=st.booleans(),
+    static=st.sampled_from([None, None, None, None, "fits", "short"]),
+    prompt=st.integers(20, 90),
+    new=st.integers(1, 4),
+    batch=st.sampled_from([1, 1, 2]),
+    option=st.sampled_from([{}, {}, {"num_beams": 2}, {"prompt_lookup_num_tokens": 2}]),
+    cache_args=CACHE_ARGS,
+)
+def test_fuzz_library_error_or_dense_tokens(
+    arch, attn, fields, bad, covering, static, prompt, new, batch, option, cache_args
+):
     model = _model(arch, attn)
     if fields.get("selector") != "locks_rerank":  # a re-ranking setting on another selector: a bad field
         fields = {k: v for k, v in fields.items() if k != "rerank"}
@@ -96,7 +145,9 @@ def test_fuzz_library_error_or_dense_tokens(arch, attn, fields, bad, covering, s
     streamer = _Streamer()
     try:
         locks = LocksConfig(**{**fields, "budget": 1024 if covering else 32})
-        given = {"label": locks.label, "locks_dict": dict(fields), "locks_int": 128, "bad_label": "r8"}.get(cache_args, locks)
+        given = {"label": locks.label, "locks_dict": dict(fields), "locks_int": 128, "bad_label": "r8"}.get(
+            cache_args, locks
+        )
         extra = {"max_budget": 2048, "max_budget_str": "2048", "max_budget_low": 16}.get(cache_args)
         extra = {} if extra is None else {"max_budget": extra}
         owner = model if cache_args == "model" else model.config
@@ -105,8 +156,9 @@ def test_fuzz_library_error_or_dense_tokens(arch, attn, fields, bad, covering, s
         else:
             capacity = prompt + new - (1 if static == "fits" else 2)  # the last new token is never written
             cache = LocksStaticCache(owner, max_cache_len=capacity, locks=given, **extra)
-        out = model.generate(ids, past_key_values=cache, streamer=streamer if batch == 1 and not option else None,
-                             **kwargs)
+        out = model.generate(
+            ids, past_key_values=cache, streamer=streamer if batch == 1 and not option else None, **kwargs
+        )
     except Exception as err:  # noqa: BLE001 - the property is about which errors escape
         assert _is_library_error(err), f"not a library error: {type(err).__name__}: {err}"
         if static != "short":  # an overflow shows when the token past max_cache_len is written
@@ -119,8 +171,13 @@ def test_fuzz_library_error_or_dense_tokens(arch, attn, fields, bad, covering, s
         event("correct: dense tokens at a covering budget")
     else:
         # (token-level baselines evict on their own schedule, e.g. R-KV every 128 generated tokens)
-        sparse_steps = (new >= 2 and prompt > 48 and locks.selector != "full" and locks.min_context <= prompt
-                        and not selector_class(locks.selector).token_level)
+        sparse_steps = (
+            new >= 2
+            and prompt > 48
+            and locks.selector != "full"
+            and locks.min_context <= prompt
+            and not selector_class(locks.selector).token_level
+        )
         if sparse_steps:  # never silently dense: decode steps past the budget attend a part of the context
             assert cache.attended_fraction() < 1.0
         event("decoded sparsely at a small budget" if sparse_steps else "decoded at a small budget")

@@ -73,8 +73,7 @@ def _brute_sparse_output(layer, q, scale):
     for i in range(b):
         for head in range(hq):
             j = head // (hq // h)
-            slots = [s for s in range(layer.length)
-                     if layer.last_selection[i, j, s // B] and layer.slot_valid[i, s]]
+            slots = [s for s in range(layer.length) if layer.last_selection[i, j, s // B] and layer.slot_valid[i, s]]
             k, v = layer.keys[i, j, slots].double(), layer.values[i, j, slots].double()
             out[i, 0, head] = torch.softmax(scale * k @ q[i, head, 0].double(), 0) @ v
     return out
@@ -98,11 +97,13 @@ def test_left_padded_batch_equals_rows_run_alone(budget, selector):
     batch = torch.stack([a, torch.cat([torch.zeros(70, dtype=torch.long), b])])
     mask = (torch.arange(260)[None] >= torch.tensor([[0], [70]])).long()
     cfg = LocksConfig(budget=budget, selector=selector)
-    out = model.generate(batch, attention_mask=mask, max_new_tokens=8, do_sample=False,
-                         past_key_values=LocksCache(model.config, cfg))
+    out = model.generate(
+        batch, attention_mask=mask, max_new_tokens=8, do_sample=False, past_key_values=LocksCache(model.config, cfg)
+    )
     for row, ids in enumerate([a, b]):
-        alone = model.generate(ids[None], max_new_tokens=8, do_sample=False,
-                               past_key_values=LocksCache(model.config, cfg))
+        alone = model.generate(
+            ids[None], max_new_tokens=8, do_sample=False, past_key_values=LocksCache(model.config, cfg)
+        )
         assert torch.equal(out[row, -8:], alone[0, -8:])
 
 
@@ -113,7 +114,7 @@ def test_padding_never_selected_and_not_summarized():
     mask = (torch.arange(260) >= 40).long()[None]
     model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, past_key_values=cache)
     layer = cache.layers[0]
-    assert not layer.slot_valid[0, :40].any() and layer.slot_valid[0, 40:layer.length].all()
+    assert not layer.slot_valid[0, :40].any() and layer.slot_valid[0, 40 : layer.length].all()
     assert layer.row_start == [40]  # pages start at the first real token, as if run alone
     assert layer.last_selection[0, :, 0].all()  # the sink
     assert layer.page_validity().sum() == layer.length - 40  # no pad slot in any page
@@ -125,15 +126,30 @@ def test_beam_search_and_sampling_run():
     ids = _ids()
     model = tiny("qwen3")
     ref = tiny("qwen3", "sdpa").generate(ids, max_new_tokens=6, num_beams=3, do_sample=False)
-    out = model.generate(ids, max_new_tokens=6, num_beams=3, do_sample=False,
-                         past_key_values=LocksCache(model.config, LocksConfig(budget=1024)))
+    out = model.generate(
+        ids,
+        max_new_tokens=6,
+        num_beams=3,
+        do_sample=False,
+        past_key_values=LocksCache(model.config, LocksConfig(budget=1024)),
+    )
     assert torch.equal(out, ref)
-    sparse = model.generate(ids, max_new_tokens=6, num_beams=3, do_sample=False,
-                            past_key_values=LocksCache(model.config, LocksConfig(budget=64)))
+    sparse = model.generate(
+        ids,
+        max_new_tokens=6,
+        num_beams=3,
+        do_sample=False,
+        past_key_values=LocksCache(model.config, LocksConfig(budget=64)),
+    )
     assert sparse.shape == ref.shape
     torch.manual_seed(0)
-    sampled = model.generate(ids, max_new_tokens=6, do_sample=True, top_k=20,
-                             past_key_values=LocksCache(model.config, LocksConfig(budget=64)))
+    sampled = model.generate(
+        ids,
+        max_new_tokens=6,
+        do_sample=True,
+        top_k=20,
+        past_key_values=LocksCache(model.config, LocksConfig(budget=64)),
+    )
     assert sampled.shape == (1, PROMPT + 6)
 
 
@@ -224,7 +240,9 @@ def test_batch_repeat_and_select_keep_rows_consistent():
     mask = torch.ones_like(ids)
     mask[0, :21] = 0
     model(ids, attention_mask=mask, past_key_values=cache)
-    model(torch.ones(2, 1, dtype=torch.long), attention_mask=torch.ones(2, 222, dtype=torch.long), past_key_values=cache)
+    model(
+        torch.ones(2, 1, dtype=torch.long), attention_mask=torch.ones(2, 222, dtype=torch.long), past_key_values=cache
+    )
     layer = cache.layers[0]
     assert layer.row_start == [21, 0]
     summary = {n: t.clone() for n, t in layer.summary_view().items()}
@@ -235,7 +253,9 @@ def test_batch_repeat_and_select_keep_rows_consistent():
     for name, t in layer.summary_view().items():
         assert torch.equal(t, summary[name][[1, 0]])
     # decoding continues with the reordered rows
-    model(torch.ones(2, 1, dtype=torch.long), attention_mask=torch.ones(2, 223, dtype=torch.long), past_key_values=cache)
+    model(
+        torch.ones(2, 1, dtype=torch.long), attention_mask=torch.ones(2, 223, dtype=torch.long), past_key_values=cache
+    )
     assert layer.last_selection.shape[0] == 2
 
 

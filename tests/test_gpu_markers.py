@@ -14,11 +14,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 #: What, in a test's decorators, body or its module's ``pytestmark``, says that it needs CUDA.
-NEEDS_CUDA = re.compile(r"skipif\(\s*not\s+torch\.cuda\.is_available\(\)"  # skipped without CUDA
-                        r"|skipif\([^)]*DEV\s*!=\s*[\"']cuda[\"']"  # ... or without compiled kernels
-                        r"|\.to\([\"']cuda[\"']\)|\.cuda\(\)|device=[\"']cuda[\"']")  # puts tensors on it
+NEEDS_CUDA = re.compile(
+    r"skipif\(\s*not\s+torch\.cuda\.is_available\(\)"  # skipped without CUDA
+    r"|skipif\([^)]*DEV\s*!=\s*[\"']cuda[\"']"  # ... or without compiled kernels
+    r"|\.to\([\"']cuda[\"']\)|\.cuda\(\)|device=[\"']cuda[\"']"
+)  # puts tensors on it
 
-PLUGIN = '''
+PLUGIN = """
 import json, os
 
 def pytest_collection_finish(session):
@@ -26,17 +28,36 @@ def pytest_collection_finish(session):
              "gpu": i.get_closest_marker("gpu") is not None} for i in session.items]
     with open(os.environ["GPU_MARKERS_OUT"], "w") as f:
         json.dump(rows, f)
-'''
+"""
 
 
 def _collect(tmp_path) -> list[dict]:
     (tmp_path / "gpu_markers_plugin.py").write_text(PLUGIN)
     out = tmp_path / "items.json"
-    env = {**os.environ, "GPU_MARKERS_OUT": str(out),
-           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                          "-p", "gpu_markers_plugin", "tests"], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=600)
+    env = {
+        **os.environ,
+        "GPU_MARKERS_OUT": str(out),
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+    }
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "gpu_markers_plugin",
+            "tests",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -67,7 +88,9 @@ def test_tests_that_need_cuda_are_gpu_marked(tmp_path):
         functions, mark = sources[item["file"]]
         if NEEDS_CUDA.search(functions.get(item["name"], "") + "\n" + mark):
             unmarked.append(item["nodeid"])
-    assert not unmarked, f"tests that need CUDA without @pytest.mark.gpu (conftest skips those without CUDA): {unmarked}"
+    assert not unmarked, (
+        f"tests that need CUDA without @pytest.mark.gpu (conftest skips those without CUDA): {unmarked}"
+    )
     gpu = {item["nodeid"].split("[")[0] for item in items if item["gpu"]}
     # the GPU suite: tests that need CUDA, and the kernel test files (compiled there)
     assert "tests/test_layout.py::test_one_liner_compiles_once_across_budgets_on_cuda" in gpu

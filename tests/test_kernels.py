@@ -14,8 +14,11 @@ import torch
 
 if not torch.cuda.is_available():
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no CUDA and Triton was imported before TRITON_INTERPRET=1 was set: run the tests with "
-                    "TRITON_INTERPRET=1 in the environment", allow_module_level=True)
+        pytest.skip(
+            "no CUDA and Triton was imported before TRITON_INTERPRET=1 was set: run the tests with "
+            "TRITON_INTERPRET=1 in the environment",
+            allow_module_level=True,
+        )
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
 
@@ -60,7 +63,9 @@ class Cache:
         slot = self.row_start.long()[:, None, None] + torch.arange(self.P)[None, :, None] * B + torch.arange(B)
         clamped = slot.clamp(0, self.cap - 1)
         self.page_keys = self.keys.gather(2, clamped.reshape(b, 1, -1, 1).expand(-1, h, -1, d)).view(b, h, self.P, B, d)
-        self.page_values = self.values.gather(2, clamped.reshape(b, 1, -1, 1).expand(-1, h, -1, d)).view(b, h, self.P, B, d)
+        self.page_values = self.values.gather(2, clamped.reshape(b, 1, -1, 1).expand(-1, h, -1, d)).view(
+            b, h, self.P, B, d
+        )
         self.valid = self.slot_valid.gather(1, clamped.view(b, -1)).view(b, self.P, B) & (slot < self.length)
         self.page_real = self.valid.any(-1)
         self.complete = torch.arange(self.P)[None] < self.n_complete[:, None]
@@ -73,8 +78,14 @@ class Cache:
         return t.to(DEV)
 
     def kw(self):
-        return dict(slot_valid=self.dev("slot_valid"), row_start=self.dev("row_start"),
-                    n_complete=self.dev("n_complete"), length=self.length, n_pages=self.P, page_size=B)
+        return dict(
+            slot_valid=self.dev("slot_valid"),
+            row_start=self.dev("row_start"),
+            n_complete=self.dev("n_complete"),
+            length=self.length,
+            n_pages=self.P,
+            page_size=B,
+        )
 
     def summary(self, rank, bits):
         n = int(self.n_complete.max())
@@ -104,13 +115,31 @@ def _locks_case(rank: int, bits: int, G: int):
     return c, {k: v.to(DEV) for k, v in summ.items()}, ref
 
 
-@pytest.mark.parametrize("rank,bits,G,by_token", [(4, 4, 4, False), (8, 4, 4, True), (2, 4, 16, False),
-                                                 (4, 2, 4, False), (4, 8, 3, True), (4, 4, 16, True),
-                                                 (4, 4, 16, None)])
+@pytest.mark.parametrize(
+    "rank,bits,G,by_token",
+    [
+        (4, 4, 4, False),
+        (8, 4, 4, True),
+        (2, 4, 16, False),
+        (4, 2, 4, False),
+        (4, 8, 3, True),
+        (4, 4, 16, True),
+        (4, 4, 16, None),
+    ],
+)
 def test_locks_scores_match_reference(rank, bits, G, by_token):
     c, summ, ref = _locks_case(rank, bits, G)
-    got, _ = kernels.score_pages("locks", c.dev("query"), summary=summ, scale=0.3, basis_bits=bits, sub_blocks=1,
-                                 variant="dot", by_token=by_token, **c.kw())
+    got, _ = kernels.score_pages(
+        "locks",
+        c.dev("query"),
+        summary=summ,
+        scale=0.3,
+        basis_bits=bits,
+        sub_blocks=1,
+        variant="dot",
+        by_token=by_token,
+        **c.kw(),
+    )
     _scores_ok(got.view(c.b, c.h, G, c.P), ref, _complete_real(c), 1e-5)
 
 
@@ -119,6 +148,7 @@ def test_dot_scoring_defaults_follow_the_group_size():
     otherwise; whatever the caller sets is kept."""
     from locks_hf.kernels.score_dot import LOCKS, QUEST
     from locks_hf.kernels.score_tiles import BY_TOKEN_MIN_PAGE_ROWS as many, dot_tiles
+
     assert dot_tiles(LOCKS, 16, 16, 4, many, None, None, None, None, None) == (True, 32, 8, 4, 2)
     assert dot_tiles(LOCKS, 16, 16, 4, many - 1, None, None, None, None, None) == (False, 16, 8, 8, 2)
     assert dot_tiles(LOCKS, 4, 16, 4, many, None, None, None, None, None) == (False, 32, 8, 4, 2)
@@ -132,11 +162,13 @@ def test_quest_and_oracle_scores_match_reference():
     n = int(c.n_complete.max())
     qsel = QuestSelector(LocksConfig())
     summ = qsel.summarize(c.page_keys[:, :, :n], c.valid[:, None, :n].expand(-1, c.h, -1, -1))
-    ref = qsel.page_scores({k: v.double() for k, v in summ.items()}, None, None,
-                           c.query.view(c.b, c.h, c.G, c.d).double(), 0.3)
+    ref = qsel.page_scores(
+        {k: v.double() for k, v in summ.items()}, None, None, c.query.view(c.b, c.h, c.G, c.d).double(), 0.3
+    )
     ref = torch.nn.functional.pad(ref, (0, c.P - n), value=float("-inf"))
-    got, _ = kernels.score_pages("quest", c.dev("query"), summary={k: v.to(DEV) for k, v in summ.items()},
-                                 scale=0.3, sub_blocks=1, **c.kw())
+    got, _ = kernels.score_pages(
+        "quest", c.dev("query"), summary={k: v.to(DEV) for k, v in summ.items()}, scale=0.3, sub_blocks=1, **c.kw()
+    )
     _scores_ok(got.view(c.b, c.h, c.G, c.P), ref, _complete_real(c), 1e-5)
 
     ref = exact_page_lse(c.page_keys.double(), c.valid[:, None], c.query.view(c.b, c.h, c.G, c.d).double(), 0.3)
@@ -179,8 +211,16 @@ def test_selection_matches_reference(per_head, ties, k):
         scores[..., 5:9] = 1.5
     ok = (c.page_real & c.complete).repeat_interleave(c.h, 0)[:, None]
     scores = scores.masked_fill(~ok, float("-inf"))
-    pages = kernels.select_pages(scores.to(DEV), _partials(scores, c).to(DEV), slots=k, per_head=per_head,
-                                 row_start=c.dev("row_start"), length=c.length, heads=c.h, page_size=B)
+    pages = kernels.select_pages(
+        scores.to(DEV),
+        _partials(scores, c).to(DEV),
+        slots=k,
+        per_head=per_head,
+        row_start=c.dev("row_start"),
+        length=c.length,
+        heads=c.h,
+        page_size=B,
+    )
     assert pages.shape[1] == (c.G * (k - 2) + 2 if per_head else k)
     want = ref_select(scores.view(c.b, c.h, c.G, c.P).double(), c.page_real, c.complete, k, "share_average", per_head)
     assert torch.equal(page_lists_as_mask(pages, c.b, c.h, c.P), want)
@@ -199,9 +239,17 @@ def test_selection_with_a_device_budget_matches_reference(per_head, k):
     ok = (c.page_real & c.complete).repeat_interleave(c.h, 0)[:, None]
     scores = scores.masked_fill(~ok, float("-inf"))
     active = torch.tensor([k], dtype=torch.int32, device=DEV)
-    pages = kernels.select_pages(scores.to(DEV), _partials(scores, c).to(DEV), slots=widest, per_head=per_head,
-                                 row_start=c.dev("row_start"), length=c.length, heads=c.h, page_size=B,
-                                 active_slots=active)
+    pages = kernels.select_pages(
+        scores.to(DEV),
+        _partials(scores, c).to(DEV),
+        slots=widest,
+        per_head=per_head,
+        row_start=c.dev("row_start"),
+        length=c.length,
+        heads=c.h,
+        page_size=B,
+        active_slots=active,
+    )
     assert pages.shape[1] == (c.G * (widest - 2) + 2 if per_head else widest)
     want = ref_select(scores.view(c.b, c.h, c.G, c.P).double(), c.page_real, c.complete, k, "share_average", per_head)
     assert torch.equal(page_lists_as_mask(pages, c.b, c.h, c.P), want)
@@ -219,17 +267,34 @@ def test_score_then_select_over_many_blocks(method):
         kw.update(summary={k: v.to(DEV) for k, v in c.summary(4, 4).items()}, basis_bits=4, variant="dot")
     elif method == "quest":
         n = int(c.n_complete.max())
-        summ = QuestSelector(LocksConfig()).summarize(c.page_keys[:, :, :n], c.valid[:, None, :n].expand(-1, c.h, -1, -1))
+        summ = QuestSelector(LocksConfig()).summarize(
+            c.page_keys[:, :, :n], c.valid[:, None, :n].expand(-1, c.h, -1, -1)
+        )
         kw.update(summary={k: v.to(DEV) for k, v in summ.items()})
     else:
         kw.update(keys=c.dev("keys"), block_pages=8)
     scores, part = kernels.score_pages(method, c.dev("query"), **kw, **c.kw())
     assert part.shape[1] > 1
     for k in (3, 12):
-        pages = kernels.select_pages(scores, part, slots=k, per_head=method == "quest", row_start=c.dev("row_start"),
-                                     length=c.length, heads=c.h, page_size=B, chunk=256 if k == 3 else None)
-        want = ref_select(scores.cpu().view(c.b, c.h, c.G, c.P).double(), c.page_real, c.complete, k,
-                          "share_average", method == "quest")
+        pages = kernels.select_pages(
+            scores,
+            part,
+            slots=k,
+            per_head=method == "quest",
+            row_start=c.dev("row_start"),
+            length=c.length,
+            heads=c.h,
+            page_size=B,
+            chunk=256 if k == 3 else None,
+        )
+        want = ref_select(
+            scores.cpu().view(c.b, c.h, c.G, c.P).double(),
+            c.page_real,
+            c.complete,
+            k,
+            "share_average",
+            method == "quest",
+        )
         assert torch.equal(page_lists_as_mask(pages, c.b, c.h, c.P), want)
 
 
@@ -251,12 +316,23 @@ def _ref_attention(c, pages, scale):
 @pytest.mark.parametrize("G", [4, 3])
 def test_sparse_attention_matches_reference(splits, G):
     c = Cache(splits or 0, G=G, d=32)
-    pages = torch.tensor([[0, 7, 3, 5, -1, 9], [0, -1, 2, 4, 6, 8], [0, 10, 1, -1, -1, -1], [0, 10, 9, 8, 7, -1]],
-                         dtype=torch.int32)
+    pages = torch.tensor(
+        [[0, 7, 3, 5, -1, 9], [0, -1, 2, 4, 6, 8], [0, 10, 1, -1, -1, -1], [0, 10, 9, 8, 7, -1]], dtype=torch.int32
+    )
     counts = torch.full((2,), 7, dtype=torch.int64, device=DEV)
-    out = kernels.sparse_attention(c.dev("query"), c.dev("keys"), c.dev("values"), pages.to(DEV), scale=0.3,
-                                   splits=splits, slot_valid=c.dev("slot_valid"), row_start=c.dev("row_start"),
-                                   length=c.length, page_size=B, counts=counts)
+    out = kernels.sparse_attention(
+        c.dev("query"),
+        c.dev("keys"),
+        c.dev("values"),
+        pages.to(DEV),
+        scale=0.3,
+        splits=splits,
+        slot_valid=c.dev("slot_valid"),
+        row_start=c.dev("row_start"),
+        length=c.length,
+        page_size=B,
+        counts=counts,
+    )
     ref = _ref_attention(c, pages, 0.3)
     assert ((out.cpu().double() - ref).norm() / ref.norm()).item() < 1e-5
     # counts[0] grew by the real tokens of the listed pages (padding, holes, unwritten slots excluded)
@@ -272,19 +348,39 @@ def test_dense_attention_matches_reference(splits, G):
     c = Cache(20 + (splits or 0), G=G, d=32)
     counts = torch.zeros(2, dtype=torch.int64, device=DEV)
     unwritten = c.dev("keys").clone()
-    unwritten[:, :, c.length:] = float("nan")  # neither K nor V past the length may be read
+    unwritten[:, :, c.length :] = float("nan")  # neither K nor V past the length may be read
     values = c.dev("values").clone()
-    values[:, :, c.length:] = float("nan")
-    out = kernels.sparse_attention(c.dev("query"), unwritten, values, None, n_pages=c.cap // B, scale=0.3,
-                                   splits=splits, slot_valid=c.dev("slot_valid"), row_start=c.dev("row_start"),
-                                   length=c.length, page_size=B, counts=counts)
+    values[:, :, c.length :] = float("nan")
+    out = kernels.sparse_attention(
+        c.dev("query"),
+        unwritten,
+        values,
+        None,
+        n_pages=c.cap // B,
+        scale=0.3,
+        splits=splits,
+        slot_valid=c.dev("slot_valid"),
+        row_start=c.dev("row_start"),
+        length=c.length,
+        page_size=B,
+        counts=counts,
+    )
     every = torch.arange(c.P, dtype=torch.int32).expand(c.b * c.h, -1)
     ref = _ref_attention(c, every, 0.3)
     assert ((out.cpu().double() - ref).norm() / ref.norm()).item() < 1e-5
     assert counts.tolist() == [int(c.valid.sum()) * c.h, 0]
     with pytest.raises(ValueError, match="n_pages"):
-        kernels.sparse_attention(c.dev("query"), unwritten, values, None, scale=0.3, slot_valid=c.dev("slot_valid"),
-                                 row_start=c.dev("row_start"), length=c.length, page_size=B)
+        kernels.sparse_attention(
+            c.dev("query"),
+            unwritten,
+            values,
+            None,
+            scale=0.3,
+            slot_valid=c.dev("slot_valid"),
+            row_start=c.dev("row_start"),
+            length=c.length,
+            page_size=B,
+        )
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
@@ -300,8 +396,12 @@ def test_build_matches_reference(bits):
     assert torch.equal(got["mu"].cpu(), want["mu"]) and torch.equal(got["mu_scale"].cpu(), want["mu_scale"])
     # same scores (up to quantization noise) for random queries
     q = torch.randn(2, 3, 4, 64, generator=g, dtype=torch.float64)
-    s = [estimated_page_lse(*dequantize_summary({k: v.cpu() for k, v in x.items()}, bits, torch.float64),
-                            valid[:, :1], q, 0.125) for x in (got, want)]
+    s = [
+        estimated_page_lse(
+            *dequantize_summary({k: v.cpu() for k, v in x.items()}, bits, torch.float64), valid[:, :1], q, 0.125
+        )
+        for x in (got, want)
+    ]
     exact = exact_page_lse(keys.double(), valid[:, :1], q, 0.125)
     err_got, err_want = ((s[0] - exact).norm() / exact.norm()).item(), ((s[1] - exact).norm() / exact.norm()).item()
     assert err_got < 1.1 * err_want + 1e-4, (err_got, err_want)
@@ -312,9 +412,17 @@ def test_decode_step_matches_reference_pipeline():
     c = Cache(11, pages=40, G=4)
     k = 6
     summ = c.summary(4, 4)
-    out, pages = kernels.decode_step("locks", c.dev("query"), key_buf=c.dev("keys"), value_buf=c.dev("values"),
-                                     summary={n: v.to(DEV) for n, v in summ.items()}, slots=k, scale=0.3,
-                                     basis_bits=4, **c.kw())
+    out, pages = kernels.decode_step(
+        "locks",
+        c.dev("query"),
+        key_buf=c.dev("keys"),
+        value_buf=c.dev("values"),
+        summary={n: v.to(DEV) for n, v in summ.items()},
+        slots=k,
+        scale=0.3,
+        basis_bits=4,
+        **c.kw(),
+    )
     mu, basis, coef = dequantize_summary(summ, 4, torch.float64)
     n = mu.shape[2]
     scores = estimated_page_lse(mu, basis, coef, c.valid[:, None, :n], c.query.view(c.b, c.h, c.G, c.d).double(), 0.3)
@@ -325,8 +433,18 @@ def test_decode_step_matches_reference_pipeline():
     assert ((out.cpu().double() - ref).norm() / ref.norm()).item() < 1e-5
 
 
-@pytest.mark.parametrize("static,selector", [(False, "locks"), (True, "locks"), (False, "quest"), (True, "quest"),
-                                             (True, "full"), ("wide", "locks"), ("wide", "quest")])
+@pytest.mark.parametrize(
+    "static,selector",
+    [
+        (False, "locks"),
+        (True, "locks"),
+        (False, "quest"),
+        (True, "quest"),
+        (True, "full"),
+        ("wide", "locks"),
+        ("wide", "quest"),
+    ],
+)
 def test_layer_glue_matches_reference_path(monkeypatch, static, selector):
     """`backends.triton.kernel_decode` on a `LocksLayer` / `LocksStaticLayer` (run directly, on this device) =
     the reference path on the same layer: output, page set, token statistics. (``"full"`` decodes on
@@ -340,12 +458,15 @@ def test_layer_glue_matches_reference_path(monkeypatch, static, selector):
 
     c = Cache(5, b=2, pages=20, pad=(0, 0), hole=False)
     cfg = LocksConfig(rank=4, basis_bits=4, budget=5 * B, selector=selector)
-    layer = LocksStaticLayer(c.length + 3 * B, cfg, max_slots=9 if static == "wide" else None) if static \
+    layer = (
+        LocksStaticLayer(c.length + 3 * B, cfg, max_slots=9 if static == "wide" else None)
+        if static
         else LocksLayer(cfg)
+    )
     layer.update(c.dev("keys")[:, :, : c.length], c.dev("values")[:, :, : c.length])
     # Slots past the length are unwritten memory: poison them, neither path may read them.
-    layer.key_buffer()[:, :, c.length:] = float("nan")
-    layer.value_buffer()[:, :, c.length:] = float("nan")
+    layer.key_buffer()[:, :, c.length :] = float("nan")
+    layer.value_buffer()[:, :, c.length :] = float("nan")
     layer.prepare(None, c.length)  # what the attention function does after a prefill
     q = c.dev("query")
     ref = reference_decode(layer, q, 0.3)
@@ -379,11 +500,29 @@ def test_decode_step_op_schema_and_fake_match_what_selectors_declare(monkeypatch
     row_start, n_complete = layer.row_tensors()
     width, active = layer.page_slots()
     method = declared.kernel_method
-    args = (method, torch.randn(1, 2 * h, 1, d, generator=gen).to(DEV), layer.key_buffer(), layer.value_buffer(),
-            layer.slot_valid, row_start, n_complete, layer.length_tensor(),
-            [layer.summary[n] for n in kernels.SUMMARY_NAMES.get(method, ())], layer.num_pages, width, 0.125, B, 4,
-            layer.count_buffer(), active, bufs["row_counts"], bufs["pad"],
-            None if declared.dense else bufs["selection"], declared.per_head, cfg.rerank or 0)
+    args = (
+        method,
+        torch.randn(1, 2 * h, 1, d, generator=gen).to(DEV),
+        layer.key_buffer(),
+        layer.value_buffer(),
+        layer.slot_valid,
+        row_start,
+        n_complete,
+        layer.length_tensor(),
+        [layer.summary[n] for n in kernels.SUMMARY_NAMES.get(method, ())],
+        layer.num_pages,
+        width,
+        0.125,
+        B,
+        4,
+        layer.count_buffer(),
+        active,
+        bufs["row_counts"],
+        bufs["pad"],
+        None if declared.dense else bufs["selection"],
+        declared.per_head,
+        cfg.rerank or 0,
+    )
     torch.library.opcheck(torch.ops.locks_hf.decode_step.default, args, test_utils=("test_schema", "test_faketensor"))
 
 
@@ -407,7 +546,7 @@ def test_static_per_step_page_summary_glue(monkeypatch, selector):
     for step in range(2):  # the first step completes no page, the second completes page L // B
         before = {n: t.clone() for n, t in ker.summary.items()}
         for layer in (ref, ker):
-            layer.update(keys[:, :, L + step: L + step + 1], values[:, :, L + step: L + step + 1])
+            layer.update(keys[:, :, L + step : L + step + 1], values[:, :, L + step : L + step + 1])
         ref.prepare(None, 1)
         kernel_update_newest_page(ker)
         done = (L + step + 1) % B == 0
@@ -420,7 +559,7 @@ def test_static_per_step_page_summary_glue(monkeypatch, selector):
             assert torch.equal(ref.summary[name][:, :, :page], t[:, :, :page]), name
         if not done:
             continue
-        got, want = ({n: t[:, :, page: page + 1] for n, t in x.summary.items()} for x in (ker, ref))
+        got, want = ({n: t[:, :, page : page + 1] for n, t in x.summary.items()} for x in (ker, ref))
         if selector == "quest":
             assert all(torch.equal(got[n], want[n]) for n in got)
         else:  # the fused build and the reference (its own eigensolver: basis signs may differ)
@@ -449,8 +588,7 @@ def generate_both_paths(monkeypatch, cfg):
     from locks_hf import LocksCache
     from locks_hf.models import tiny_model
 
-    model = tiny_model("llama", head_dim=64, num_attention_heads=8, num_key_value_heads=2,
-                       hidden_size=512).to(DEV)
+    model = tiny_model("llama", head_dim=64, num_attention_heads=8, num_key_value_heads=2, hidden_size=512).to(DEV)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 256, (2, 700), generator=g).to(DEV)
     mask = torch.ones_like(ids)
@@ -458,8 +596,16 @@ def generate_both_paths(monkeypatch, cfg):
     outs = []
     for flag in ("1", "0"):
         monkeypatch.setenv("LOCKS_HF_KERNELS", flag)
-        outs.append(model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
-                                   past_key_values=LocksCache(model.config, cfg), pad_token_id=0))
+        outs.append(
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=24,
+                do_sample=False,
+                past_key_values=LocksCache(model.config, cfg),
+                pad_token_id=0,
+            )
+        )
     return outs
 
 
@@ -470,8 +616,9 @@ def test_locks_fma_scores_match_reference(rank, bits, G):
     kw = c.kw()
     if rank == 8:  # the cache's int32 [1] length tensor instead of an int
         kw["length"] = torch.tensor([c.length], dtype=torch.int32, device=DEV)
-    got, part = kernels.score_pages("locks", c.dev("query"), summary=summ, scale=0.3, basis_bits=bits,
-                                    variant="fma", **kw)
+    got, part = kernels.score_pages(
+        "locks", c.dev("query"), summary=summ, scale=0.3, basis_bits=bits, variant="fma", **kw
+    )
     _scores_ok(got.view(c.b, c.h, G, c.P), ref, _complete_real(c), 1e-5)
     assert part.shape[1] == 1
     part = part.cpu()
@@ -484,14 +631,25 @@ def test_locks_fma_score_then_select_over_many_blocks():
     """Variant "fma" over several programs (32-page blocks): the selection equals the reference's."""
     c = Cache(3, pages=70, G=4)
     summ = {k: v.to(DEV) for k, v in c.summary(4, 4).items()}
-    scores, part = kernels.score_pages("locks", c.dev("query"), summary=summ, basis_bits=4, scale=0.3,
-                                       variant="fma", block_pages=32, num_warps=1, **c.kw())
+    scores, part = kernels.score_pages(
+        "locks",
+        c.dev("query"),
+        summary=summ,
+        basis_bits=4,
+        scale=0.3,
+        variant="fma",
+        block_pages=32,
+        num_warps=1,
+        **c.kw(),
+    )
     assert part.shape[1] > 1
     for k in (3, 12):
-        pages = kernels.select_pages(scores, part, slots=k, per_head=False, row_start=c.dev("row_start"),
-                                     length=c.length, heads=c.h, page_size=B)
-        want = ref_select(scores.cpu().view(c.b, c.h, c.G, c.P).double(), c.page_real, c.complete, k,
-                          "share_average", False)
+        pages = kernels.select_pages(
+            scores, part, slots=k, per_head=False, row_start=c.dev("row_start"), length=c.length, heads=c.h, page_size=B
+        )
+        want = ref_select(
+            scores.cpu().view(c.b, c.h, c.G, c.P).double(), c.page_real, c.complete, k, "share_average", False
+        )
         assert torch.equal(page_lists_as_mask(pages, c.b, c.h, c.P), want)
 
 
@@ -499,11 +657,19 @@ def test_locks_fma_rejects_bad_tiles():
     c = Cache(1)
     summ = {k: v.to(DEV) for k, v in c.summary(4, 4).items()}
     with pytest.raises(ValueError, match="multiple of 32"):
-        kernels.score_pages("locks", c.dev("query"), summary=summ, basis_bits=4, scale=0.3, variant="fma",
-                            block_pages=48, num_warps=1, **c.kw())
+        kernels.score_pages(
+            "locks",
+            c.dev("query"),
+            summary=summ,
+            basis_bits=4,
+            scale=0.3,
+            variant="fma",
+            block_pages=48,
+            num_warps=1,
+            **c.kw(),
+        )
     with pytest.raises(ValueError, match="variant"):
-        kernels.score_pages("locks", c.dev("query"), summary=summ, basis_bits=4, scale=0.3, variant="tensor",
-                            **c.kw())
+        kernels.score_pages("locks", c.dev("query"), summary=summ, basis_bits=4, scale=0.3, variant="tensor", **c.kw())
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
@@ -534,8 +700,7 @@ def test_left_padding_filling_whole_pages_on_the_kernels(monkeypatch, static, se
     layer = LocksStaticLayer(L + 2 * B, cfg) if static else LocksLayer(cfg)
     layer.update(keys, values)
     layer.prepare(valid[:, None, None, :].expand(b, 1, L, L), L)  # prefill, padding read off the mask
-    step_k, step_v = (torch.randn(b, c.h, 1, c.d, generator=torch.Generator().manual_seed(s)).to(DEV)
-                      for s in (1, 2))
+    step_k, step_v = (torch.randn(b, c.h, 1, c.d, generator=torch.Generator().manual_seed(s)).to(DEV) for s in (1, 2))
     layer.update(step_k, step_v)  # one decode token
     if static:
         layer.prepare(None, 1)

@@ -6,7 +6,6 @@ in test_kernels.py cover the same kernels on the CPU. Inputs are synthetic (rand
 per-page offset, so that pages differ); the references are the library's PyTorch code in float64.
 """
 
-
 import pytest
 import torch
 
@@ -40,7 +39,7 @@ class RealCache:
         gen = torch.Generator(device=DEV).manual_seed(seed)
         P = length // B
         self.hq, self.h, self.d, self.G, self.P, self.length = hq, h, d, hq // h, P, length
-        self.scale = d ** -0.5
+        self.scale = d**-0.5
         self.keys = torch.randn((1, h, length, d), device=DEV, dtype=dtype, generator=gen)
         offsets = torch.randn((1, h, P, 1, d), device=DEV, dtype=dtype, generator=gen)
         self.keys.view(1, h, P, B, d).add_(offsets * 1.5)
@@ -53,15 +52,21 @@ class RealCache:
         self.row_start = torch.zeros((1,), device=DEV, dtype=torch.int32)
         valid = self.valid.expand(1, h, P, B)
         mu, basis, coef = fit_pages_eigh(self.pages, valid, max(r for r, _ in LABELS))
-        self.summaries = {f"r{r}i{bits}": quantize_summary(mu, basis[..., :r, :], coef[..., :r], bits)
-                          for r, bits in LABELS}
+        self.summaries = {
+            f"r{r}i{bits}": quantize_summary(mu, basis[..., :r, :], coef[..., :r], bits) for r, bits in LABELS
+        }
         self.summaries["quest"] = {"upper": self.pages.amax(-2), "lower": self.pages.amin(-2)}
 
     def kw(self, pages: int | None = None) -> dict:
         n = self.P if pages is None else pages
-        return dict(slot_valid=torch.ones((1, self.length), device=DEV, dtype=torch.bool), row_start=self.row_start,
-                    n_complete=torch.full((1,), n, device=DEV, dtype=torch.int32), length=n * B, n_pages=n,
-                    page_size=B)
+        return dict(
+            slot_valid=torch.ones((1, self.length), device=DEV, dtype=torch.bool),
+            row_start=self.row_start,
+            n_complete=torch.full((1,), n, device=DEV, dtype=torch.int32),
+            length=n * B,
+            n_pages=n,
+            page_size=B,
+        )
 
     def as_mask(self, pages: torch.Tensor) -> torch.Tensor:
         """Kernel page lists ``[h, W]`` (``< 0`` = none) as ``[1, h, P]``."""
@@ -89,13 +94,14 @@ def test_locks_scores_and_selection(cache, rank, bits):
     want = estimated_page_lse(*dequantize_summary(summary, bits, torch.float64), c.valid, c.q64, c.scale)
     got, partials = score_pages("locks", c.query, summary=summary, scale=c.scale, basis_bits=bits, **c.kw())
     assert rel(got.view(1, c.h, c.G, c.P), want) < 1e-5
-    by_token, _ = score_pages("locks", c.query, summary=summary, scale=c.scale, basis_bits=bits, variant="dot",
-                              by_token=True, **c.kw())
+    by_token, _ = score_pages(
+        "locks", c.query, summary=summary, scale=c.scale, basis_bits=bits, variant="dot", by_token=True, **c.kw()
+    )
     assert rel(by_token.view(1, c.h, c.G, c.P), want) < 1e-5
-    pages = select_pages(got, partials, slots=SLOTS, per_head=False, row_start=c.row_start, length=c.length,
-                         heads=c.h, page_size=B)
-    ref = reference_select(got.view(1, c.h, c.G, c.P).double(), c.page_real, c.page_real, SLOTS, "share_average",
-                           False)
+    pages = select_pages(
+        got, partials, slots=SLOTS, per_head=False, row_start=c.row_start, length=c.length, heads=c.h, page_size=B
+    )
+    ref = reference_select(got.view(1, c.h, c.G, c.P).double(), c.page_real, c.page_real, SLOTS, "share_average", False)
     assert torch.equal(c.as_mask(pages), ref)
 
 
@@ -104,12 +110,21 @@ def test_sparse_attention_over_the_selected_pages(cache):
     from locks_hf.kernels import score_pages, select_pages, sparse_attention
 
     c = cache
-    scores, partials = score_pages("locks", c.query, summary=c.summaries["r4i4"], scale=c.scale, basis_bits=4,
-                                   **c.kw())
-    pages = select_pages(scores, partials, slots=SLOTS, per_head=False, row_start=c.row_start, length=c.length,
-                         heads=c.h, page_size=B)
-    out = sparse_attention(c.query, c.keys, c.values, pages, slot_valid=c.kw()["slot_valid"], row_start=c.row_start,
-                           length=c.length, scale=c.scale, page_size=B)
+    scores, partials = score_pages("locks", c.query, summary=c.summaries["r4i4"], scale=c.scale, basis_bits=4, **c.kw())
+    pages = select_pages(
+        scores, partials, slots=SLOTS, per_head=False, row_start=c.row_start, length=c.length, heads=c.h, page_size=B
+    )
+    out = sparse_attention(
+        c.query,
+        c.keys,
+        c.values,
+        pages,
+        slot_valid=c.kw()["slot_valid"],
+        row_start=c.row_start,
+        length=c.length,
+        scale=c.scale,
+        page_size=B,
+    )
     index = pages.long().view(1, c.h, -1)
     taken = index >= 0
     at = index.clamp_min(0)[..., None, None].expand(-1, -1, -1, B, c.d)
@@ -129,12 +144,13 @@ def test_quest_scores_and_per_head_selection(cache):
     summary = c.summaries["quest"]
     got, partials = score_pages("quest", c.query, summary=summary, scale=c.scale, **c.kw())
     want = QuestSelector(LocksConfig(selector="quest")).page_scores(
-        {k: v.double() for k, v in summary.items()}, None, None, c.q64, c.scale)
+        {k: v.double() for k, v in summary.items()}, None, None, c.q64, c.scale
+    )
     assert rel(got.view(1, c.h, c.G, c.P), want) < 1e-5
-    pages = select_pages(got, partials, slots=SLOTS, per_head=True, row_start=c.row_start, length=c.length,
-                         heads=c.h, page_size=B)
-    ref = reference_select(got.view(1, c.h, c.G, c.P).double(), c.page_real, c.page_real, SLOTS, "share_average",
-                           True)
+    pages = select_pages(
+        got, partials, slots=SLOTS, per_head=True, row_start=c.row_start, length=c.length, heads=c.h, page_size=B
+    )
+    ref = reference_select(got.view(1, c.h, c.G, c.P).double(), c.page_real, c.page_real, SLOTS, "share_average", True)
     assert torch.equal(c.as_mask(pages), ref)
 
 

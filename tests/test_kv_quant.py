@@ -31,8 +31,7 @@ def _ref_group(x: list[float], ok: list[bool], bits: int, dtype) -> tuple[list[i
     lo, hi = (min(real), max(real)) if real else (0.0, 0.0)
     scale = torch.tensor((hi - lo) / qmax, dtype=torch.float64).to(dtype).item()
     zero = torch.tensor(lo, dtype=torch.float64).to(dtype).item()
-    codes = [round(min(max((v - zero) / scale, 0.0), qmax)) if good and scale != 0 else 0
-             for v, good in zip(x, ok)]
+    codes = [round(min(max((v - zero) / scale, 0.0), qmax)) if good and scale != 0 else 0 for v, good in zip(x, ok)]
     return codes, scale, zero
 
 
@@ -82,8 +81,9 @@ def _ref_values(values, valid, n, bits, G):
     for g in range(d // G):
         channels = slice(g * G, (g + 1) * G)
         ok = valid[:, None, :n, None].expand(b, h, n, G)
-        codes[..., channels], scale[..., g], zero[..., g] = _ref_groups(values[:, :, :n, channels], ok, bits,
-                                                                        values.dtype)
+        codes[..., channels], scale[..., g], zero[..., g] = _ref_groups(
+            values[:, :, :n, channels], ok, bits, values.dtype
+        )
     return codes, scale, zero
 
 
@@ -123,7 +123,7 @@ def _fill(layer, keys, values, T, valid=None, steps=0):
     layer.update(keys[:, :, :T], values[:, :, :T])
     layer.prepare(mask, T)
     for i in range(T, T + steps):
-        layer.update(keys[:, :, i:i + 1], values[:, :, i:i + 1])
+        layer.update(keys[:, :, i : i + 1], values[:, :, i : i + 1])
         layer.prepare(None, 1)
 
 
@@ -155,8 +155,8 @@ def test_storage_equals_the_float64_kivi_reference(bits, group, residual_groups,
     codes, scale, zero = _ref_keys(keys, valid, qk, bits, group)
     assert layer._kcodes.dtype == torch.uint8 and layer._kcodes.shape[-1] == d * bits // 8
     assert torch.equal(layer._kcodes[:, :, :qk], _ref_pack(codes, bits))
-    assert torch.equal(layer._kscale[:, :, :qk // group].double(), scale)
-    assert torch.equal(layer._kzero[:, :, :qk // group].double(), zero)
+    assert torch.equal(layer._kscale[:, :, : qk // group].double(), scale)
+    assert torch.equal(layer._kzero[:, :, : qk // group].double(), zero)
     vcodes, vscale, vzero = _ref_values(values, valid, qv, bits, group)
     assert torch.equal(layer._vcodes[:, :, :qv], _ref_pack(vcodes, bits))
     assert torch.equal(layer._vscale[:, :, :qv].double(), vscale)
@@ -167,7 +167,10 @@ def test_storage_equals_the_float64_kivi_reference(bits, group, residual_groups,
     want_v = (vcodes * vscale.repeat_interleave(group, 3) + vzero.repeat_interleave(group, 3)).to(dtype)
     L = T + steps
     real = valid[:, None, :, None]
-    for got, want, q, raw in ((layer._dequantized(False), want_k, qk, keys), (layer._dequantized(True), want_v, qv, values)):
+    for got, want, q, raw in (
+        (layer._dequantized(False), want_k, qk, keys),
+        (layer._dequantized(True), want_v, qv, values),
+    ):
         assert got.shape[2] == L
         assert torch.equal(torch.where(real[:, :, :q], got[:, :, :q], 0), torch.where(real[:, :, :q], want, 0))
         assert torch.equal(got[:, :, q:], raw[:, :, q:L])
@@ -215,9 +218,17 @@ def test_packed_bytes_per_token(bits, limit):
     for one in (layer, full):
         _fill(one, keys, values, T, steps=4)
     G, qk, qv = 32, layer._qk, layer._qv
-    quantized = sum(t.numel() * t.element_size() for t in (
-        layer._kcodes[:, :, :qk], layer._kscale[:, :, :qk // G], layer._kzero[:, :, :qk // G],
-        layer._vcodes[:, :, :qv], layer._vscale[:, :, :qv], layer._vzero[:, :, :qv]))
+    quantized = sum(
+        t.numel() * t.element_size()
+        for t in (
+            layer._kcodes[:, :, :qk],
+            layer._kscale[:, :, : qk // G],
+            layer._kzero[:, :, : qk // G],
+            layer._vcodes[:, :, :qv],
+            layer._vscale[:, :, :qv],
+            layer._vzero[:, :, :qv],
+        )
+    )
     per_token = quantized / (b * h * (qk + qv))  # mean bytes of one token's key or value in one head
     ratio = per_token / (d * 2)
     assert ratio <= limit, ratio
@@ -239,8 +250,9 @@ def test_kv16_is_the_full_precision_layer():
     model = tiny("llama", head_dim=32)
     ids = _ids(100, b=2)
     ref = tiny("llama", "sdpa", head_dim=32).generate(ids, max_new_tokens=6, do_sample=False)
-    out = model.generate(ids, max_new_tokens=6, do_sample=False,
-                         past_key_values=LocksCache(model.config, LocksConfig(selector="full")))
+    out = model.generate(
+        ids, max_new_tokens=6, do_sample=False, past_key_values=LocksCache(model.config, LocksConfig(selector="full"))
+    )
     assert torch.equal(out, ref)
 
 
@@ -268,15 +280,16 @@ def test_sparse_path_with_every_page_equals_dense_over_the_quantized_kv(selector
     valid = torch.ones(b, T, dtype=torch.bool)
     valid[0, :9] = False
     summary_from = order if selector != "oracle" else "post"
-    layer = LocksLayer(LocksConfig(selector=selector, rank=4, budget=2048, kv_bits=4, kv_residual=32,
-                                   summary_from=summary_from))
+    layer = LocksLayer(
+        LocksConfig(selector=selector, rank=4, budget=2048, kv_bits=4, kv_residual=32, summary_from=summary_from)
+    )
     _fill(layer, keys, values, T, valid, steps=5)
     assert 0 < layer._qk < layer.length and 0 < layer._qv < layer.length
     q = torch.randn(b, 2 * h, 1, d, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     out = reference_decode(layer, q, 0.3)
     k = layer._dequantized(False).repeat_interleave(2, 1)
     v = layer._dequantized(True).repeat_interleave(2, 1)
-    real = layer.slot_valid[:, None, None, :layer.length]
+    real = layer.slot_valid[:, None, None, : layer.length]
     logits = (0.3 * q @ k.transpose(-1, -2)).masked_fill(~real, float("-inf"))
     want = torch.softmax(logits, -1) @ v
     assert torch.allclose(out, want.transpose(1, 2), atol=1e-12)
@@ -295,19 +308,23 @@ def test_post_and_pre_summaries_differ_and_both_attend_the_quantized_kv():
     quantized_pages = qk // B
     # post: the summaries of the full-precision keys; pre: of the dequantized keys the cache attends
     dequantized = LocksLayer(LocksConfig(selector="locks", rank=4, budget=64, page_size=B))
-    _fill(dequantized, torch.cat([post._dequantized(False), keys[:, :, T + 3:]], 2), values, T, steps=3)
+    _fill(dequantized, torch.cat([post._dequantized(False), keys[:, :, T + 3 :]], 2), values, T, steps=3)
     for name in plain.summary:
         assert torch.equal(post.summary[name][:, :, :n], plain.summary[name][:, :, :n]), name
         assert torch.equal(pre.summary[name][:, :, :n], dequantized.summary[name][:, :, :n]), name
         # the pages still in full precision are summarized alike
         assert torch.equal(pre.summary[name][:, :, quantized_pages:n], post.summary[name][:, :, quantized_pages:n])
-    assert any(not torch.equal(pre.summary[m][:, :, :quantized_pages], post.summary[m][:, :, :quantized_pages])
-               for m in plain.summary)
+    assert any(
+        not torch.equal(pre.summary[m][:, :, :quantized_pages], post.summary[m][:, :, :quantized_pages])
+        for m in plain.summary
+    )
     # both attend the same quantized K/V, not the original keys
     pages = torch.arange(post.num_pages).expand(b, h, -1)
     for values_too in (False, True):
         assert torch.equal(post.page_keys(pages, values_too), pre.page_keys(pages, values_too))
-    assert not torch.equal(post.page_keys(pages)[:, :, :quantized_pages], plain.page_keys(pages)[:, :, :quantized_pages])
+    assert not torch.equal(
+        post.page_keys(pages)[:, :, :quantized_pages], plain.page_keys(pages)[:, :, :quantized_pages]
+    )
     q = torch.randn(b, 2 * h, 1, d, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     for layer in (post, pre):
         reference_decode(layer, q, 0.25)
@@ -328,7 +345,7 @@ def test_post_never_quantizes_a_key_before_its_page_is_summarized():
         layer.update(keys[:, :, :T], values[:, :, :T])
         layer.prepare(_padding_mask(valid, torch.float32), T)
         for i in range(T, T + steps):
-            layer.update(keys[:, :, i:i + 1], values[:, :, i:i + 1])
+            layer.update(keys[:, :, i : i + 1], values[:, :, i : i + 1])
             layer.prepare(None, 1)
             if layer is post:
                 held_back.append(post._qk < (i // 64) * 64)
@@ -360,10 +377,10 @@ def test_a_fork_of_a_full_precision_prefill_equals_a_quantized_prefill(order):
             assert (a._qk, a._qv) == (c._qk, c._qv)
             assert torch.equal(a._dequantized(False), c._dequantized(False))
             assert torch.equal(a._dequantized(True), c._dequantized(True))
-        out_native = model.generate(torch.cat([ids, first], 1), max_new_tokens=12, do_sample=False,
-                                    past_key_values=native)
-        out_fork = model.generate(torch.cat([ids, first], 1), max_new_tokens=12, do_sample=False,
-                                  past_key_values=fork)
+        out_native = model.generate(
+            torch.cat([ids, first], 1), max_new_tokens=12, do_sample=False, past_key_values=native
+        )
+        out_fork = model.generate(torch.cat([ids, first], 1), max_new_tokens=12, do_sample=False, past_key_values=fork)
     assert torch.equal(out_native, out_fork)
     for a, c in zip(native.locks_layers, fork.locks_layers):
         for name in a.summary:
@@ -435,8 +452,18 @@ def test_traffic_counts_the_packed_bytes():
 
 
 # -- labels, arms and refusals -------------------------------------------------------------------------------
-@pytest.mark.parametrize("label", ["locks-r8i4+kv4-post", "locks-r8i4+kv4-pre", "full+kv2", "oracle+kv4",
-                                   "quest+kv2g64r256-pre", "locks-r4i4-rr8+kv4-post", "rocketkv+kv4"])
+@pytest.mark.parametrize(
+    "label",
+    [
+        "locks-r8i4+kv4-post",
+        "locks-r8i4+kv4-pre",
+        "full+kv2",
+        "oracle+kv4",
+        "quest+kv2g64r256-pre",
+        "locks-r4i4-rr8+kv4-post",
+        "rocketkv+kv4",
+    ],
+)
 def test_arm_labels_round_trip(label):
     config = config_for_family(label, budget=512)
     assert family_of(config) == label
@@ -450,28 +477,37 @@ def test_sweep_arms_and_the_static_engine():
     from locks_hf.eval.engine import runs_static
 
     arms = parse_arms(["full+kv2", "locks-r8i4+kv4-post", "locks-r8i4+kv4-pre", "locks-r8i4"], [64, 256])
-    assert [a.name for a in arms] == ["full+kv2", "locks-r8i4+kv4-post-b64", "locks-r8i4+kv4-post-b256",
-                                      "locks-r8i4+kv4-pre-b64", "locks-r8i4+kv4-pre-b256", "locks-r8i4-b64",
-                                      "locks-r8i4-b256"]
+    assert [a.name for a in arms] == [
+        "full+kv2",
+        "locks-r8i4+kv4-post-b64",
+        "locks-r8i4+kv4-post-b256",
+        "locks-r8i4+kv4-pre-b64",
+        "locks-r8i4+kv4-pre-b256",
+        "locks-r8i4-b64",
+        "locks-r8i4-b256",
+    ]
     assert [runs_static(a.config) for a in arms] == [False] * 5 + [True] * 2
     with pytest.raises(LocksConfigError, match="kv_bits must be one of"):
         parse_arms(["locks-r8i4+kv3"], [64])
 
 
-@pytest.mark.parametrize("fields, match", [
-    (dict(kv_bits=3), "kv_bits must be one of"),
-    (dict(kv_bits=8), "kv_bits must be one of"),
-    (dict(kv_bits=4, kv_group=16), "kv_group must be one of"),
-    (dict(kv_bits=4, kv_group=64, kv_residual=96), "multiple of kv_group=64"),
-    (dict(kv_bits=4, kv_group=32, kv_residual=0), "multiple of kv_group"),
-    (dict(kv_bits=4, kv_residual=64, page_size=128, budget=512), "multiple of page_size=128"),
-    (dict(kv_group=64), "no effect"),
-    (dict(summary_from="pre"), "no effect"),
-    (dict(kv_bits=4, summary_from="mid"), "summary_from must be one of"),
-    (dict(kv_bits=4, summary_from="pre", selector="oracle"), "builds no page summaries"),
-    (dict(kv_bits=4, summary_from="pre", selector="full"), "builds no page summaries"),
-    (dict(kv_bits=4.0), "kv_bits must be an int"),
-])
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        (dict(kv_bits=3), "kv_bits must be one of"),
+        (dict(kv_bits=8), "kv_bits must be one of"),
+        (dict(kv_bits=4, kv_group=16), "kv_group must be one of"),
+        (dict(kv_bits=4, kv_group=64, kv_residual=96), "multiple of kv_group=64"),
+        (dict(kv_bits=4, kv_group=32, kv_residual=0), "multiple of kv_group"),
+        (dict(kv_bits=4, kv_residual=64, page_size=128, budget=512), "multiple of page_size=128"),
+        (dict(kv_group=64), "no effect"),
+        (dict(summary_from="pre"), "no effect"),
+        (dict(kv_bits=4, summary_from="mid"), "summary_from must be one of"),
+        (dict(kv_bits=4, summary_from="pre", selector="oracle"), "builds no page summaries"),
+        (dict(kv_bits=4, summary_from="pre", selector="full"), "builds no page summaries"),
+        (dict(kv_bits=4.0), "kv_bits must be an int"),
+    ],
+)
 def test_bad_settings_are_refused(fields, match):
     with pytest.raises(LocksConfigError, match=match):
         LocksConfig(**fields)
@@ -483,8 +519,10 @@ def test_refusals_name_the_option():
         LocksCache(model.config, LocksConfig(kv_bits=4))
     model = tiny("llama", head_dim=32)
     cfg = LocksConfig(kv_bits=4, kv_residual=32)
-    for make in (lambda: LocksStaticCache(model.config, 512, cfg),
-                 lambda: LocksCache(model.config, cfg, layout="static")):
+    for make in (
+        lambda: LocksStaticCache(model.config, 512, cfg),
+        lambda: LocksCache(model.config, cfg, layout="static"),
+    ):
         with pytest.raises(LocksConfigError, match="kv_bits=4: quantized KV is stored by the dynamic layout only"):
             make()
     cache = LocksCache(model.config, cfg)
@@ -503,20 +541,54 @@ def test_refusals_name_the_option():
 def test_report_has_the_papers_table_4_shape():
     from locks_hf.eval.report import tables_markdown
 
-    scores = {"locks-r8i4": 73.1, "locks-r8i4+kv4-post": 72.8, "locks-r8i4+kv4-pre": 73.0,
-              "locks-r8i4+kv2-post": 68.0, "locks-r8i4+kv2-pre": 67.6}
-    cells = [{"task": "niah", "length": 32768, "arm": f"{f}-b{b}", "family": f, "budget": b, "selector": "locks",
-              "n": 1, "score": s + (b == 256) * 10, "read_bytes": 1000.0 if "kv" in f else 3000.0}
-             for f, s in scores.items() for b in (64, 256)]
-    cells += [{"task": "niah", "length": 32768, "arm": f, "family": f, "budget": None, "selector": "full", "n": 1,
-               "score": s, "read_bytes": 2000.0} for f, s in (("full", 90.0), ("full+kv4", 89.5))]
+    scores = {
+        "locks-r8i4": 73.1,
+        "locks-r8i4+kv4-post": 72.8,
+        "locks-r8i4+kv4-pre": 73.0,
+        "locks-r8i4+kv2-post": 68.0,
+        "locks-r8i4+kv2-pre": 67.6,
+    }
+    cells = [
+        {
+            "task": "niah",
+            "length": 32768,
+            "arm": f"{f}-b{b}",
+            "family": f,
+            "budget": b,
+            "selector": "locks",
+            "n": 1,
+            "score": s + (b == 256) * 10,
+            "read_bytes": 1000.0 if "kv" in f else 3000.0,
+        }
+        for f, s in scores.items()
+        for b in (64, 256)
+    ]
+    cells += [
+        {
+            "task": "niah",
+            "length": 32768,
+            "arm": f,
+            "family": f,
+            "budget": None,
+            "selector": "full",
+            "n": 1,
+            "score": s,
+            "read_bytes": 2000.0,
+        }
+        for f, s in (("full", 90.0), ("full+kv4", 89.5))
+    ]
     md, averages = tables_markdown(cells)
     assert averages[(32768, "full+kv4", 64)] == (89.5, 1)  # a dense family shown at every budget
     table = md.split("locks-r8i4 on quantized KV (KIVI), score x100\n\n")[1].split("\n\n")[0]
-    assert table.splitlines() == ["| KV | b=64 | b=256 |", "|---|---|---|",
-                                  "| KV bf16 | 73.1 | 83.1 |", "| 4-bit post | 72.8 | 82.8 |",
-                                  "| 4-bit pre | 73.0 | 83.0 |", "| 2-bit post | 68.0 | 78.0 |",
-                                  "| 2-bit pre | 67.6 | 77.6 |"]
+    assert table.splitlines() == [
+        "| KV | b=64 | b=256 |",
+        "|---|---|---|",
+        "| KV bf16 | 73.1 | 83.1 |",
+        "| 4-bit post | 72.8 | 82.8 |",
+        "| 4-bit pre | 73.0 | 83.0 |",
+        "| 2-bit post | 68.0 | 78.0 |",
+        "| 2-bit pre | 67.6 | 77.6 |",
+    ]
     assert "| full+kv4 | 89.5 | 89.5 |" in md
     assert "| 4-bit | 89.5 | 89.5 |" in md.split("full on quantized KV")[1]
 
@@ -541,12 +613,12 @@ def test_sweep_runs_quantized_arms_and_reports_them(tmp_path):
 
     tok = ByteTokenizer()
     model = tiny_model("gemma3", vocab_size=256, max_position_embeddings=8192, head_dim=32)
-    arms = parse_arms(["full", "full+kv4", "locks-r4i4", "locks-r4i4+kv4-post", "locks-r4i4+kv4-pre",
-                       "locks-r4i4+kv2-post"], [64])
+    arms = parse_arms(
+        ["full", "full+kv4", "locks-r4i4", "locks-r4i4+kv4-post", "locks-r4i4+kv4-pre", "locks-r4i4+kv2-post"], [64]
+    )
     out = tmp_path / "kv"
     bench = RulerBenchmark(tok, ["niah_single_1"], [1024], num_samples=1)
-    SweepRunner(model, tok, bench, arms, out, model_name="tiny-gemma3", progress=False, max_new_tokens=4,
-                limit=1).run()
+    SweepRunner(model, tok, bench, arms, out, model_name="tiny-gemma3", progress=False, max_new_tokens=4, limit=1).run()
     merge(out)
     rows = {r["arm"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
     assert set(rows) == {a.name for a in arms}
@@ -555,7 +627,6 @@ def test_sweep_runs_quantized_arms_and_reports_them(tmp_path):
     assert rows["full+kv4"]["read_bytes"] < 0.5 * rows["full"]["read_bytes"]
     text = write_report([out], tmp_path / "docs", title="tiny").read_text()
     assert "locks-r4i4 on quantized KV (KIVI)" in text and "| 4-bit pre |" in text and "| 2-bit post |" in text
-
 
 
 def test_a_static_cache_forks_into_a_quantized_dynamic_one(caplog):
@@ -570,8 +641,10 @@ def test_a_static_cache_forks_into_a_quantized_dynamic_one(caplog):
         first = model(ids, past_key_values=static).logits[:, -1:].argmax(-1)
         model(ids, past_key_values=dynamic)
         forks = static.fork(cfg), dynamic.fork(cfg)
-        outs = [model.generate(torch.cat([ids, first], 1), max_new_tokens=10, do_sample=False, past_key_values=f)
-                for f in forks]
+        outs = [
+            model.generate(torch.cat([ids, first], 1), max_new_tokens=10, do_sample=False, past_key_values=f)
+            for f in forks
+        ]
     assert not forks[0].is_static and all(isinstance(layer, QuantizedLocksLayer) for layer in forks[0].locks_layers)
     assert "kv_bits=4: quantized KV is stored by the dynamic layout only" in caplog.text
     assert torch.equal(outs[0], outs[1])

@@ -16,8 +16,11 @@ import torch
 
 if not torch.cuda.is_available():
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no CUDA and Triton was imported before TRITON_INTERPRET=1 was set: run the tests with "
-                    "TRITON_INTERPRET=1 in the environment", allow_module_level=True)
+        pytest.skip(
+            "no CUDA and Triton was imported before TRITON_INTERPRET=1 was set: run the tests with "
+            "TRITON_INTERPRET=1 in the environment",
+            allow_module_level=True,
+        )
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
 
@@ -67,8 +70,9 @@ class _Stats(CacheStatistics):
 
 def _padding_mask(valid: torch.Tensor) -> torch.Tensor:
     b, T = valid.shape
-    return torch.zeros(b, 1, T, T, device=valid.device).masked_fill(~valid[:, None, None, :],
-                                                                      torch.finfo(torch.float32).min)
+    return torch.zeros(b, 1, T, T, device=valid.device).masked_fill(
+        ~valid[:, None, None, :], torch.finfo(torch.float32).min
+    )
 
 
 def _decode(selector, bits, summary_from, steps, T=154):
@@ -82,14 +86,15 @@ def _decode(selector, bits, summary_from, steps, T=154):
     queries = torch.randn(steps, b, h * G, 1, d, generator=g).to(DEV) * 2
     valid = torch.ones(b, T, dtype=torch.bool, device=DEV)
     valid[1, :19] = False  # row 1's pages start at slot 19
-    layer = LocksLayer(LocksConfig(selector=selector, budget=64, kv_bits=bits, kv_group=32, kv_residual=32,
-                                   summary_from=summary_from))
+    layer = LocksLayer(
+        LocksConfig(selector=selector, budget=64, kv_bits=bits, kv_group=32, kv_residual=32, summary_from=summary_from)
+    )
     assert isinstance(layer, QuantizedLocksLayer)
     layer.update(keys[:, :, :T], values[:, :, :T])
     layer.prepare(_padding_mask(valid), T)
     quantized, outs, selections, counts = [], [], [], []
     for i in range(steps):
-        layer.update(keys[:, :, T + i:T + i + 1], values[:, :, T + i:T + i + 1])
+        layer.update(keys[:, :, T + i : T + i + 1], values[:, :, T + i : T + i + 1])
         layer.prepare(None, 1)
         assert not layer.attends_densely(1)
         quantized.append(tuple(layer.packed_kv()["quantized"].tolist()))
@@ -100,8 +105,10 @@ def _decode(selector, bits, summary_from, steps, T=154):
 
 
 @pytest.mark.parametrize("bits", [4, 2])
-@pytest.mark.parametrize("selector,summary_from", [("locks", "post"), ("locks", "pre"), ("quest", "post"),
-                                                   ("quest", "pre"), ("oracle", "post")])  # (the oracle: no summary)
+@pytest.mark.parametrize(
+    "selector,summary_from",
+    [("locks", "post"), ("locks", "pre"), ("quest", "post"), ("quest", "pre"), ("oracle", "post")],
+)  # (the oracle: no summary)
 def test_the_kernel_backend_decodes_as_the_reference(selector, bits, summary_from, as_if_cuda, monkeypatch):
     # keys are quantized 32 at a time (qk 128 -> 160): "pre" at length 160, "post" once row 1's page
     # holding slot 159 is summarized (slots 147-162)
@@ -119,7 +126,10 @@ def test_the_kernel_backend_decodes_as_the_reference(selector, bits, summary_fro
         assert torch.equal(selections[i], ref_selections[i]), i
     assert counts == ref_counts
     assert (layer.decode_steps, layer.estimate_bytes, layer.attended_kv_bytes()) == (
-        ref.decode_steps, ref.estimate_bytes, ref.attended_kv_bytes())
+        ref.decode_steps,
+        ref.estimate_bytes,
+        ref.attended_kv_bytes(),
+    )
     assert _Stats([layer]).decode_traffic() == _Stats([ref]).decode_traffic()
 
 
@@ -138,14 +148,18 @@ def test_the_rule_takes_the_kernel_only_on_cuda_with_the_kernels():
     assert not quantized_kernel_applies("cuda", cfg, **dict(ok, dtype=torch.float64))
     assert not quantized_kernel_applies("cuda", cfg, **dict(ok, head_dim=96, value_head_dim=96))
     assert not quantized_kernel_applies("cuda", cfg, **dict(ok, value_head_dim=64))
-    assert kernels.implements_quantized(bits=4, group=64, head_dim=64, value_head_dim=64, dtype=torch.float16,
-                                        page_size=16)
-    assert not kernels.implements_quantized(bits=4, group=128, head_dim=64, value_head_dim=64,
-                                            dtype=torch.float16, page_size=16)
-    assert not kernels.implements_quantized(bits=3, group=32, head_dim=64, value_head_dim=64,
-                                            dtype=torch.float16, page_size=16)
-    assert not kernels.implements_quantized(bits=4, group=32, head_dim=64, value_head_dim=64,
-                                            dtype=torch.float16, page_size=12)
+    assert kernels.implements_quantized(
+        bits=4, group=64, head_dim=64, value_head_dim=64, dtype=torch.float16, page_size=16
+    )
+    assert not kernels.implements_quantized(
+        bits=4, group=128, head_dim=64, value_head_dim=64, dtype=torch.float16, page_size=16
+    )
+    assert not kernels.implements_quantized(
+        bits=3, group=32, head_dim=64, value_head_dim=64, dtype=torch.float16, page_size=16
+    )
+    assert not kernels.implements_quantized(
+        bits=4, group=32, head_dim=64, value_head_dim=64, dtype=torch.float16, page_size=12
+    )
 
 
 def test_a_layer_asks_the_rule_when_its_storage_is_allocated(as_if_cuda):
@@ -158,8 +172,10 @@ def test_a_layer_asks_the_rule_when_its_storage_is_allocated(as_if_cuda):
     keys, values = torch.randn(1, 2, 100, 64), torch.randn(1, 2, 100, 64)
     layer.update(keys, values)
     assert layer.backend is QUANTIZED_KERNEL
-    assert as_if_cuda[-1] == ("cpu", dict(dtype=torch.float32, head_dim=64, value_head_dim=64, enabled=True,
-                                          available=True))
+    assert as_if_cuda[-1] == (
+        "cpu",
+        dict(dtype=torch.float32, head_dim=64, value_head_dim=64, enabled=True, available=True),
+    )
     layer.update(torch.randn(1, 2, 400, 64), torch.randn(1, 2, 400, 64))  # grows
     assert layer.backend is QUANTIZED_KERNEL
     full = LocksLayer(LocksConfig(selector="quest", budget=64))
@@ -199,8 +215,15 @@ def test_generate_matches_the_reference(as_if_cuda, monkeypatch):
         monkeypatch.setenv(KERNELS_ENV, env)
         cache = LocksCache(model.config, cfg)
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=24, do_sample=False,
-                                 output_scores=True, return_dict_in_generate=True)
+            out = model.generate(
+                ids,
+                attention_mask=mask,
+                past_key_values=cache,
+                max_new_tokens=24,
+                do_sample=False,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
         backends = {layer.backend for layer in cache.locks_layers}
         # keys quantized up to 128 by the prefill, then a group of 32 during decode
         assert {tuple(layer.packed_kv()["quantized"].tolist()) for layer in cache.locks_layers} == {(160, 130)}

@@ -14,8 +14,11 @@ import torch
 
 if not torch.cuda.is_available():
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no CUDA and Triton was imported before TRITON_INTERPRET=1 was set: run the tests with "
-                    "TRITON_INTERPRET=1 in the environment", allow_module_level=True)
+        pytest.skip(
+            "no CUDA and Triton was imported before TRITON_INTERPRET=1 was set: run the tests with "
+            "TRITON_INTERPRET=1 in the environment",
+            allow_module_level=True,
+        )
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
 
@@ -57,8 +60,10 @@ class QuantCache:
         self.L, self.qk, self.qv = L, qk, qv
         cap = L + 40
         channel = torch.where(torch.rand(d, generator=g) < 0.1, 12.0, 1.0)
-        keys = (torch.randn(b, h, L, d, generator=g, dtype=torch.float64) * channel
-                + torch.randn(d, generator=g, dtype=torch.float64)).to(dtype)
+        keys = (
+            torch.randn(b, h, L, d, generator=g, dtype=torch.float64) * channel
+            + torch.randn(d, generator=g, dtype=torch.float64)
+        ).to(dtype)
         values = (torch.randn(b, h, L, d, generator=g, dtype=torch.float64) * 2 + 0.5).to(dtype)
         self.slot_valid = torch.ones(b, cap, dtype=torch.bool)
         self.row_start = torch.zeros(b, dtype=torch.int32)
@@ -77,8 +82,11 @@ class QuantCache:
         self.value_scale = torch.full((b, h, cap, d // group), float("nan"), dtype=dtype)
         self.value_zero = self.value_scale.clone()
         codes, scale, zero = quantize_keys(keys[:, :, :qk], bits, group, valid[:, :qk])
-        self.key_codes[:, :, :qk], self.key_scale[:, :, :qk // group], self.key_zero[:, :, :qk // group] = (
-            codes, scale, zero)
+        self.key_codes[:, :, :qk], self.key_scale[:, :, : qk // group], self.key_zero[:, :, : qk // group] = (
+            codes,
+            scale,
+            zero,
+        )
         codes, scale, zero = quantize_values(values[:, :, :qv], bits, group, valid[:, :qv])
         self.value_codes[:, :, :qv], self.value_scale[:, :, :qv], self.value_zero[:, :, :qv] = codes, scale, zero
         nan = torch.full((b, h, 5, d), float("nan"), dtype=dtype)  # past the length
@@ -89,10 +97,16 @@ class QuantCache:
 
         self.key_tail, self.value_tail = tail_of(keys, qk), tail_of(values, qv)
         # the float64 reference K/V: codes dequantized by kv_quant, then the tail as stored
-        k64 = dequantize_keys(self.key_codes[:, :, :qk], self.key_scale[:, :, :qk // group].repeat_interleave(group, 2),
-                              self.key_zero[:, :, :qk // group].repeat_interleave(group, 2), bits, torch.float64)
-        v64 = dequantize_values(self.value_codes[:, :, :qv], self.value_scale[:, :, :qv], self.value_zero[:, :, :qv],
-                                bits, torch.float64)
+        k64 = dequantize_keys(
+            self.key_codes[:, :, :qk],
+            self.key_scale[:, :, : qk // group].repeat_interleave(group, 2),
+            self.key_zero[:, :, : qk // group].repeat_interleave(group, 2),
+            bits,
+            torch.float64,
+        )
+        v64 = dequantize_values(
+            self.value_codes[:, :, :qv], self.value_scale[:, :, :qv], self.value_zero[:, :, :qv], bits, torch.float64
+        )
         self.k64 = torch.cat([k64, self.key_tail[:, :, : L - qk].double()], dim=2)
         self.v64 = torch.cat([v64, self.value_tail[:, :, : L - qv].double()], dim=2)
         self.P = -(-(L - int(self.row_start.min())) // B)
@@ -102,10 +116,26 @@ class QuantCache:
         return torch.randn(self.b, self.h * G, self.d, generator=g, dtype=torch.float64).to(self.dtype)
 
     def kwargs(self):
-        names = ("key_codes", "key_scale", "key_zero", "value_codes", "value_scale", "value_zero", "key_tail",
-                 "value_tail", "slot_valid", "row_start")
-        return dict({n: getattr(self, n).to(DEV) for n in names}, quantized=(self.qk, self.qv), bits=self.bits,
-                    group=self.group, length=self.L, page_size=B)
+        names = (
+            "key_codes",
+            "key_scale",
+            "key_zero",
+            "value_codes",
+            "value_scale",
+            "value_zero",
+            "key_tail",
+            "value_tail",
+            "slot_valid",
+            "row_start",
+        )
+        return dict(
+            {n: getattr(self, n).to(DEV) for n in names},
+            quantized=(self.qk, self.qv),
+            bits=self.bits,
+            group=self.group,
+            length=self.L,
+            page_size=B,
+        )
 
     def real_tokens(self, pages):
         """Real slots of the listed pages ``[b, h, W]``, summed over rows and KV heads."""
@@ -128,8 +158,9 @@ class QuantCache:
         for i in range(b):
             for j in range(self.h):
                 sel = [p for p in pages[i, j].tolist() if p >= 0]
-                slots = (int(self.row_start[i]) + torch.tensor(sel, dtype=torch.long)[:, None] * B
-                         + torch.arange(B)).flatten()
+                slots = (
+                    int(self.row_start[i]) + torch.tensor(sel, dtype=torch.long)[:, None] * B + torch.arange(B)
+                ).flatten()
                 ok = (slots < self.L) & self.slot_valid[i, slots.clamp(max=self.L - 1)]
                 slots = slots[ok]
                 k, v = (x[i, j, slots].to(query.dtype).double() for x in (self.k64, self.v64))
@@ -165,28 +196,42 @@ def test_quantized_attention_matches_float64(bits, group, tail):
     if tail == "partial":  # some listed page holds slots on both sides of each boundary
         pages = _sparse_pages(c, seed=1)
         for q in (c.qk, c.qv):
-            assert any(s + p * B < q < s + (p + 1) * B for i, s in enumerate(c.row_start.tolist())
-                       for p in pages[i, 0].tolist() if p >= 0)
+            assert any(
+                s + p * B < q < s + (p + 1) * B
+                for i, s in enumerate(c.row_start.tolist())
+                for p in pages[i, 0].tolist()
+                if p >= 0
+            )
     dense_pages = torch.arange(c.P, dtype=torch.int32).expand(c.b, c.h, -1)
     for G, splits in ((1, None), (4, 3)):
         q = c.query(G, seed=G)
         pages = _sparse_pages(c, seed=G)
         counts = torch.full((2,), 5, dtype=torch.int64, device=DEV)
-        got = kernels.quantized_attention(q.to(DEV), pages.to(DEV), scale=0.3, splits=splits, counts=counts,
-                                          **c.kwargs())
+        got = kernels.quantized_attention(
+            q.to(DEV), pages.to(DEV), scale=0.3, splits=splits, counts=counts, **c.kwargs()
+        )
         assert got.shape == q.shape and got.dtype == q.dtype
         assert rel(got, c.reference(q, pages, 0.3)) < TOL[c.dtype], (G, "sparse")
         assert counts.tolist() == [5 + c.real_tokens(pages), 5]  # padding, holes, unwritten slots excluded
         # dense: every written page (pages past the length in n_pages are skipped)
-        got = kernels.quantized_attention(q.to(DEV), None, n_pages=c.P + 2, scale=0.3, splits=splits and 2,
-                                          **c.kwargs())
+        got = kernels.quantized_attention(
+            q.to(DEV), None, n_pages=c.P + 2, scale=0.3, splits=splits and 2, **c.kwargs()
+        )
         assert rel(got, c.reference(q, dense_pages, 0.3)) < TOL[c.dtype], (G, "dense")
 
 
-@pytest.mark.parametrize("query_dtype", [
-    torch.float32,
-    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-        DEV != "cuda", reason="Triton's interpreter computes bf16 products wrongly (sparse_attention's too)"))])
+@pytest.mark.parametrize(
+    "query_dtype",
+    [
+        torch.float32,
+        pytest.param(
+            torch.bfloat16,
+            marks=pytest.mark.skipif(
+                DEV != "cuda", reason="Triton's interpreter computes bf16 products wrongly (sparse_attention's too)"
+            ),
+        ),
+    ],
+)
 @pytest.mark.parametrize("bits,group", [(4, 32), (2, 128)])
 def test_quantized_attention_over_bf16_storage(bits, group, query_dtype):
     """bf16 scales, zero points and tails (the models' K/V dtype); a bf16 query (the products on tensor
@@ -223,7 +268,9 @@ def test_a_swapped_code_order_is_caught():
 
 def _padding_mask(valid: torch.Tensor) -> torch.Tensor:
     b, T = valid.shape
-    return torch.zeros(b, 1, T, T, device=valid.device).masked_fill(~valid[:, None, None, :], torch.finfo(torch.float32).min)
+    return torch.zeros(b, 1, T, T, device=valid.device).masked_fill(
+        ~valid[:, None, None, :], torch.finfo(torch.float32).min
+    )
 
 
 def test_a_quantized_layer_is_read_through_packed_kv():
@@ -237,19 +284,19 @@ def test_a_quantized_layer_is_read_through_packed_kv():
     keys, values = keys.to(DEV), values.to(DEV)  # the layer keeps its K/V where they come from
     valid = torch.ones(b, T, dtype=torch.bool, device=DEV)
     valid[1, :11] = False
-    layer = LocksLayer(LocksConfig(selector="quest", budget=64, kv_bits=4, kv_group=32, kv_residual=64,
-                                   summary_from="pre"))
+    layer = LocksLayer(
+        LocksConfig(selector="quest", budget=64, kv_bits=4, kv_group=32, kv_residual=64, summary_from="pre")
+    )
     assert isinstance(layer, QuantizedLocksLayer)
     layer.update(keys[:, :, :T], values[:, :, :T])
     layer.prepare(_padding_mask(valid), T)
     for i in range(T, T + steps):
-        layer.update(keys[:, :, i:i + 1], values[:, :, i:i + 1])
+        layer.update(keys[:, :, i : i + 1], values[:, :, i : i + 1])
         layer.prepare(None, 1)
     packed = layer.packed_kv()
     qk, qv = packed["quantized"].tolist()
     assert 0 < qk < layer.length and 0 < qv < layer.length
-    pages = torch.tensor([[[0, 4, 8, -1], [1, 7, 9, 3]], [[0, 8, 2, -1], [-1, 6, 9, 5]]], dtype=torch.int32,
-                         device=DEV)
+    pages = torch.tensor([[[0, 4, 8, -1], [1, 7, 9, 3]], [[0, 8, 2, -1], [-1, 6, 9, 5]]], dtype=torch.int32, device=DEV)
     q = torch.randn(b, h * G, d, generator=g).to(DEV)
     got = kernels.quantized_attention(q, pages, scale=0.3, **packed)
 
@@ -271,8 +318,9 @@ def test_a_quantized_layer_is_read_through_packed_kv():
     assert fake.shape == got.shape and fake.dtype == got.dtype
     assert layer.packed_kv()["quantized"] is packed["quantized"]  # sent once while (qk, qv) stay
     # schema, fake tensor, autograd registration and the mutated counts
-    torch.library.opcheck(torch.ops.locks_hf.quantized_attention.default, (q, pages),
-                          dict(scale=0.3, counts=counts, **packed))
+    torch.library.opcheck(
+        torch.ops.locks_hf.quantized_attention.default, (q, pages), dict(scale=0.3, counts=counts, **packed)
+    )
 
 
 def test_refusals():
@@ -320,6 +368,7 @@ def test_launches_it_cannot_run_are_refused(monkeypatch):
         def __getitem__(self, grid):
             def launch(*args, **kw):
                 raise OutOfResources(249952, 232448, "shared memory")
+
             return launch
 
     monkeypatch.setattr(attend_quant, "_quant_attn_kernel", OutOfShared())
@@ -343,7 +392,12 @@ def test_compiles_for_sm90_within_shared_memory():
     root = pathlib.Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, [env.get("PYTHONPATH")])])
-    run = subprocess.run([sys.executable, str(root / "scripts" / "dev" / "check_quant_attention_compile.py")], env=env,
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, str(root / "scripts" / "dev" / "check_quant_attention_compile.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout + run.stderr[-2000:]
     assert run.stdout.count("ok  ") == 7, run.stdout

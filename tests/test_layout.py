@@ -27,8 +27,10 @@ def _ids(n=300, b=1, seed=1):
 
 
 def _pair(model, cfg, **static_kwargs):
-    return (LocksCache(model.config, cfg, layout="dynamic"),
-            LocksCache(model.config, cfg, layout="static", **static_kwargs))
+    return (
+        LocksCache(model.config, cfg, layout="dynamic"),
+        LocksCache(model.config, cfg, layout="static", **static_kwargs),
+    )
 
 
 # -- routing -----------------------------------------------------------------------------------------
@@ -54,8 +56,9 @@ def test_auto_layout_follows_the_backend_and_the_config(monkeypatch, caplog):
     assert not LocksCache(model.config).is_static
 
 
-@pytest.mark.parametrize("bad, match", [(dict(selector="shared_all", rank=8), "selector"),
-                                        (dict(min_context=512), "min_context")])
+@pytest.mark.parametrize(
+    "bad, match", [(dict(selector="shared_all", rank=8), "selector"), (dict(min_context=512), "min_context")]
+)
 def test_static_layout_refuses_what_it_cannot_do(bad, match):
     model = tiny("llama")
     with pytest.raises(LocksConfigError, match=match):
@@ -77,8 +80,9 @@ def test_static_layout_generates_the_dynamic_tokens_and_grows(arch, caplog):
     outs = []
     with caplog.at_level(logging.WARNING, logger="locks_hf.cache"):
         for cache in (dynamic, static):
-            outs.append(model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
-                                       past_key_values=cache))
+            outs.append(
+                model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, past_key_values=cache)
+            )
     assert torch.equal(outs[0], outs[1])
     assert static.capacity > 324 and "growing the static cache" in caplog.text
     assert all(isinstance(layer, (LocksStaticLayer, StaticSlidingWindowLayer)) for layer in static.layers)
@@ -103,9 +107,11 @@ def test_static_layout_at_a_covering_budget_gives_dense_tokens():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
 
 
-@pytest.mark.parametrize("kwargs", [dict(num_beams=3, do_sample=False),
-                                    dict(do_sample=True, top_k=20, num_return_sequences=2)],
-                         ids=["beams", "sampling"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(num_beams=3, do_sample=False), dict(do_sample=True, top_k=20, num_return_sequences=2)],
+    ids=["beams", "sampling"],
+)
 def test_static_layout_beams_and_sampling(kwargs):
     model = tiny("llama")
     outs = []
@@ -132,8 +138,9 @@ def test_fork_and_budget_switch_in_place():
     model = tiny("llama")
     ids = _ids(240)
     small, large = LocksConfig(budget=64), LocksConfig(budget=96)
-    fresh = model.generate(ids, max_new_tokens=6, do_sample=False,
-                           past_key_values=LocksCache(model.config, large, layout="dynamic"))
+    fresh = model.generate(
+        ids, max_new_tokens=6, do_sample=False, past_key_values=LocksCache(model.config, large, layout="dynamic")
+    )
     base = LocksCache(model.config, small, layout="static", max_budget=128)
     first = model(ids, past_key_values=base).logits[:, -1:].argmax(-1)
     fork = base.fork(large)
@@ -162,8 +169,7 @@ def test_fork_to_another_selector(selector, caplog):
             first = model(ids, past_key_values=base).logits[:, -1:].argmax(-1)
         with caplog.at_level(logging.WARNING, logger="locks_hf.cache"):
             fork = base.fork(arm)
-        outs.append(model.generate(torch.cat([ids, first], 1), max_new_tokens=8, do_sample=False,
-                                   past_key_values=fork))
+        outs.append(model.generate(torch.cat([ids, first], 1), max_new_tokens=8, do_sample=False, past_key_values=fork))
     assert torch.equal(outs[0], outs[1])
     static = selector_class(selector).static_cache
     assert fork.is_static == static
@@ -178,8 +184,7 @@ def test_static_layout_refuses_assisted_decoding():
     model = tiny("llama")
     cache = LocksCache(model.config, LocksConfig(budget=1024), layout="static")
     with pytest.raises(UnsupportedModelError, match="prompt-lookup"):
-        model.generate(_ids(200), max_new_tokens=10, do_sample=False, prompt_lookup_num_tokens=3,
-                       past_key_values=cache)
+        model.generate(_ids(200), max_new_tokens=10, do_sample=False, prompt_lookup_num_tokens=3, past_key_values=cache)
 
 
 def test_long_generation_keeps_its_buffers_and_summarizes_decode_pages():
@@ -191,8 +196,10 @@ def test_long_generation_keeps_its_buffers_and_summarizes_decode_pages():
     dynamic, static = _pair(model, cfg, max_cache_len=40 + 120)
     outs = [model.generate(_ids(40), max_new_tokens=8, do_sample=False, past_key_values=c) for c in (dynamic, static)]
     addresses = [layer.keys.data_ptr() for layer in static.locks_layers]
-    outs = [model.generate(o, max_new_tokens=112, do_sample=False, past_key_values=c)
-            for o, c in zip(outs, (dynamic, static))]
+    outs = [
+        model.generate(o, max_new_tokens=112, do_sample=False, past_key_values=c)
+        for o, c in zip(outs, (dynamic, static))
+    ]
     assert torch.equal(outs[0], outs[1])
     assert [layer.keys.data_ptr() for layer in static.locks_layers] == addresses
     for d, s in zip(dynamic.locks_layers, static.locks_layers):
@@ -210,15 +217,21 @@ def test_compiled_generate_with_growth_recompiles_once_per_growth():
     model = tiny("llama", dtype=torch.float32)
     cfg = LocksConfig(budget=64)
     ids = _ids(200)
-    eager = model.generate(ids, max_new_tokens=40, do_sample=False, disable_compile=True,
-                           past_key_values=LocksCache(model.config, cfg, layout="static", max_cache_len=224))
+    eager = model.generate(
+        ids,
+        max_new_tokens=40,
+        do_sample=False,
+        disable_compile=True,
+        past_key_values=LocksCache(model.config, cfg, layout="static", max_cache_len=224),
+    )
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()  # reset() keeps the counters of earlier tests in this process
     compile_config = CompileConfig(fullgraph=True, backend="eager")
     compile_config._compile_all_devices = True  # transformers auto-compiles on accelerators only
     cache = LocksCache(model.config, cfg, layout="static", max_cache_len=224)
-    compiled = model.generate(ids, max_new_tokens=40, do_sample=False, compile_config=compile_config,
-                              past_key_values=cache)
+    compiled = model.generate(
+        ids, max_new_tokens=40, do_sample=False, compile_config=compile_config, past_key_values=cache
+    )
     assert torch.equal(compiled, eager)
     assert cache.capacity > 240
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2, torch._dynamo.utils.counters
@@ -267,8 +280,12 @@ def test_one_liner_compiles_once_across_budgets_on_cuda():
         eager = LocksCache(model.config, budget=budget, max_budget=128, max_cache_len=800)
         want = model.generate(ids, max_new_tokens=new, do_sample=False, disable_compile=True, past_key_values=eager)
         if new <= 40:
-            dynamic = model.generate(ids, max_new_tokens=new, do_sample=False,
-                                     past_key_values=LocksCache(model.config, budget=budget, layout="dynamic"))
+            dynamic = model.generate(
+                ids,
+                max_new_tokens=new,
+                do_sample=False,
+                past_key_values=LocksCache(model.config, budget=budget, layout="dynamic"),
+            )
             assert torch.equal(dynamic, want), budget
         del eager
         cache.reset()
@@ -291,8 +308,9 @@ def test_one_liner_grows_during_compiled_decode_on_cuda():
 
     model = _cuda_model()
     ids = _ids(600).cuda()
-    want = model.generate(ids, max_new_tokens=60, do_sample=False,
-                          past_key_values=LocksCache(model.config, budget=64, layout="dynamic"))
+    want = model.generate(
+        ids, max_new_tokens=60, do_sample=False, past_key_values=LocksCache(model.config, budget=64, layout="dynamic")
+    )
     cache = LocksCache(model.config, budget=64, max_cache_len=620)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()  # reset() keeps them: earlier compiles in this process would count

@@ -34,13 +34,19 @@ def _ids(n: int, seed: int = 0, vocab: int = 256) -> torch.LongTensor:
 
 # -- tiny models ---------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_tiny_model_generates_with_locks_cache(arch):
     model = tiny_model(arch)
     cfg = model.config
     assert cfg._attn_implementation == "locks"
     assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size) == (
-        64, 4, 2, 16, 256)
+        64,
+        4,
+        2,
+        16,
+        256,
+    )
     assert 2 <= cfg.num_hidden_layers <= 4
     assert next(model.parameters()).dtype == torch.float32
 
@@ -69,7 +75,8 @@ def test_tiny_model_full_selector_matches_sdpa(arch):
     with torch.inference_mode():
         locks = model.generate(prompt, past_key_values=cache, max_new_tokens=8, do_sample=False)
         sdpa = tiny_model(arch, attn_implementation="sdpa").generate(
-            prompt, past_key_values=DynamicCache(), max_new_tokens=8, do_sample=False)
+            prompt, past_key_values=DynamicCache(), max_new_tokens=8, do_sample=False
+        )
     assert torch.equal(locks, sdpa)
 
 
@@ -88,8 +95,8 @@ def test_tiny_gemma3_scaling_is_not_head_dim():
     cfg = model.config
     assert cfg.query_pre_attn_scalar != cfg.head_dim
     attn = model.model.layers[1].self_attn
-    assert attn.scaling == pytest.approx(cfg.query_pre_attn_scalar ** -0.5)
-    assert attn.scaling != pytest.approx(cfg.head_dim ** -0.5)
+    assert attn.scaling == pytest.approx(cfg.query_pre_attn_scalar**-0.5)
+    assert attn.scaling != pytest.approx(cfg.head_dim**-0.5)
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
@@ -103,8 +110,9 @@ def test_prefill_once_then_fork_matches_plain_generate(arch):
         first = prefill(model, prompt, base, chunk_size=64, progress=False)
         for arm in ("r4i4", "oracle", "quest", "full"):
             cfg = arm_config(arm, budget=32, page_size=8)
-            plain = model.generate(prompt, past_key_values=LocksCache(model.config, cfg), max_new_tokens=10,
-                                   do_sample=False)[:, prompt.shape[1]:]
+            plain = model.generate(
+                prompt, past_key_values=LocksCache(model.config, cfg), max_new_tokens=10, do_sample=False
+            )[:, prompt.shape[1] :]
             fork = base.fork(cfg)
             forked = decode_from(model, prompt, first, fork, max_new_tokens=10)
             assert torch.equal(plain, forked), arm
@@ -116,6 +124,7 @@ def test_prefill_once_then_fork_matches_plain_generate(arch):
 
 
 # -- loader errors (no model needed) ---------------------------------------------------------------------
+
 
 def test_unknown_model_name_lists_supported():
     with pytest.raises(ValueError) as err:
@@ -143,11 +152,16 @@ def test_cache_dir_follows_env(monkeypatch, tmp_path):
 
 # -- real models -------------------------------------------------------------------------------------------
 
+
 def _check_facts(model, name):
     info, cfg = MODELS[name], model.config
     assert cfg.model_type == info.model_type
     assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (
-        info.layers, info.q_heads, info.kv_heads, info.head_dim)
+        info.layers,
+        info.q_heads,
+        info.kv_heads,
+        info.head_dim,
+    )
     assert cfg.max_position_embeddings == info.context
     assert getattr(cfg, "sliding_window", None) == info.sliding_window
     cache = LocksCache(cfg)
@@ -184,7 +198,7 @@ def test_smollm2_converts_once_then_loads_from_cache(tmp_path, monkeypatch):
         out = model2.generate(ids, max_new_tokens=4, do_sample=False)
         ref = model(ids).logits
         assert torch.equal(ref, model2(ids).logits)
-    assert "Paris" in tok2.decode(out[0, ids.shape[1]:])
+    assert "Paris" in tok2.decode(out[0, ids.shape[1] :])
 
 
 @pytest.mark.slow
@@ -230,7 +244,7 @@ def test_gemma_facts_and_bos(gemma):
     ids = encode_prompt(tok, "The capital of France is")
     with torch.inference_mode():
         out = model.generate(ids, max_new_tokens=8, do_sample=False)
-    assert "France" in tok.decode(out[0, ids.shape[1]:])  # ' the capital of the country of France.'
+    assert "France" in tok.decode(out[0, ids.shape[1] :])  # ' the capital of the country of France.'
 
 
 @pytest.mark.slow
@@ -269,8 +283,9 @@ def test_smollm2_fork_decoding_matches_plain_generate(smollm2):
         first = prefill(model, ids, base, chunk_size=128, progress=False)
         for arm in ("r8i4",):
             cfg = arm_config(arm, budget=64)
-            plain = model.generate(ids, past_key_values=LocksCache(model.config, cfg), max_new_tokens=6,
-                                   do_sample=False)[:, ids.shape[1]:]
+            plain = model.generate(
+                ids, past_key_values=LocksCache(model.config, cfg), max_new_tokens=6, do_sample=False
+            )[:, ids.shape[1] :]
             fork = base.fork(cfg)
             assert torch.equal(plain, decode_from(model, ids, first, fork, 6)), arm
             assert fork.attended_fraction() < 0.25
@@ -279,8 +294,9 @@ def test_smollm2_fork_decoding_matches_plain_generate(smollm2):
 @pytest.mark.slow
 def test_gemma_retrieves_short_passkey_and_demo_runs(gemma, capsys):
     """Full attention on Gemma 3 270M finds a pass key at 1K tokens; the demo prints every arm."""
-    assert main(["--context-tokens", "1000", "--budget", "128", "--max-new-tokens", "8",
-                 "--arms", "full,r8i4,quest"]) == 0
+    assert (
+        main(["--context-tokens", "1000", "--budget", "128", "--max-new-tokens", "8", "--arms", "full,r8i4,quest"]) == 0
+    )
     out = capsys.readouterr().out
     rows = {line.split()[0]: line for line in out.splitlines() if line.startswith(("full", "locks-", "quest-"))}
     assert set(rows) == {"full", "locks-r8i4-b128", "quest-b128"}
@@ -303,8 +319,8 @@ def test_sparse_decode_ignores_unwritten_cache_slots(arm):
         cache = LocksCache(model.config, arm_config(arm, budget=32, page_size=8))
         model(prompt, past_key_values=cache)
         for layer in cache.locks_layers:
-            layer._kbuf[:, :, layer.length:] = float("nan")
-            layer._vbuf[:, :, layer.length:] = float("nan")
+            layer._kbuf[:, :, layer.length :] = float("nan")
+            layer._vbuf[:, :, layer.length :] = float("nan")
         logits = model(prompt[:, -1:], past_key_values=cache).logits
     assert cache.attended_fraction() < 0.5  # the step was sparse
     assert torch.isfinite(logits).all()

@@ -40,8 +40,9 @@ def test_a_nonfinite_row_decodes_like_dense_and_spares_the_others(selector, pois
     ids = torch.randint(8, 256, (2, length), generator=torch.Generator().manual_seed(0))
     ids[1, 50] = 7
     if _needs_context_scores(selector):  # KVzip scores the context of one row at a time (`score_context`)
-        want = dense.generate(ids[1:], max_new_tokens=6, do_sample=False, output_scores=True,
-                              return_dict_in_generate=True)
+        want = dense.generate(
+            ids[1:], max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True
+        )
         got = _generate_scored(model, ids[1:], cfg)
         assert torch.equal(got.sequences, want.sequences)
         assert all(torch.isnan(s).all() for s in got.scores) == all(torch.isnan(s).all() for s in want.scores)
@@ -49,8 +50,14 @@ def test_a_nonfinite_row_decodes_like_dense_and_spares_the_others(selector, pois
         assert all(torch.isfinite(s).all() for s in clean.scores)
         return
     want = dense.generate(ids, max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True)
-    got = model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=LocksCache(model.config, cfg),
-                         output_scores=True, return_dict_in_generate=True)
+    got = model.generate(
+        ids,
+        max_new_tokens=6,
+        do_sample=False,
+        past_key_values=LocksCache(model.config, cfg),
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
     alone = model.generate(ids[:1], max_new_tokens=6, do_sample=False, past_key_values=LocksCache(model.config, cfg))
     assert torch.equal(got.sequences[1], want.sequences[1])
     assert all(torch.isnan(s[1]).all() for s in got.scores) == all(torch.isnan(s[1]).all() for s in want.scores)
@@ -66,8 +73,14 @@ def _generate_scored(model, ids, cfg):
     with torch.no_grad():
         model(ids[:, :-1], past_key_values=base, use_cache=True)
     score_context(model, ByteTokenizer(), base, ids[:, :-1])
-    return model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=base.fork(cfg),
-                          output_scores=True, return_dict_in_generate=True)
+    return model.generate(
+        ids,
+        max_new_tokens=6,
+        do_sample=False,
+        past_key_values=base.fork(cfg),
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
 
 
 def test_summary_of_a_nonfinite_page_scores_nan_and_is_always_selected():

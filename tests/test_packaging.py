@@ -14,8 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCES = {"locks_hf": "locks_hf", "kernels": "locks_hf/kernels", "eval": "locks_hf/eval"}
 
 # scripts/check_versions.sh runs the suite beside an installed wheel, without the sources to compare.
-pytestmark = pytest.mark.skipif(not (ROOT / "locks_hf" / "__init__.py").is_file(),
-                                reason="checks a source tree against its wheel; this copy of the tests has no sources")
+pytestmark = pytest.mark.skipif(
+    not (ROOT / "locks_hf" / "__init__.py").is_file(),
+    reason="checks a source tree against its wheel; this copy of the tests has no sources",
+)
 
 
 def _source_files() -> set[str]:
@@ -38,8 +40,12 @@ def _source_files() -> set[str]:
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> zipfile.ZipFile:
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
-                    str(ROOT)], check=True, capture_output=True, text=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(ROOT)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     (path,) = out.glob("locks_hf-*.whl")
     return zipfile.ZipFile(path)
 
@@ -55,8 +61,9 @@ def test_every_package_is_listed_in_pyproject():
             if folder == "locks_hf" and rel.parts and rel.parts[0] in ("kernels", "eval"):
                 continue
             found.add(".".join((target.replace("/", "."), *rel.parts)))
-    assert found == listed, f"pyproject.toml [tool.setuptools] packages: add {sorted(found - listed)}, " \
-                            f"remove {sorted(listed - found)}"
+    assert found == listed, (
+        f"pyproject.toml [tool.setuptools] packages: add {sorted(found - listed)}, remove {sorted(listed - found)}"
+    )
 
 
 def test_wheel_holds_every_module_and_data_file(wheel):

@@ -38,7 +38,7 @@ class Paged:
         self.B, self.method, self.rank, self.bits, self.h = B, method, rank, bits, h
         self.row_start = torch.tensor(row_start, dtype=torch.int32)
         self.cap = max(row_start) + P * B + 3
-        pages = torch.randn(2, h, self.cap // B + 1, D, generator=g).repeat_interleave(B, 2)[:, :, :self.cap]
+        pages = torch.randn(2, h, self.cap // B + 1, D, generator=g).repeat_interleave(B, 2)[:, :, : self.cap]
         self.keys = torch.randn(2, h, self.cap, D, generator=g) + 2 * pages  # page structure, as real keys
         self.slot_valid = torch.ones(2, self.cap, dtype=torch.bool)
         for i, s in enumerate(row_start):
@@ -57,8 +57,14 @@ class Paged:
     def run(self, length, op=False):
         """The summary buffers after one update at ``length`` (on the CPU)."""
         summary = [t.clone().to(DEV) for t in self.sentinel]
-        args = (self.method, self.keys.to(DEV), self.slot_valid.to(DEV), self.row_start.to(DEV),
-                torch.tensor([length], dtype=torch.int32, device=DEV), summary)
+        args = (
+            self.method,
+            self.keys.to(DEV),
+            self.slot_valid.to(DEV),
+            self.row_start.to(DEV),
+            torch.tensor([length], dtype=torch.int32, device=DEV),
+            summary,
+        )
         if op:
             torch.ops.locks_hf.update_completed_pages(*args, self.B, self.rank, self.bits, None)
         else:
@@ -102,15 +108,19 @@ def _check_locks_page(c, got, keys, valid, seed):
     for g, w, name in zip(*parts, ("mu", "basis", "coef")):
         step = torch.maximum(got[f"{name}_scale"], want[f"{name}_scale"]).double()
         assert ((g - w).abs() <= 1.001 * (step if name == "mu" else step.unsqueeze(-1))).all(), name
-    codes = [(got["mu"], want["mu"]), (unpack(got["basis"], c.bits), unpack(want["basis"], c.bits)),
-             (got["coef"], want["coef"])]
+    codes = [
+        (got["mu"], want["mu"]),
+        (unpack(got["basis"], c.bits), unpack(want["basis"], c.bits)),
+        (got["coef"], want["coef"]),
+    ]
     same = sum((a == b).sum().item() for a, b in codes) / sum(a.numel() for a, _ in codes)
     assert same >= 0.99, same
     # and the same page scores
     q = torch.randn(1, c.h, 4, D, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     v = valid[:1].unsqueeze(0)
-    s_got, s_want = (estimated_page_lse(*dequantize_summary(x, c.bits, torch.float64), v, q, 0.125)
-                     for x in (got, want))
+    s_got, s_want = (
+        estimated_page_lse(*dequantize_summary(x, c.bits, torch.float64), v, q, 0.125) for x in (got, want)
+    )
     exact = exact_page_lse(keys.unsqueeze(0).double(), v, q, 0.125)
     err_got, err_want = ((s - exact).norm() / exact.norm() for s in (s_got, s_want))
     assert err_got < 1.1 * err_want + 1e-4, (err_got, err_want)
@@ -133,8 +143,17 @@ def _check_step(c, length, seed=0, op=False):
 
 
 # (page size, method, rank, basis bits)
-CASES = [(16, "locks", 4, 4), (16, "locks", 8, 2), (16, "locks", 4, 8), (8, "locks", 8, 4), (8, "locks", 4, 2),
-         (4, "locks", 8, 8), (32, "locks", 4, 4), (16, "quest", 0, 0), (8, "quest", 0, 0)]
+CASES = [
+    (16, "locks", 4, 4),
+    (16, "locks", 8, 2),
+    (16, "locks", 4, 8),
+    (8, "locks", 8, 4),
+    (8, "locks", 4, 2),
+    (4, "locks", 8, 8),
+    (32, "locks", 4, 4),
+    (16, "quest", 0, 0),
+    (8, "quest", 0, 0),
+]
 
 
 @pytest.mark.parametrize("B,method,rank,bits", CASES)
@@ -177,15 +196,29 @@ def test_custom_op_matches_launcher(method):
         for a, b in zip(got, want):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     if method == "quest":  # schema, fake tensor and functionalization (the mutated summary list)
-        args = (method, c.keys.to(DEV), c.slot_valid.to(DEV), c.row_start.to(DEV),
-                torch.tensor([32], dtype=torch.int32, device=DEV), [t.to(DEV) for t in c.sentinel], 16, 8, 4, None)
+        args = (
+            method,
+            c.keys.to(DEV),
+            c.slot_valid.to(DEV),
+            c.row_start.to(DEV),
+            torch.tensor([32], dtype=torch.int32, device=DEV),
+            [t.to(DEV) for t in c.sentinel],
+            16,
+            8,
+            4,
+            None,
+        )
         torch.library.opcheck(torch.ops.locks_hf.update_completed_pages.default, args)
 
 
 def test_oracle_and_bad_arguments():
     c = Paged(5, 16, "locks")
-    args = (c.keys.to(DEV), c.slot_valid.to(DEV), c.row_start.to(DEV),
-            torch.tensor([32], dtype=torch.int32, device=DEV))
+    args = (
+        c.keys.to(DEV),
+        c.slot_valid.to(DEV),
+        c.row_start.to(DEV),
+        torch.tensor([32], dtype=torch.int32, device=DEV),
+    )
     kernels.update_completed_pages("oracle", *args, [], page_size=16, rank=4, basis_bits=4)  # nothing to build
     torch.ops.locks_hf.update_completed_pages("oracle", *args, [], 16, 4, 4, None)
     summary = [t.to(DEV) for t in c.sentinel]
@@ -194,5 +227,6 @@ def test_oracle_and_bad_arguments():
     with pytest.raises(ValueError, match="basis"):
         kernels.update_completed_pages("locks", *args, summary, page_size=16, rank=8, basis_bits=4)  # rank 4 buffers
     with pytest.raises(ValueError, match="contiguous"):
-        kernels.update_completed_pages("locks", *args, summary[:-1] + [summary[-1].transpose(0, 1)], page_size=16,
-                                       rank=4, basis_bits=4)
+        kernels.update_completed_pages(
+            "locks", *args, summary[:-1] + [summary[-1].transpose(0, 1)], page_size=16, rank=4, basis_bits=4
+        )

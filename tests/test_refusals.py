@@ -30,15 +30,23 @@ class _TokenLog:
 
 # -- assisted and prompt-lookup decoding ----------------------------------------------------------
 
+
 @pytest.mark.parametrize("option", ["assistant", "prompt_lookup"])
 def test_assisted_and_prompt_lookup_decoding_are_refused_before_any_token(option):
     model = tiny("llama")
-    kwargs = ({"assistant_model": tiny("llama", "sdpa", seed=1)} if option == "assistant"
-              else {"prompt_lookup_num_tokens": 3})
+    kwargs = (
+        {"assistant_model": tiny("llama", "sdpa", seed=1)} if option == "assistant" else {"prompt_lookup_num_tokens": 3}
+    )
     log = _TokenLog()
     with pytest.raises(UnsupportedModelError, match="assisted decoding and prompt-lookup"):
-        model.generate(_ids(), past_key_values=LocksCache(model.config, budget=32), max_new_tokens=8,
-                       do_sample=False, streamer=log, **kwargs)
+        model.generate(
+            _ids(),
+            past_key_values=LocksCache(model.config, budget=32),
+            max_new_tokens=8,
+            do_sample=False,
+            streamer=log,
+            **kwargs,
+        )
     assert len(log.tokens) <= 1  # at most the prompt (the streamer's first put); no generated token
 
 
@@ -74,6 +82,7 @@ def test_past_recording_after_prefill_keeps_single_token_decode():
 
 # -- the model's attention is not "locks" ---------------------------------------------------------
 
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_cache_for_a_model_not_loaded_with_locks_is_refused(attn):
     model = tiny("llama", attn)
@@ -88,27 +97,50 @@ def test_config_free_cache_on_an_sdpa_model_fails_at_the_first_decode_step(arch)
     model = tiny(arch, "sdpa")
     log = _TokenLog()
     with pytest.raises(UnsupportedModelError, match="did not call Locks' attention"):
-        model.generate(_ids(), past_key_values=LocksCache(budget=32), max_new_tokens=5, do_sample=False,
-                       streamer=log)
+        model.generate(_ids(), past_key_values=LocksCache(budget=32), max_new_tokens=5, do_sample=False, streamer=log)
     assert len(log.tokens) <= 2  # the prompt and the prefill's (dense, exact) first token
 
 
 def _deepseek_v3():
-    return DeepseekV3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2,
-                            vocab_size=256, intermediate_size=64, moe_intermediate_size=32, kv_lora_rank=16,
-                            q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-                            n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=2)
+    return DeepseekV3Config(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_hidden_layers=2,
+        vocab_size=256,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=2,
+    )
 
 
-@pytest.mark.parametrize("config,needle", [
-    (BloomConfig(hidden_size=64, n_head=4, n_layer=2, vocab_size=256), "ALiBi"),
-    (MptConfig(d_model=64, n_heads=4, n_layers=2, vocab_size=256), "ALiBi"),
-    (FalconConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=256, alibi=True), "ALiBi"),
-    (FalconConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=256), "AttentionInterface"),
-    (_deepseek_v3(), "latent attention"),
-    (Gemma2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2),
-     "soft-capping"),
-], ids=["bloom", "mpt", "falcon-alibi", "falcon-rope", "deepseek-v3", "gemma2"])
+@pytest.mark.parametrize(
+    "config,needle",
+    [
+        (BloomConfig(hidden_size=64, n_head=4, n_layer=2, vocab_size=256), "ALiBi"),
+        (MptConfig(d_model=64, n_heads=4, n_layers=2, vocab_size=256), "ALiBi"),
+        (FalconConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=256, alibi=True), "ALiBi"),
+        (
+            FalconConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=256),
+            "AttentionInterface",
+        ),
+        (_deepseek_v3(), "latent attention"),
+        (
+            Gemma2Config(
+                hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2
+            ),
+            "soft-capping",
+        ),
+    ],
+    ids=["bloom", "mpt", "falcon-alibi", "falcon-rope", "deepseek-v3", "gemma2"],
+)
 def test_unsupported_families_are_refused_at_cache_construction(config, needle):
     with pytest.raises(UnsupportedModelError, match=needle):
         LocksCache(config)
@@ -116,11 +148,15 @@ def test_unsupported_families_are_refused_at_cache_construction(config, needle):
         LocksStaticCache(config, max_cache_len=64)
 
 
-@pytest.mark.parametrize("config,needle", [
-    (MptConfig(d_model=64, n_heads=4, n_layers=2, vocab_size=256), "ALiBi"),
-    (BloomConfig(hidden_size=64, n_head=4, n_layer=2, vocab_size=256), "ALiBi"),
-    (_deepseek_v3(), "latent attention"),
-], ids=["mpt", "bloom", "deepseek-v3"])
+@pytest.mark.parametrize(
+    "config,needle",
+    [
+        (MptConfig(d_model=64, n_heads=4, n_layers=2, vocab_size=256), "ALiBi"),
+        (BloomConfig(hidden_size=64, n_head=4, n_layer=2, vocab_size=256), "ALiBi"),
+        (_deepseek_v3(), "latent attention"),
+    ],
+    ids=["mpt", "bloom", "deepseek-v3"],
+)
 def test_unsupported_families_loaded_with_locks_fail_at_the_first_forward(config, needle):
     """Loaded with attn_implementation="locks" and run with any cache (even none): refused, not dense."""
     model = AutoModelForCausalLM.from_config(config, attn_implementation="locks")
@@ -152,13 +188,17 @@ def tiny_model_config_cache(arch, **overrides):
 
 # -- LocksConfig validation ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs,needle", [
-    (dict(basis_bits=4.0), "basis_bits must be an int"),
-    (dict(rank=True), "rank must be an int"),
-    (dict(budget=128.0), "budget must be an int"),
-    (dict(page_size=2**40), "page_size must be a power of two in 2..1024"),
-    (dict(selector=None), "selector must be a str"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        (dict(basis_bits=4.0), "basis_bits must be an int"),
+        (dict(rank=True), "rank must be an int"),
+        (dict(budget=128.0), "budget must be an int"),
+        (dict(page_size=2**40), "page_size must be a power of two in 2..1024"),
+        (dict(selector=None), "selector must be a str"),
+    ],
+)
 def test_config_types_and_ranges(kwargs, needle):
     with pytest.raises(LocksConfigError, match=needle):
         LocksConfig(**kwargs)
@@ -190,6 +230,7 @@ def test_config_free_cache_checks_rank_against_the_head_dim():
 
 # -- LocksStaticCache capacity ---------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("max_cache_len", [110, 112])  # not a whole number of pages, and a whole one
 def test_static_cache_overflow_during_decode_names_max_cache_len(max_cache_len):
     model = tiny("llama")
@@ -202,8 +243,12 @@ def test_static_cache_overflow_during_decode_names_max_cache_len(max_cache_len):
 def test_static_cache_holds_exactly_max_cache_len_tokens():
     model = tiny("llama")
     ids = _ids(100)
-    out = model.generate(ids, past_key_values=LocksStaticCache(model.config, max_cache_len=110, budget=32),
-                         max_new_tokens=11, do_sample=False)  # the 11th token is never written to the cache
+    out = model.generate(
+        ids,
+        past_key_values=LocksStaticCache(model.config, max_cache_len=110, budget=32),
+        max_new_tokens=11,
+        do_sample=False,
+    )  # the 11th token is never written to the cache
     assert out.shape[1] == 111
 
 
@@ -215,14 +260,21 @@ def test_static_cache_max_cache_len_must_be_a_positive_int(bad):
 
 # -- use_cache=False with a cache -------------------------------------------------------------------
 
+
 def test_use_cache_false_with_a_locks_cache_is_refused_before_any_token():
     """transformers writes every forward into a passed cache even with use_cache=False, and generate()
     re-feeds the whole sequence (a DynamicCache gives wrong tokens the same way): refused."""
     model = tiny("llama")
     log = _TokenLog()
     with pytest.raises(UnsupportedModelError, match="use_cache=False"):
-        model.generate(_ids(), past_key_values=LocksCache(model.config, budget=1024), use_cache=False,
-                       max_new_tokens=4, do_sample=False, streamer=log)
+        model.generate(
+            _ids(),
+            past_key_values=LocksCache(model.config, budget=1024),
+            use_cache=False,
+            max_new_tokens=4,
+            do_sample=False,
+            streamer=log,
+        )
     assert len(log.tokens) <= 1
     with pytest.raises(UnsupportedModelError, match="use_cache=False"):
         model(_ids(), past_key_values=LocksCache(model.config), use_cache=False)
@@ -259,7 +311,9 @@ def test_every_selector_specific_setting_is_refused_on_selectors_that_ignore_it(
             assert getattr(LocksConfig(**kwargs), setting) == _SETTING_VALUES[setting]
             owners.append(name)
         else:
-            with pytest.raises(LocksConfigError, match=f"{setting}=.* is a setting of selector .*leave {setting} unset"):
+            with pytest.raises(
+                LocksConfigError, match=f"{setting}=.* is a setting of selector .*leave {setting} unset"
+            ):
                 LocksConfig(**kwargs)
     assert owners  # every setting belongs to some selector
 
@@ -271,20 +325,41 @@ def test_rerank_defaults_to_eight_on_locks_rerank_only():
 
 # -- architectures whose attention bypasses transformers' AttentionInterface ------------------------
 
+
 def _bypassing_configs():
     from transformers import CodeGenConfig, GPTJConfig, GPTNeoConfig, StableLmConfig
 
     return [
-        pytest.param(FalconConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=256),
-                     "FalconForCausalLM", id="falcon"),
-        pytest.param(GPTJConfig(n_embd=64, n_head=4, n_layer=2, vocab_size=256, rotary_dim=8), "GPTJForCausalLM",
-                     id="gptj"),
-        pytest.param(CodeGenConfig(n_embd=64, n_head=4, n_layer=2, vocab_size=256, rotary_dim=8),
-                     "CodeGenForCausalLM", id="codegen"),
-        pytest.param(GPTNeoConfig(hidden_size=64, num_heads=4, num_layers=2, vocab_size=256,
-                                  attention_types=[[["global"], 2]]), "GPTNeoForCausalLM", id="gpt_neo"),
-        pytest.param(StableLmConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2,
-                                    vocab_size=256, intermediate_size=64), "StableLmForCausalLM", id="stablelm"),
+        pytest.param(
+            FalconConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=256),
+            "FalconForCausalLM",
+            id="falcon",
+        ),
+        pytest.param(
+            GPTJConfig(n_embd=64, n_head=4, n_layer=2, vocab_size=256, rotary_dim=8), "GPTJForCausalLM", id="gptj"
+        ),
+        pytest.param(
+            CodeGenConfig(n_embd=64, n_head=4, n_layer=2, vocab_size=256, rotary_dim=8),
+            "CodeGenForCausalLM",
+            id="codegen",
+        ),
+        pytest.param(
+            GPTNeoConfig(hidden_size=64, num_heads=4, num_layers=2, vocab_size=256, attention_types=[[["global"], 2]]),
+            "GPTNeoForCausalLM",
+            id="gpt_neo",
+        ),
+        pytest.param(
+            StableLmConfig(
+                hidden_size=64,
+                num_attention_heads=4,
+                num_key_value_heads=4,
+                num_hidden_layers=2,
+                vocab_size=256,
+                intermediate_size=64,
+            ),
+            "StableLmForCausalLM",
+            id="stablelm",
+        ),
     ]
 
 
@@ -331,6 +406,7 @@ def test_check_model_passes_supported_architectures(arch):
 
 # -- argument types at the cache API's entry points ---------------------------------------------------
 
+
 def test_a_label_or_the_model_is_accepted_where_a_config_goes():
     model = tiny("llama")
     assert LocksCache(model.config, "r4i4").locks_config == LocksConfig.from_label("r4i4")
@@ -341,28 +417,47 @@ def test_a_label_or_the_model_is_accepted_where_a_config_goes():
     assert cache.fork("r4i4-b64").locks_config == LocksConfig(rank=4, budget=64)
 
 
-@pytest.mark.parametrize("build,needle", [
-    (lambda m: LocksCache("llama"), "first argument of a Locks cache is the model's config"),
-    (lambda m: LocksCache(m.config, 128), "LocksCache takes a LocksConfig or an arm label"),
-    (lambda m: LocksCache(m.config, "r8"), "cannot parse label 'r8'"),
-    (lambda m: LocksCache(m.config, {"budget": 64}), "LocksCache takes a LocksConfig"),
-    (lambda m: LocksCache(m.config, max_budget=-5), "max_budget=-5 is below the budget 128"),
-    (lambda m: LocksCache(m.config, max_budget="256"), "max_budget must be an int"),
-    (lambda m: LocksStaticCache(m.config, max_cache_len=256, max_budget="256"), "max_budget must be an int"),
-    (lambda m: LocksStaticCache(m.config, max_cache_len=256, max_budget=True), "max_budget must be an int"),
-    (lambda m: LocksCache(m.config).set_budget("64"), "budget must be an int"),
-    (lambda m: LocksCache(m.config).set_budget(None), "budget must be an int"),
-    (lambda m: LocksCache(m.config).fork({"budget": 64}), "fork takes a LocksConfig or an arm label"),
-    (lambda m: LocksCache(m.config).fork(64), "fork takes a LocksConfig"),
-    (lambda m: LocksStaticCache(m.config, max_cache_len=256).set_config("nonsense"), "cannot parse label"),
-    (lambda m: LocksConfig("r8i4"), "from_label"),
-    (lambda m: LocksConfig.from_label("quest-bx"), "cannot parse label"),
-    (lambda m: LocksConfig(bogus=1), "unexpected keyword argument 'bogus'"),
-    (lambda m: LocksConfig().replace(bogus=1), "unknown LocksConfig field"),
-], ids=["config-str", "locks-int", "bad-label", "locks-dict", "max-budget-negative", "max-budget-str",
-        "static-max-budget-str", "static-max-budget-bool", "set-budget-str", "set-budget-none", "fork-dict",
-        "fork-int", "static-set-config", "config-positional-label", "label-bad-budget", "config-unknown-field",
-        "replace-unknown-field"])
+@pytest.mark.parametrize(
+    "build,needle",
+    [
+        (lambda m: LocksCache("llama"), "first argument of a Locks cache is the model's config"),
+        (lambda m: LocksCache(m.config, 128), "LocksCache takes a LocksConfig or an arm label"),
+        (lambda m: LocksCache(m.config, "r8"), "cannot parse label 'r8'"),
+        (lambda m: LocksCache(m.config, {"budget": 64}), "LocksCache takes a LocksConfig"),
+        (lambda m: LocksCache(m.config, max_budget=-5), "max_budget=-5 is below the budget 128"),
+        (lambda m: LocksCache(m.config, max_budget="256"), "max_budget must be an int"),
+        (lambda m: LocksStaticCache(m.config, max_cache_len=256, max_budget="256"), "max_budget must be an int"),
+        (lambda m: LocksStaticCache(m.config, max_cache_len=256, max_budget=True), "max_budget must be an int"),
+        (lambda m: LocksCache(m.config).set_budget("64"), "budget must be an int"),
+        (lambda m: LocksCache(m.config).set_budget(None), "budget must be an int"),
+        (lambda m: LocksCache(m.config).fork({"budget": 64}), "fork takes a LocksConfig or an arm label"),
+        (lambda m: LocksCache(m.config).fork(64), "fork takes a LocksConfig"),
+        (lambda m: LocksStaticCache(m.config, max_cache_len=256).set_config("nonsense"), "cannot parse label"),
+        (lambda m: LocksConfig("r8i4"), "from_label"),
+        (lambda m: LocksConfig.from_label("quest-bx"), "cannot parse label"),
+        (lambda m: LocksConfig(bogus=1), "unexpected keyword argument 'bogus'"),
+        (lambda m: LocksConfig().replace(bogus=1), "unknown LocksConfig field"),
+    ],
+    ids=[
+        "config-str",
+        "locks-int",
+        "bad-label",
+        "locks-dict",
+        "max-budget-negative",
+        "max-budget-str",
+        "static-max-budget-str",
+        "static-max-budget-bool",
+        "set-budget-str",
+        "set-budget-none",
+        "fork-dict",
+        "fork-int",
+        "static-set-config",
+        "config-positional-label",
+        "label-bad-budget",
+        "config-unknown-field",
+        "replace-unknown-field",
+    ],
+)
 def test_wrong_argument_types_are_refused_with_what_to_pass(build, needle):
     with pytest.raises((LocksConfigError, TypeError), match=needle):
         build(tiny("llama"))
@@ -372,8 +467,9 @@ def test_wrong_argument_types_are_refused_with_what_to_pass(build, needle):
 @pytest.mark.parametrize("static", [False, True])
 def test_row_indices_out_of_range_are_refused(method, static):
     model = tiny("llama")
-    cache = (LocksStaticCache(model.config, max_cache_len=128, budget=32) if static
-             else LocksCache(model.config, budget=32))
+    cache = (
+        LocksStaticCache(model.config, max_cache_len=128, budget=32) if static else LocksCache(model.config, budget=32)
+    )
     model(_ids().repeat(2, 1), past_key_values=cache)
     with pytest.raises(ValueError, match="out of range for a cache of batch size 2"):
         getattr(cache, method)(torch.tensor([0, 5]))
@@ -394,6 +490,7 @@ def test_an_empty_prompt_is_refused_with_what_to_pass(static):
 
 
 # -- one cache, one thread at a time ------------------------------------------------------------------
+
 
 def test_a_cache_used_by_a_second_thread_mid_forward_is_refused():
     import threading
@@ -448,14 +545,17 @@ def test_separate_caches_on_one_model_work_from_several_threads():
     model = tiny("qwen3")
     prompts = [_ids(200, seed=s) for s in (1, 2, 3)]
     cfg = LocksConfig(budget=32)
-    want = [model.generate(p, past_key_values=LocksCache(model.config, cfg), max_new_tokens=6, do_sample=False)
-            for p in prompts]
+    want = [
+        model.generate(p, past_key_values=LocksCache(model.config, cfg), max_new_tokens=6, do_sample=False)
+        for p in prompts
+    ]
     got, errors = {}, []
 
     def run(i):
         try:
-            got[i] = model.generate(prompts[i], past_key_values=LocksCache(model.config, cfg), max_new_tokens=6,
-                                    do_sample=False)
+            got[i] = model.generate(
+                prompts[i], past_key_values=LocksCache(model.config, cfg), max_new_tokens=6, do_sample=False
+            )
         except Exception as err:  # noqa: BLE001 - reported below
             errors.append(err)
 

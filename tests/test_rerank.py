@@ -74,8 +74,9 @@ def _case(seed, b=3, h=2, G=4, P=22, d=8, ties=False):
     padding slots inside the first real page), a padding hole, an incomplete last page; estimates that
     disagree with the exact scores (so re-ranking changes the answer)."""
     g = torch.Generator().manual_seed(seed)
-    keys = (torch.randn(b, h, P, 1, d, generator=g, dtype=torch.float64) +
-            torch.randn(b, h, P, B, d, generator=g, dtype=torch.float64))
+    keys = torch.randn(b, h, P, 1, d, generator=g, dtype=torch.float64) + torch.randn(
+        b, h, P, B, d, generator=g, dtype=torch.float64
+    )
     if ties:
         keys[:, :, 9] = keys[:, :, 6]  # two pages with equal exact scores: the earlier one wins
     query = torch.randn(b, h, G, d, generator=g, dtype=torch.float64)
@@ -151,8 +152,12 @@ def test_long_short_list_generates_the_oracle_tokens(arch):
     """A short list covering every page makes generate() the oracle's, token for token."""
     model = tiny(arch)
     ids = _ids()
-    want = model.generate(ids, max_new_tokens=16, do_sample=False,
-                          past_key_values=LocksCache(model.config, LocksConfig(budget=64, selector="oracle")))
+    want = model.generate(
+        ids,
+        max_new_tokens=16,
+        do_sample=False,
+        past_key_values=LocksCache(model.config, LocksConfig(budget=64, selector="oracle")),
+    )
     cfg = LocksConfig(budget=64, selector="locks_rerank", rank=4, rerank=8)  # 32 candidates >= 20 pages
     cache = LocksCache(model.config, cfg)
     assert torch.equal(model.generate(ids, max_new_tokens=16, do_sample=False, past_key_values=cache), want)
@@ -177,8 +182,9 @@ def test_padded_batch_rows_equal_rows_alone():
     batch = torch.cat([a, torch.cat([torch.zeros((1, 40), dtype=torch.long), b], 1)])
     mask = torch.ones_like(batch)
     mask[1, :40] = 0
-    out = model.generate(batch, attention_mask=mask, max_new_tokens=10, do_sample=False,
-                         past_key_values=LocksCache(model.config, cfg))
+    out = model.generate(
+        batch, attention_mask=mask, max_new_tokens=10, do_sample=False, past_key_values=LocksCache(model.config, cfg)
+    )
     for row, ids in ((0, a), (1, b)):
         alone = model.generate(ids, max_new_tokens=10, do_sample=False, past_key_values=LocksCache(model.config, cfg))
         assert torch.equal(out[row, -10:], alone[0, -10:])
@@ -219,8 +225,26 @@ def test_decode_step_benchmark_takes_rerank_arms(tmp_path):
     from test_bench_scripts import _load
 
     out = tmp_path / "step.json"
-    _load().main(["--shape", "tiny", "--device", "cpu", "--contexts", "512", "--budget", "64",
-                  "--arms", "r4i4,r4i4-rr2", "--steps", "2", "--warmup", "1", "--out", str(out)])
+    _load().main(
+        [
+            "--shape",
+            "tiny",
+            "--device",
+            "cpu",
+            "--contexts",
+            "512",
+            "--budget",
+            "64",
+            "--arms",
+            "r4i4,r4i4-rr2",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     rows = {r["arm"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["r4i4"]["attended"] == rows["r4i4-rr2"]["attended"] < 0.5
     layers, heads, d = 2, 2, 16  # the tiny shape, float32 on the CPU
@@ -235,8 +259,11 @@ def test_a_budget_switch_selects_at_the_new_budget(static):
     its selector object, so the selection must read the layer's settings, not the selector's."""
     model = tiny("llama")
     cfg = LocksConfig(budget=64, selector="locks_rerank", rank=4, rerank=2)
-    cache = LocksStaticCache(model.config, max_cache_len=340, locks=cfg, max_budget=128) if static \
+    cache = (
+        LocksStaticCache(model.config, max_cache_len=340, locks=cfg, max_budget=128)
+        if static
         else LocksCache(model.config, cfg)
+    )
     token = model(_ids(), past_key_values=cache).logits[:, -1:].argmax(-1)
     for budget in (64, 128, 64):
         cache.set_budget(budget)

@@ -19,8 +19,9 @@ SCALE = 0.3
 def _scored(c, block_pages=None):
     summ = {n: v.to(DEV) for n, v in c.summary(4, 4).items()}
     kw = {} if block_pages is None else dict(block_pages=block_pages, sub_blocks=1)
-    return kernels.score_pages("locks", c.dev("query"), summary=summ, scale=SCALE, basis_bits=4, variant="dot",
-                               **kw, **c.kw())
+    return kernels.score_pages(
+        "locks", c.dev("query"), summary=summ, scale=SCALE, basis_bits=4, variant="dot", **kw, **c.kw()
+    )
 
 
 def _reference(c, scores, k, M):
@@ -41,8 +42,18 @@ def test_rerank_stage_matches_reference(seed, k, m):
     kw = dict(row_start=c.dev("row_start"), length=c.length, page_size=B)
     short = kernels.select_pages(scores, partials, slots=m * k + 2, per_head=False, heads=c.h, **kw)
     exact = torch.empty(c.b * c.h, c.G, m * k, device=DEV)
-    pages = kernels.rerank_pages(c.dev("query"), c.dev("keys"), short, scores, partials,
-                                 slot_valid=c.dev("slot_valid"), scale=SCALE, slots=k, exact=exact, **kw)
+    pages = kernels.rerank_pages(
+        c.dev("query"),
+        c.dev("keys"),
+        short,
+        scores,
+        partials,
+        slot_valid=c.dev("slot_valid"),
+        scale=SCALE,
+        slots=k,
+        exact=exact,
+        **kw,
+    )
     assert pages.shape == (c.b * c.h, k)
     assert torch.equal(page_lists_as_mask(pages, c.b, c.h, c.P), _reference(c, scores, k, m * k))
     listed = short[:, 2:].long().cpu()
@@ -61,10 +72,21 @@ def test_rerank_with_a_device_budget_matches_reference():
     scores, partials = _scored(c)
     kw = dict(row_start=c.dev("row_start"), length=c.length, page_size=B)
     active = torch.tensor([4], dtype=torch.int32, device=DEV)
-    short = kernels.select_pages(scores, partials, slots=2 * 9 + 2, per_head=False, heads=c.h,
-                                 active_slots=active * 2 + 2, **kw)
-    pages = kernels.rerank_pages(c.dev("query"), c.dev("keys"), short, scores, partials,
-                                 slot_valid=c.dev("slot_valid"), scale=SCALE, slots=9, active_slots=active, **kw)
+    short = kernels.select_pages(
+        scores, partials, slots=2 * 9 + 2, per_head=False, heads=c.h, active_slots=active * 2 + 2, **kw
+    )
+    pages = kernels.rerank_pages(
+        c.dev("query"),
+        c.dev("keys"),
+        short,
+        scores,
+        partials,
+        slot_valid=c.dev("slot_valid"),
+        scale=SCALE,
+        slots=9,
+        active_slots=active,
+        **kw,
+    )
     assert torch.equal(page_lists_as_mask(pages, c.b, c.h, c.P), _reference(c, scores, 4, 8))
     assert (pages[:, 4:] == kernels.SENTINEL).all()
 
@@ -73,8 +95,18 @@ def test_decode_step_matches_reference_pipeline():
     """Score + short list + re-rank + attend, chained."""
     c = Cache(11, pages=70)
     summ = {n: v.to(DEV) for n, v in c.summary(4, 4).items()}
-    out, pages = kernels.decode_step("locks", c.dev("query"), key_buf=c.dev("keys"), value_buf=c.dev("values"),
-                                     summary=summ, slots=4, scale=SCALE, basis_bits=4, rerank=3, **c.kw())
+    out, pages = kernels.decode_step(
+        "locks",
+        c.dev("query"),
+        key_buf=c.dev("keys"),
+        value_buf=c.dev("values"),
+        summary=summ,
+        slots=4,
+        scale=SCALE,
+        basis_bits=4,
+        rerank=3,
+        **c.kw(),
+    )
     scores, _ = _scored(c)
     assert torch.equal(page_lists_as_mask(pages, c.b, c.h, c.P), _reference(c, scores, 4, 12))
     ref = _ref_attention(c, pages, SCALE)
@@ -93,11 +125,14 @@ def test_layer_glue_matches_reference_path(monkeypatch, static):
 
     c = Cache(5, b=2, pages=20, pad=(0, 0), hole=False)
     cfg = LocksConfig(rank=4, basis_bits=4, budget=4 * B, selector="locks_rerank", rerank=2)
-    layer = LocksStaticLayer(c.length + 3 * B, cfg, max_slots=7 if static == "wide" else None) if static \
+    layer = (
+        LocksStaticLayer(c.length + 3 * B, cfg, max_slots=7 if static == "wide" else None)
+        if static
         else LocksLayer(cfg)
+    )
     layer.update(c.dev("keys")[:, :, : c.length], c.dev("values")[:, :, : c.length])
-    layer.key_buffer()[:, :, c.length:] = float("nan")  # unwritten slots: neither path may read them
-    layer.value_buffer()[:, :, c.length:] = float("nan")
+    layer.key_buffer()[:, :, c.length :] = float("nan")  # unwritten slots: neither path may read them
+    layer.value_buffer()[:, :, c.length :] = float("nan")
     layer.prepare(None, c.length)
     q = c.dev("query")
     ref = reference_decode(layer, q, SCALE)
@@ -117,10 +152,11 @@ def test_kernels_build_and_update_the_locks_summaries(monkeypatch):
     monkeypatch.setenv("LOCKS_HF_KERNELS", "0")
     c = Cache(7, b=1, pages=12, pad=(0,), hole=False)
     L = (c.length // B) * B - 1
-    layers = {s: LocksStaticLayer(L + 2 * B, LocksConfig(rank=4, budget=4 * B, selector=s)) for s in
-              ("locks", "locks_rerank")}
+    layers = {
+        s: LocksStaticLayer(L + 2 * B, LocksConfig(rank=4, budget=4 * B, selector=s)) for s in ("locks", "locks_rerank")
+    }
     for layer in layers.values():
-        layer.update(c.dev("keys")[:, :, :L + 1], c.dev("values")[:, :, :L + 1])
+        layer.update(c.dev("keys")[:, :, : L + 1], c.dev("values")[:, :, : L + 1])
         layer.prepare(None, L + 1)
         layer.summary = {n: torch.zeros_like(t) for n, t in layer.summary.items()}
         kernel_update_newest_page(layer)  # completes page L // B
@@ -128,8 +164,7 @@ def test_kernels_build_and_update_the_locks_summaries(monkeypatch):
     assert set(a.summary) == set(b.summary) and a.summary["coef"].abs().sum() > 0
     assert all(torch.equal(a.summary[n], b.summary[n]) for n in a.summary)
     assert kernels.implements("locks", dtype=torch.float32, head_dim=64, page_size=16)
-    assert not kernels.implements("locks", dtype=torch.float32, head_dim=64, page_size=16,
-                                  group_combine="group_max")
+    assert not kernels.implements("locks", dtype=torch.float32, head_dim=64, page_size=16, group_combine="group_max")
 
 
 @pytest.mark.gpu

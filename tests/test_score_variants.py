@@ -62,8 +62,14 @@ class Summaries:
         self.query = (torch.randn(b, h * G, 1, d, generator=g) * 2).to(dtype)
 
     def kw(self):
-        return dict(slot_valid=self.slot_valid.to(DEV), row_start=self.row_start.to(DEV),
-                    n_complete=self.n_complete.to(DEV), length=self.length, n_pages=self.P, page_size=self.B)
+        return dict(
+            slot_valid=self.slot_valid.to(DEV),
+            row_start=self.row_start.to(DEV),
+            n_complete=self.n_complete.to(DEV),
+            length=self.length,
+            n_pages=self.P,
+            page_size=self.B,
+        )
 
     def on_dev(self):
         return {k: v.to(DEV) for k, v in self.summary.items()}
@@ -87,8 +93,9 @@ class Summaries:
         mu = self.codes("mu") * s["mu_scale"].double()  # [b, h, P, d]
         q = self.query.double().view(b, h, G, self.d)
         proj = torch.einsum("bhgd,bhprd->bhgpr", q, basis)
-        logits = SCALE * (torch.einsum("bhgpr,bhptr->bhgpt", proj, coef)
-                          + torch.einsum("bhgd,bhpd->bhgp", q, mu)[..., None])
+        logits = SCALE * (
+            torch.einsum("bhgpr,bhptr->bhgpt", proj, coef) + torch.einsum("bhgd,bhpd->bhgp", q, mu)[..., None]
+        )
         slot = self.row_start.long()[:, None, None] + torch.arange(P)[None, :, None] * B + torch.arange(B)
         real = self.slot_valid.gather(1, slot.clamp(0, self.cap - 1).view(b, -1)).view(b, P, B) & (slot < self.length)
         out = torch.logsumexp(logits.masked_fill(~real[:, None, None], float("-inf")), -1)
@@ -140,8 +147,16 @@ def run(summ, variant, small=False, **kw):
     with the block, not the pages; the default tiles run in the tests that do not ask for this)."""
     if small and INTERPRETED and variant == "mma" and not kw:
         kw = dict(num_warps=1)
-    return kernels.score_pages("locks", summ.query.to(DEV), summary=summ.on_dev(), scale=SCALE,
-                               basis_bits=summ.bits, variant=variant, **kw, **summ.kw())
+    return kernels.score_pages(
+        "locks",
+        summ.query.to(DEV),
+        summary=summ.on_dev(),
+        scale=SCALE,
+        basis_bits=summ.bits,
+        variant=variant,
+        **kw,
+        **summ.kw(),
+    )
 
 
 def assert_scores(got, want, tol):
@@ -156,10 +171,13 @@ QUERY_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if not INTERPR
 
 # (rank, bits, G, page size): every rank x bits at G = 4; every group size at r4i4; every page size;
 # a few crossings of the large and odd cases.
-CASES = sorted({(r, bits, 4, 16) for r in (2, 4, 8) for bits in (2, 4, 8)}
-               | {(4, 4, G, 16) for G in (1, 2, 3, 4, 6, 8, 16)}
-               | {(4, 4, 4, B) for B in (8, 32)} | {(4, 4, 16, 32)}
-               | {(8, 4, 16, 16), (2, 2, 3, 8), (8, 8, 6, 32), (8, 2, 1, 16)})
+CASES = sorted(
+    {(r, bits, 4, 16) for r in (2, 4, 8) for bits in (2, 4, 8)}
+    | {(4, 4, G, 16) for G in (1, 2, 3, 4, 6, 8, 16)}
+    | {(4, 4, 4, B) for B in (8, 32)}
+    | {(4, 4, 16, 32)}
+    | {(8, 4, 16, 16), (2, 2, 3, 8), (8, 8, 6, 32), (8, 2, 1, 16)}
+)
 
 
 @pytest.mark.parametrize("rank,bits,G,B", CASES)
@@ -180,9 +198,16 @@ def test_mma_16_bit_queries(dtype, G):
     assert_scores(run(summ, "mma")[0], summ.reference(), 1e-5)
 
 
-@pytest.mark.parametrize("tiles", [dict(block_pages=256, num_warps=8), dict(head_split=2), dict(words_per_chunk=2),
-                                   dict(words_per_chunk=8, sub_blocks=3, block_pages=32, head_split=4),
-                                   dict(num_warps=2, block_pages=16, head_split=4)])
+@pytest.mark.parametrize(
+    "tiles",
+    [
+        dict(block_pages=256, num_warps=8),
+        dict(head_split=2),
+        dict(words_per_chunk=2),
+        dict(words_per_chunk=8, sub_blocks=3, block_pages=32, head_split=4),
+        dict(num_warps=2, block_pages=16, head_split=4),
+    ],
+)
 def test_mma_tiles_give_the_same_scores(tiles):
     summ = Summaries(11, rank=4, bits=4, G=16, pages=20)
     want = summ.reference()
@@ -211,8 +236,9 @@ def test_mma_default_tiles_keep_the_code_tile_within_shared_memory():
         for rank in (2, 4, 8, 16):
             for bits in (2, 4, 8):
                 for qb in (2, 4):
-                    bp, hs, kcw, nw, ns = mma_tiles(GG, None, None, None, None, None, rank=rank, basis_bits=bits,
-                                                    query_bytes=qb)
+                    bp, hs, kcw, nw, ns = mma_tiles(
+                        GG, None, None, None, None, None, rank=rank, basis_bits=bits, query_bytes=qb
+                    )
                     codes = kcw * 32 // min(bits, 4)
                     assert kcw >= 2 and bp * rank * codes * qb <= MMA_CODE_TILE_BYTES, (GG, rank, bits, qb, kcw)
                     assert bp * hs == 32 * nw and nw == (2 if (rank, bits, qb) == (16, 2, 4) and GG < 16 else 4)
@@ -238,15 +264,20 @@ def test_mma_compiles_for_sm90_within_shared_memory():
     root = pathlib.Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, [env.get("PYTHONPATH")])])
-    run = subprocess.run([sys.executable, str(root / "scripts" / "dev" / "check_score_mma_compile.py")], env=env,
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, str(root / "scripts" / "dev" / "check_score_mma_compile.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout + run.stderr[-2000:]
     assert run.stdout.count("ok  ") == 5, run.stdout
 
 
 @pytest.mark.parametrize("rank,bits,G", [(4, 4, 4), (8, 4, 16), (2, 8, 3)])
 def test_variants_agree_and_select_the_same_pages(rank, bits, G):
-    """"mma", "fma" and "dot" on the same inputs: the same scores (float32 rounding) and, through the
+    """ "mma", "fma" and "dot" on the same inputs: the same scores (float32 rounding) and, through the
     unchanged selection kernel, the same page lists."""
     summ = Summaries(5 + G, rank=rank, bits=bits, G=G, pages=14)
     want = summ.reference()
@@ -256,8 +287,16 @@ def test_variants_agree_and_select_the_same_pages(rank, bits, G):
             continue
         got, part = run(summ, variant)
         assert_scores(got, want, 1e-5)
-        lists[variant] = kernels.select_pages(got, part, slots=6, per_head=False, row_start=summ.kw()["row_start"],
-                                              length=summ.length, heads=summ.h, page_size=summ.B).cpu()
+        lists[variant] = kernels.select_pages(
+            got,
+            part,
+            slots=6,
+            per_head=False,
+            row_start=summ.kw()["row_start"],
+            length=summ.length,
+            heads=summ.h,
+            page_size=summ.B,
+        ).cpu()
     ref = lists.pop("mma")
     for variant, pages in lists.items():
         assert torch.equal(pages, ref), variant

@@ -52,8 +52,8 @@ class Rows:
             self.slot_valid[1, int(self.row_start[1]) + B + 1] = False
         self.keys = torch.randn(b, h, self.cap, d, generator=g).to(dtype)
         self.values = torch.randn(b, h, self.cap, d, generator=g).to(dtype)
-        self.keys[:, :, self.length:] = float("nan")  # never read
-        self.values[:, :, self.length:] = float("nan")
+        self.keys[:, :, self.length :] = float("nan")  # never read
+        self.values[:, :, self.length :] = float("nan")
         self.query = torch.randn(b, h * G, 1, d, generator=g).to(dtype)
         self.gen = g
 
@@ -99,13 +99,28 @@ class Rows:
         return part
 
     def want(self, scores, k, per_head):
-        return ref_select(scores.view(self.b, self.h, self.G, self.P).double(), self.page_real, self.complete, k,
-                          "share_average", per_head)
+        return ref_select(
+            scores.view(self.b, self.h, self.G, self.P).double(),
+            self.page_real,
+            self.complete,
+            k,
+            "share_average",
+            per_head,
+        )
 
 
 def _select(c, scores, k, per_head=False, span=8, **kw):
-    return kernels.select_pages(scores.to(DEV), c.partials(scores, span).to(DEV), slots=k, per_head=per_head,
-                                row_start=c.row_start.to(DEV), length=c.length, heads=c.h, page_size=c.B, **kw)
+    return kernels.select_pages(
+        scores.to(DEV),
+        c.partials(scores, span).to(DEV),
+        slots=k,
+        per_head=per_head,
+        row_start=c.row_start.to(DEV),
+        length=c.length,
+        heads=c.h,
+        page_size=c.B,
+        **kw,
+    )
 
 
 def test_selection_short_rows_and_device_budget():
@@ -124,8 +139,16 @@ def test_selection_rejects_bad_input():
     c = Rows(1, pages=4)
     scores = c.scores()
     with pytest.raises(ValueError, match="float32"):
-        kernels.select_pages(scores.double(), c.partials(scores, 8), slots=4, per_head=False, row_start=c.row_start,
-                             length=c.length, heads=c.h, page_size=c.B)
+        kernels.select_pages(
+            scores.double(),
+            c.partials(scores, 8),
+            slots=4,
+            per_head=False,
+            row_start=c.row_start,
+            length=c.length,
+            heads=c.h,
+            page_size=c.B,
+        )
 
 
 def _ref_attention(c, pages, scale):
@@ -142,8 +165,17 @@ def _ref_attention(c, pages, scale):
     return out, sum(len([p for p in row if p >= 0]) for row in pages.tolist())
 
 
-@pytest.mark.parametrize("G,B,splits,fused", [(1, 16, None, True), (4, 8, 3, True), (8, 32, 2, True),
-                                               (16, 16, None, True), (16, 16, 4, False), (4, 16, 1, True)])
+@pytest.mark.parametrize(
+    "G,B,splits,fused",
+    [
+        (1, 16, None, True),
+        (4, 8, 3, True),
+        (8, 32, 2, True),
+        (16, 16, None, True),
+        (16, 16, 4, False),
+        (4, 16, 1, True),
+    ],
+)
 def test_attention_over_the_selected_tokens(G, B, splits, fused):
     c = Rows(G * B, G=G, B=B, pages=12 if B < 32 else 6)
     scores = c.scores()
@@ -154,16 +186,38 @@ def test_attention_over_the_selected_tokens(G, B, splits, fused):
     pad = c.row_start.to(DEV)  # every padding slot is before the row's start here, but one hole
     pad = pad + torch.tensor([0, 1], dtype=torch.int32, device=DEV)[: c.b]
     sem = torch.zeros(c.b * c.h, dtype=torch.int32, device=DEV)
-    out = kernels.sparse_attention(c.query.to(DEV), c.keys.to(DEV), c.values.to(DEV), pages, scale=0.3,
-                                   slot_valid=c.slot_valid.to(DEV), row_start=c.row_start.to(DEV), length=c.length,
-                                   page_size=B, splits=splits, fused_combine=fused, semaphore=sem, counts=counts,
-                                   row_counts=row_counts, pad=pad)
+    out = kernels.sparse_attention(
+        c.query.to(DEV),
+        c.keys.to(DEV),
+        c.values.to(DEV),
+        pages,
+        scale=0.3,
+        slot_valid=c.slot_valid.to(DEV),
+        row_start=c.row_start.to(DEV),
+        length=c.length,
+        page_size=B,
+        splits=splits,
+        fused_combine=fused,
+        semaphore=sem,
+        counts=counts,
+        row_counts=row_counts,
+        pad=pad,
+    )
     ref, _ = _ref_attention(c, pages, 0.3)
     assert ((out.cpu().double() - ref).norm() / ref.norm()).item() < 1e-5
     assert not sem.any()
-    real = [sum(int(c.slot_valid[i, s]) for r, row in enumerate(pages.cpu().tolist()) if r // c.h == i
-                for p in row if p >= 0 for s in range(int(c.row_start[i]) + p * B, int(c.row_start[i]) + (p + 1) * B)
-                if s < c.length) for i in range(c.b)]
+    real = [
+        sum(
+            int(c.slot_valid[i, s])
+            for r, row in enumerate(pages.cpu().tolist())
+            if r // c.h == i
+            for p in row
+            if p >= 0
+            for s in range(int(c.row_start[i]) + p * B, int(c.row_start[i]) + (p + 1) * B)
+            if s < c.length
+        )
+        for i in range(c.b)
+    ]
     cached = [(c.length - int(pad[i])) * c.h for i in range(c.b)]
     assert row_counts.cpu().tolist() == [[a, x] for a, x in zip(real, cached)]
     assert counts.cpu().tolist() == [5 + sum(real), 5 + sum(cached)]
@@ -173,9 +227,20 @@ def test_dense_attention_with_the_fused_merge():
     c = Rows(2, G=4, B=16, pages=10)
     every = torch.arange(c.P, dtype=torch.int32).expand(c.b * c.h, -1)
     for fused in (True, False):
-        out = kernels.sparse_attention(c.query.to(DEV), c.keys.to(DEV), c.values.to(DEV), None, n_pages=c.P,
-                                       scale=0.3, slot_valid=c.slot_valid.to(DEV), row_start=c.row_start.to(DEV),
-                                       length=c.length, page_size=c.B, splits=3, fused_combine=fused)
+        out = kernels.sparse_attention(
+            c.query.to(DEV),
+            c.keys.to(DEV),
+            c.values.to(DEV),
+            None,
+            n_pages=c.P,
+            scale=0.3,
+            slot_valid=c.slot_valid.to(DEV),
+            row_start=c.row_start.to(DEV),
+            length=c.length,
+            page_size=c.B,
+            splits=3,
+            fused_combine=fused,
+        )
         ref, _ = _ref_attention(c, every, 0.3)
         assert ((out.cpu().double() - ref).norm() / ref.norm()).item() < 1e-5
 
@@ -183,8 +248,7 @@ def test_dense_attention_with_the_fused_merge():
 def test_attention_rejects_bad_input():
     c = Rows(1, pages=4)
     q, k, v = c.query.to(DEV), c.keys.to(DEV), c.values.to(DEV)
-    kw = dict(scale=0.3, slot_valid=c.slot_valid.to(DEV), row_start=c.row_start.to(DEV), length=c.length,
-              page_size=c.B)
+    kw = dict(scale=0.3, slot_valid=c.slot_valid.to(DEV), row_start=c.row_start.to(DEV), length=c.length, page_size=c.B)
     pages = torch.zeros(c.b * c.h, 8, dtype=torch.int32, device=DEV)
     with pytest.raises(ValueError, match="multiple"):
         kernels.sparse_attention(q[:, :3], k, v, pages, **kw)
@@ -230,7 +294,7 @@ def test_static_layer_step_keeps_its_bookkeeping_in_the_launches(monkeypatch, se
     layer.update(keys[:, :, :L], values[:, :, :L])
     layer.prepare(None, L)
     assert layer.kernel_buffers() is not None and torch.equal(layer.n_complete, layer.row_tensors()[1])
-    layer.update(keys[:, :, L: L + 1], values[:, :, L: L + 1])
+    layer.update(keys[:, :, L : L + 1], values[:, :, L : L + 1])
     if layer.summary:  # the decode step's page update: the completed page, n_complete
         kernel_update_newest_page(layer)
         assert torch.equal(layer.n_complete, layer.row_tensors()[1])
@@ -270,6 +334,11 @@ def test_kernels_compile_for_sm90_without_spills():
         pytest.skip("this Triton has no bundled ptxas")
     root = pathlib.Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(root / "scripts" / "dev" / "check_kernels_compile.py")], env=env,
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, str(root / "scripts" / "dev" / "check_kernels_compile.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout + run.stderr[-2000:]

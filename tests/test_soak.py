@@ -28,8 +28,12 @@ def _cache_bytes(cache) -> int:
 
 def _sample(cache, step):
     gc.collect()
-    return {"step": step, "rss": psutil.Process().memory_info().rss, "cache": _cache_bytes(cache),
-            "objects": len(gc.get_objects())}
+    return {
+        "step": step,
+        "rss": psutil.Process().memory_info().rss,
+        "cache": _cache_bytes(cache),
+        "objects": len(gc.get_objects()),
+    }
 
 
 @torch.no_grad()

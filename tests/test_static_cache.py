@@ -65,11 +65,20 @@ def test_static_left_padded_batch_equals_rows_alone():
     batch = torch.cat([a, torch.cat([pad, b], 1)])
     mask = torch.ones_like(batch)
     mask[1, :40] = 0
-    out = model.generate(batch, attention_mask=mask, max_new_tokens=12, do_sample=False,
-                         past_key_values=LocksStaticCache(model.config, max_cache_len=320, locks=cfg))
+    out = model.generate(
+        batch,
+        attention_mask=mask,
+        max_new_tokens=12,
+        do_sample=False,
+        past_key_values=LocksStaticCache(model.config, max_cache_len=320, locks=cfg),
+    )
     for row, ids in ((0, a), (1, b)):
-        alone = model.generate(ids, max_new_tokens=12, do_sample=False,
-                               past_key_values=LocksStaticCache(model.config, max_cache_len=320, locks=cfg))
+        alone = model.generate(
+            ids,
+            max_new_tokens=12,
+            do_sample=False,
+            past_key_values=LocksStaticCache(model.config, max_cache_len=320, locks=cfg),
+        )
         assert torch.equal(out[row, -12:], alone[0, -12:])
 
 
@@ -101,15 +110,25 @@ def test_compiled_decode_is_one_graph_without_recompiles():
     model = tiny("llama", dtype=torch.float32)
     cfg = LocksConfig(budget=64)
     ids = _ids(200)
-    eager = model.generate(ids, max_new_tokens=30, do_sample=False, disable_compile=True,
-                           past_key_values=LocksStaticCache(model.config, max_cache_len=256, locks=cfg))
+    eager = model.generate(
+        ids,
+        max_new_tokens=30,
+        do_sample=False,
+        disable_compile=True,
+        past_key_values=LocksStaticCache(model.config, max_cache_len=256, locks=cfg),
+    )
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()  # reset() keeps the counters of earlier tests in this process
     compile_config = CompileConfig(fullgraph=True, backend="eager")
     compile_config._compile_all_devices = True  # transformers auto-compiles on accelerators only
     with torch._dynamo.config.patch(error_on_recompile=True):
-        compiled = model.generate(ids, max_new_tokens=30, do_sample=False, compile_config=compile_config,
-                                  past_key_values=LocksStaticCache(model.config, max_cache_len=256, locks=cfg))
+        compiled = model.generate(
+            ids,
+            max_new_tokens=30,
+            do_sample=False,
+            compile_config=compile_config,
+            past_key_values=LocksStaticCache(model.config, max_cache_len=256, locks=cfg),
+        )
     assert torch.equal(compiled, eager)
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert frames == 1, torch._dynamo.utils.counters
@@ -131,10 +150,13 @@ def test_static_cache_too_small_for_the_prompt_says_so():
         model(_ids(300), past_key_values=LocksStaticCache(model.config, max_cache_len=280))
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(selector="shared_basis"), "selector"),
-    (dict(min_context=512), "min_context"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(selector="shared_basis"), "selector"),
+        (dict(min_context=512), "min_context"),
+    ],
+)
 def test_static_refuses_what_it_cannot_do(bad, match):
     model = tiny("llama")
     with pytest.raises(LocksConfigError, match=match):
@@ -177,11 +199,19 @@ def test_generate_auto_compiles_the_kernel_decode_step_on_cuda(selector):
     ids = _ids(600).cuda()
     kwargs = dict(max_new_tokens=40, do_sample=False)
     dynamic = model.generate(ids, past_key_values=LocksCache(model.config, cfg), **kwargs)
-    eager = model.generate(ids, past_key_values=LocksStaticCache(model.config, max_cache_len=700, locks=cfg),
-                           disable_compile=True, **kwargs)
+    eager = model.generate(
+        ids,
+        past_key_values=LocksStaticCache(model.config, max_cache_len=700, locks=cfg),
+        disable_compile=True,
+        **kwargs,
+    )
     torch._dynamo.reset()
     with torch._dynamo.config.patch(error_on_recompile=True):
-        compiled = model.generate(ids, past_key_values=LocksStaticCache(model.config, max_cache_len=700, locks=cfg),
-                                  compile_config=CompileConfig(fullgraph=True), **kwargs)
+        compiled = model.generate(
+            ids,
+            past_key_values=LocksStaticCache(model.config, max_cache_len=700, locks=cfg),
+            compile_config=CompileConfig(fullgraph=True),
+            **kwargs,
+        )
     assert torch.equal(eager, dynamic)
     assert torch.equal(compiled, eager)

@@ -29,12 +29,27 @@ from locks_hf.static_cache import LocksStaticLayer
 # -- the selector registry -------------------------------------------------------------------------------
 def test_registry_declares_the_builtin_selectors():
     baselines = ("kvzip", "lazy_eviction", "rkv", "rocketkv", "shadowkv", "triattention")
-    assert selector_names() == ("locks", "locks_rerank", "oracle", "quest", "full", "shared_basis", "shared_all",
-                                *baselines)
+    assert selector_names() == (
+        "locks",
+        "locks_rerank",
+        "oracle",
+        "quest",
+        "full",
+        "shared_basis",
+        "shared_all",
+        *baselines,
+    )
     assert static_selector_names() == ("locks", "locks_rerank", "oracle", "quest", "full")
     assert {n: selector_class(n).kernel_method for n in selector_names()} == {
-        "locks": "locks", "locks_rerank": "locks", "oracle": "oracle", "quest": "quest", "full": "full",
-        "shared_basis": None, "shared_all": None, **dict.fromkeys(baselines)}
+        "locks": "locks",
+        "locks_rerank": "locks",
+        "oracle": "oracle",
+        "quest": "quest",
+        "full": "full",
+        "shared_basis": None,
+        "shared_all": None,
+        **dict.fromkeys(baselines),
+    }
     assert [n for n in selector_names() if selector_class(n).token_level] == list(baselines)
     assert make_selector(LocksConfig(selector="full")) is None
     assert make_selector(LocksConfig(selector="quest")).per_head
@@ -42,11 +57,19 @@ def test_registry_declares_the_builtin_selectors():
         selector_class("topk")
 
 
-@pytest.mark.parametrize("config", [
-    LocksConfig(rank=8, basis_bits=4), LocksConfig(rank=4, basis_bits=2), LocksConfig(rank=16, basis_bits=16),
-    LocksConfig(selector="oracle"), LocksConfig(selector="quest"), LocksConfig(selector="full"),
-    LocksConfig(selector="shared_basis", rank=20), LocksConfig(selector="shared_all", rank=28, basis_bits=8),
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        LocksConfig(rank=8, basis_bits=4),
+        LocksConfig(rank=4, basis_bits=2),
+        LocksConfig(rank=16, basis_bits=16),
+        LocksConfig(selector="oracle"),
+        LocksConfig(selector="quest"),
+        LocksConfig(selector="full"),
+        LocksConfig(selector="shared_basis", rank=20),
+        LocksConfig(selector="shared_all", rank=28, basis_bits=8),
+    ],
+)
 def test_arm_labels_round_trip(config):
     """family_of and parse_family are inverse: the label rebuilds the same config."""
     family = family_of(config)
@@ -57,9 +80,27 @@ def test_arm_labels_round_trip(config):
 
 
 def test_report_order_of_the_paper_families():
-    order = ["full", "oracle", "locks-r16bf16", "locks-r8bf16", "locks-r8i4", "locks-r4i4", "locks-r2i4",
-             "shared_basis-r36", "shared_basis-r20", "shared_all-r52", "shared_all-r28", "quest",
-             "kvzip", "shadowkv", "rocketkv", "rkv", "triattention", "lazy_eviction", "lazy_eviction-a0.0005"]
+    order = [
+        "full",
+        "oracle",
+        "locks-r16bf16",
+        "locks-r8bf16",
+        "locks-r8i4",
+        "locks-r4i4",
+        "locks-r2i4",
+        "shared_basis-r36",
+        "shared_basis-r20",
+        "shared_all-r52",
+        "shared_all-r28",
+        "quest",
+        "kvzip",
+        "shadowkv",
+        "rocketkv",
+        "rkv",
+        "triattention",
+        "lazy_eviction",
+        "lazy_eviction-a0.0005",
+    ]
     assert sorted(reversed(order), key=family_sort_key) == order
     assert sorted(["zzz", "quest", "aaa"], key=family_sort_key) == ["quest", "aaa", "zzz"]
 
@@ -152,7 +193,7 @@ def test_dynamic_and_static_layers_share_the_page_logic():
     real = dyn.page_validity().unsqueeze(-1)  # [b, 1, P, B, 1]
     assert torch.equal(torch.where(real, dyn.all_page_keys(), 0), torch.where(real, sta.all_page_keys()[:, :, :P], 0))
     # row 1's pages start at its first real token: its page 1 holds slots 11 + B ...
-    assert torch.equal(dyn.page_keys(pages)[1, :, 0], keys[1, :, 11 + B:11 + 2 * B])
+    assert torch.equal(dyn.page_keys(pages)[1, :, 0], keys[1, :, 11 + B : 11 + 2 * B])
     n = dyn.n_summarized[1]
     for name, t in sta.summary.items():
         assert torch.equal(t[:, :, :n], dyn.summary[name][:, :, :n]), name
@@ -164,10 +205,14 @@ def test_kernels_report_what_they_implement():
     if not kernels.HAVE_TRITON:
         pytest.skip("no triton")
     ok = dict(dtype=torch.bfloat16, head_dim=64, page_size=16)
-    assert kernels.implements("locks", **ok) and kernels.implements("quest", per_head=True, group_combine="group_max", **ok)
+    assert kernels.implements("locks", **ok) and kernels.implements(
+        "quest", per_head=True, group_combine="group_max", **ok
+    )
     assert not kernels.implements("locks", group_combine="group_max", **ok)
     assert not kernels.implements("quest", group_combine="group_max", **ok)  # a shared selection: share_average only
-    assert kernels.implements("full", **ok) and not kernels.implements("full", dtype=torch.int8, head_dim=64, page_size=16)
+    assert kernels.implements("full", **ok) and not kernels.implements(
+        "full", dtype=torch.int8, head_dim=64, page_size=16
+    )
     assert not kernels.implements("locks", basis_bits=16, **ok)
     assert not kernels.implements("locks", coef_bits=16, **ok)
     assert not kernels.implements("oracle", dtype=torch.bfloat16, head_dim=48, page_size=16)
@@ -216,7 +261,7 @@ def test_observe_decode_queries_sees_every_locks_decode_step():
     assert [s[0] for s in seen] == list(range(n_layers))
     for _layer_idx, length, query, scale in seen:
         assert length == 71 and query.shape == (1, model.config.num_attention_heads, 1, 16)
-        assert scale == pytest.approx(16 ** -0.5)
+        assert scale == pytest.approx(16**-0.5)
 
 
 # -- the import graph -------------------------------------------------------------------------------------------
@@ -241,9 +286,13 @@ def _import_graph() -> dict[str, set[str]]:
     for module, path in files.items():
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]
         tree = ast.parse(path.read_text())
-        typing_only = {id(node) for block in ast.walk(tree)
-                       if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
-                       for stmt in block.body for node in ast.walk(stmt)}
+        typing_only = {
+            id(node)
+            for block in ast.walk(tree)
+            if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+            for stmt in block.body
+            for node in ast.walk(stmt)
+        }
         deps = set()
         for node in ast.walk(tree):
             if id(node) in typing_only:

@@ -14,7 +14,9 @@ from locks_hf.summaries import build_summary, dequantize_summary, estimated_page
 
 def _random_pages(b=2, h=3, P=5, B=16, d=32, seed=0, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
-    keys = torch.randn(b, h, P, B, d, generator=g, dtype=dtype) * 2 + torch.randn(1, 1, P, 1, d, generator=g, dtype=dtype)
+    keys = torch.randn(b, h, P, B, d, generator=g, dtype=dtype) * 2 + torch.randn(
+        1, 1, P, 1, d, generator=g, dtype=dtype
+    )
     query = torch.randn(b, h, 4, d, generator=g, dtype=dtype)
     return keys, query
 
@@ -37,8 +39,9 @@ def test_full_rank_unquantized_summary_is_exact(seed):
     keys, query = _random_pages(seed=seed)
     valid = torch.ones(keys.shape[0], 1, *keys.shape[2:4], dtype=torch.bool)
     B = keys.shape[3]
-    summary = build_summary(keys, valid.expand(-1, keys.shape[1], -1, -1), rank=B, basis_bits=16,
-                            coef_bits=16, centroid_bits=16)
+    summary = build_summary(
+        keys, valid.expand(-1, keys.shape[1], -1, -1), rank=B, basis_bits=16, coef_bits=16, centroid_bits=16
+    )
     mu, basis, coef = dequantize_summary(summary, 16, torch.float64)
     scale = 0.37
     est = estimated_page_lse(mu, basis, coef, valid, query, scale)
@@ -81,8 +84,13 @@ def test_padding_slots_enter_no_summary():
 
 
 @settings(max_examples=40, deadline=None)
-@given(bits=st.sampled_from([2, 4, 8]), rows=st.integers(1, 6), cols=st.sampled_from([8, 16, 64]),
-       scale=st.floats(1e-3, 1e3), seed=st.integers(0, 2**31 - 1))
+@given(
+    bits=st.sampled_from([2, 4, 8]),
+    rows=st.integers(1, 6),
+    cols=st.sampled_from([8, 16, 64]),
+    scale=st.floats(1e-3, 1e3),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_quantization_round_trip_within_half_step(bits, rows, cols, scale, seed):
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * scale
     codes, s = quantize(x, bits, dim=-1)
@@ -112,7 +120,10 @@ def test_quantized_summary_scores_close_to_unquantized(label):
     valid = torch.ones(b, 1, P, B, dtype=torch.bool)
     sel = LocksSelector(cfg)
     q_summary = sel.summarize(keys.float(), valid.expand(-1, h, -1, -1))
-    assert summary_bytes(d, B, cfg.rank, cfg.basis_bits) == sum(t.nbytes for t in q_summary.values()) // (b * h * P) or cfg.basis_bits == 16
+    assert (
+        summary_bytes(d, B, cfg.rank, cfg.basis_bits) == sum(t.nbytes for t in q_summary.values()) // (b * h * P)
+        or cfg.basis_bits == 16
+    )
     approx = sel.page_scores(q_summary, keys, valid, query.float(), 0.125)
     mu, basis, coef = fit_pages(keys, valid.expand(-1, h, -1, -1), cfg.rank)
     exact_fit = estimated_page_lse(mu, basis, coef, valid, query, 0.125)

@@ -37,8 +37,15 @@ class ToyBench(Benchmark):
 
     def records(self):
         rng = random.Random(0)
-        return [{"id": f"toy-{i}", "task": "toy", "length": None,
-                 "text": "".join(rng.choice("abcdefgh ") for _ in range(n))} for i, n in enumerate(self.lengths)]
+        return [
+            {
+                "id": f"toy-{i}",
+                "task": "toy",
+                "length": None,
+                "text": "".join(rng.choice("abcdefgh ") for _ in range(n)),
+            }
+            for i, n in enumerate(self.lengths)
+        ]
 
     def prompt_text(self, rec):
         return rec["text"]
@@ -74,8 +81,19 @@ def test_static_engine_gives_the_eager_runners_results_and_resumes_and_shards(tm
 
     sharded = tmp_path / "sharded"
     for shard in ("0/2", "1/2"):
-        SweepRunner(model, TOK, bench, arms, sharded, model_name="tiny", progress=False, max_new_tokens=8,
-                    engine="static", batch_rows=1, shard=shard).run()
+        SweepRunner(
+            model,
+            TOK,
+            bench,
+            arms,
+            sharded,
+            model_name="tiny",
+            progress=False,
+            max_new_tokens=8,
+            engine="static",
+            batch_rows=1,
+            shard=shard,
+        ).run()
     merge(sharded)
     assert (sharded / "results.jsonl").read_text() == eager
 
@@ -99,7 +117,8 @@ def test_sparse_question_protocol_equals_the_eager_runner(tmp_path):
     arms = parse_arms(["full", "locks-r4i4"], [64])
     kw = dict(protocol="sparse-question")
     assert _results(model, bench, arms, tmp_path / "s", engine="static", **kw) == _results(
-        model, bench, arms, tmp_path / "e", **kw)
+        model, bench, arms, tmp_path / "e", **kw
+    )
 
 
 def _rows(lengths, seeds=None, max_new=10, finished=lambda new: False):
@@ -119,8 +138,10 @@ def test_batch_rows_equal_rows_alone_greedy_and_sampled():
     the tokens and statistics it gets alone; sampling depends on the row's seed only."""
     model = tiny("llama")
     arms = parse_arms(["locks-r4i4", "quest"], [64])
-    for sampling, lengths, seeds in ((None, (300, 270, 320), None),
-                                     ({"temperature": 0.8, "top_p": 0.9}, (300, 300, 300), [5, 6, 7])):
+    for sampling, lengths, seeds in (
+        (None, (300, 270, 320), None),
+        ({"temperature": 0.8, "top_p": 0.9}, (300, 300, 300), [5, 6, 7]),
+    ):
         engine = StaticEngine(model, sampling=sampling)
         rows = _rows(lengths, seeds)
         if seeds:  # the same prompt in every row, as the k samples of a record
@@ -263,8 +284,7 @@ def test_arms_differing_only_in_budget_share_one_step():
     in budget replays that arm's step (same buffers) and still gets what it gets alone."""
     model = tiny("llama")
     engine = StaticEngine(model)
-    arms = (parse_arms(["locks-r4i4"], [64, 128]) + parse_arms(["quest"], [64])
-            + parse_arms(["locks-r4i4"], [96, 32]))
+    arms = parse_arms(["locks-r4i4"], [64, 128]) + parse_arms(["quest"], [64]) + parse_arms(["locks-r4i4"], [96, 32])
     rows = _rows((300, 280), max_new=12)
     runs = list(engine.run(rows, arms))
     assert [run.new_step for _, run in runs] == [True, False, True, False, False]

@@ -19,7 +19,25 @@ from .reference import REFERENCE, PageSelection, ReferenceBackend, reference_dec
 from .token_policy import TOKEN_POLICY, TokenPolicyBackend
 from .triton import TRITON, TritonBackend, kernel_decode
 
-__all__ = ["KERNELS_ENV", "QUANTIZED_KERNEL", "REFERENCE", "TOKEN_POLICY", "TRITON", "DecodeBackend", "PageSelection",
-           "QuantizedKernelBackend", "ReferenceBackend", "TokenPolicyBackend", "TritonBackend", "choose_backend",
-           "kernel_decode", "kernels_available", "kernels_enabled", "kernels_implement", "quantized_kernel_applies",
-           "quantized_kernel_decode", "reference_decode", "select_pages"]
+__all__ = [
+    "KERNELS_ENV",
+    "QUANTIZED_KERNEL",
+    "REFERENCE",
+    "TOKEN_POLICY",
+    "TRITON",
+    "DecodeBackend",
+    "PageSelection",
+    "QuantizedKernelBackend",
+    "ReferenceBackend",
+    "TokenPolicyBackend",
+    "TritonBackend",
+    "choose_backend",
+    "kernel_decode",
+    "kernels_available",
+    "kernels_enabled",
+    "kernels_implement",
+    "quantized_kernel_applies",
+    "quantized_kernel_decode",
+    "reference_decode",
+    "select_pages",
+]

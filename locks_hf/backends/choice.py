@@ -54,13 +54,28 @@ def kernels_implement(config: LocksConfig, key_buffer: torch.Tensor | None) -> b
     from .. import kernels
 
     return kernels.implements(
-        cls.kernel_method, dtype=key_buffer.dtype, head_dim=key_buffer.shape[-1], page_size=config.page_size,
-        per_head=cls.per_head, group_combine=config.group_combine, basis_bits=config.basis_bits, coef_bits=config.coef_bits,
-        centroid_bits=config.centroid_bits)
+        cls.kernel_method,
+        dtype=key_buffer.dtype,
+        head_dim=key_buffer.shape[-1],
+        page_size=config.page_size,
+        per_head=cls.per_head,
+        group_combine=config.group_combine,
+        basis_bits=config.basis_bits,
+        coef_bits=config.coef_bits,
+        centroid_bits=config.centroid_bits,
+    )
 
 
-def quantized_kernel_applies(device_type: str, config: LocksConfig, *, dtype: torch.dtype, head_dim: int,
-                             value_head_dim: int, enabled: bool, available: bool) -> bool:
+def quantized_kernel_applies(
+    device_type: str,
+    config: LocksConfig,
+    *,
+    dtype: torch.dtype,
+    head_dim: int,
+    value_head_dim: int,
+    enabled: bool,
+    available: bool,
+) -> bool:
     """Whether a layer storing packed K/V of ``config``'s ``kv_bits`` / ``kv_group`` (tails of ``dtype``,
     ``head_dim`` / ``value_head_dim`` channels) on a ``device_type`` device attends through
     `locks_hf.kernels.quantized_attention`: on CUDA, with the kernels ``enabled`` (`kernels_enabled`) and
@@ -69,8 +84,14 @@ def quantized_kernel_applies(device_type: str, config: LocksConfig, *, dtype: to
         return False
     from .. import kernels
 
-    return kernels.implements_quantized(bits=config.kv_bits, group=config.kv_group, head_dim=head_dim,
-                                        value_head_dim=value_head_dim, dtype=dtype, page_size=config.page_size)
+    return kernels.implements_quantized(
+        bits=config.kv_bits,
+        group=config.kv_group,
+        head_dim=head_dim,
+        value_head_dim=value_head_dim,
+        dtype=dtype,
+        page_size=config.page_size,
+    )
 
 
 def choose_backend(layer: PagedLayer) -> DecodeBackend:
@@ -80,9 +101,15 @@ def choose_backend(layer: PagedLayer) -> DecodeBackend:
     packed = layer.packed_kv()
     if packed is not None:
         keys, values = packed["key_tail"], packed["value_tail"]
-        if quantized_kernel_applies(keys.device.type, layer.config, dtype=keys.dtype, head_dim=keys.shape[-1],
-                                    value_head_dim=values.shape[-1], enabled=kernels_enabled(),
-                                    available=kernels_available()):
+        if quantized_kernel_applies(
+            keys.device.type,
+            layer.config,
+            dtype=keys.dtype,
+            head_dim=keys.shape[-1],
+            value_head_dim=values.shape[-1],
+            enabled=kernels_enabled(),
+            available=kernels_available(),
+        ):
             return QUANTIZED_KERNEL
         return REFERENCE
     if kernels_enabled() and kernels_implement(layer.config, layer.key_buffer()):

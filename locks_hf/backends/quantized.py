@@ -33,8 +33,9 @@ def quantized_kernel_decode(layer: PagedLayer, query: torch.Tensor, scale: float
     pages, taken, valid = select_pages(layer, query, scale)
     listed = torch.where(taken, pages, -1)  # [b, h, W]: the fixed width's padding is no page
     with kernels.on_device(query.device):
-        out = torch.ops.locks_hf.quantized_attention(query.contiguous(), listed, scale=float(scale),
-                                                     counts=layer.count_buffer(), **packed)
+        out = torch.ops.locks_hf.quantized_attention(
+            query.contiguous(), listed, scale=float(scale), counts=layer.count_buffer(), **packed
+        )
     layer.record_step(None, valid.sum() * layer.kv_heads)  # the launch counted the attended tokens
     return out.transpose(1, 2)
 

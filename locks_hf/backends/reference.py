@@ -85,8 +85,9 @@ def reference_update_newest_page(layer: PagedLayer) -> None:
     harmless)."""
     b, h = layer.kv_batch, layer.kv_heads
     row_start = layer.row_tensors()[0]
-    newest = torch.div(layer.length_tensor().long() - 1 - row_start.long(), layer.config.page_size,
-                       rounding_mode="floor").clamp_min(0)  # [b]
+    newest = torch.div(
+        layer.length_tensor().long() - 1 - row_start.long(), layer.config.page_size, rounding_mode="floor"
+    ).clamp_min(0)  # [b]
     pages = newest.view(b, 1, 1).expand(b, h, 1)
     new = layer.summarize_pages(*layer.page_inputs(pages))
     for name, tensor in new.items():

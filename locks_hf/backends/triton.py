@@ -50,8 +50,9 @@ def kernel_decode(layer: PagedLayer, query: torch.Tensor, scale: float) -> torch
         row_start = bufs["row_start"]
         if n_complete is None:
             row_start, n_complete = layer.row_tensors()
-        extra = dict(row_counts=bufs["row_counts"], pad=bufs["pad"],
-                     selection=None if declared.dense else bufs["selection"])
+        extra = dict(
+            row_counts=bufs["row_counts"], pad=bufs["pad"], selection=None if declared.dense else bufs["selection"]
+        )
     else:
         row_start, n_complete = layer.row_tensors()
         extra = dict(row_counts=None, pad=None, selection=None)
@@ -59,10 +60,26 @@ def kernel_decode(layer: PagedLayer, query: torch.Tensor, scale: float) -> torch
     # tensors may live on another one. The kernels count the tokens they attend into the statistics.
     with kernels.on_device(query.device):
         out, pages = torch.ops.locks_hf.decode_step(
-            method, query, keys, layer.value_buffer(), layer.slot_valid, row_start, n_complete,
-            layer.length_tensor(), _summary_list(layer, method), layer.num_pages, width, float(scale),
-            cfg.page_size, cfg.basis_bits, layer.count_buffer(), active, per_head=declared.per_head,
-            rerank=cfg.rerank or 0, **extra)
+            method,
+            query,
+            keys,
+            layer.value_buffer(),
+            layer.slot_valid,
+            row_start,
+            n_complete,
+            layer.length_tensor(),
+            _summary_list(layer, method),
+            layer.num_pages,
+            width,
+            float(scale),
+            cfg.page_size,
+            cfg.basis_bits,
+            layer.count_buffer(),
+            active,
+            per_head=declared.per_head,
+            rerank=cfg.rerank or 0,
+            **extra,
+        )
     if bufs is not None:
         return out
     if pages.shape[1]:  # dense ("full") selects no list: every page
@@ -81,8 +98,17 @@ def kernel_update_newest_page(layer: PagedLayer) -> None:
     bufs = layer.kernel_buffers()
     row_start = layer.row_tensors()[0] if bufs is None else bufs["row_start"]
     torch.ops.locks_hf.update_completed_pages(
-        method, layer.key_buffer(), layer.slot_valid, row_start, layer.length_tensor(),
-        _summary_list(layer, method), cfg.page_size, cfg.rank, cfg.basis_bits, None if bufs is None else bufs["n_complete"])
+        method,
+        layer.key_buffer(),
+        layer.slot_valid,
+        row_start,
+        layer.length_tensor(),
+        _summary_list(layer, method),
+        cfg.page_size,
+        cfg.rank,
+        cfg.basis_bits,
+        None if bufs is None else bufs["n_complete"],
+    )
 
 
 def kernel_summary(layer: PagedLayer, keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -10,6 +10,17 @@ from .rocketkv import RocketKVPolicy
 from .shadowkv import ShadowKVPolicy
 from .triattention import TriAttentionPolicy
 
-POLICIES = {cls.name: cls for cls in (RocketKVPolicy, RKVPolicy, LazyEvictionPolicy, ShadowKVPolicy, TriAttentionPolicy, KVzipPolicy)}
+POLICIES = {
+    cls.name: cls
+    for cls in (RocketKVPolicy, RKVPolicy, LazyEvictionPolicy, ShadowKVPolicy, TriAttentionPolicy, KVzipPolicy)
+}
 
-__all__ = ["POLICIES", "KVzipPolicy", "LazyEvictionPolicy", "RKVPolicy", "RocketKVPolicy", "ShadowKVPolicy", "TriAttentionPolicy"]
+__all__ = [
+    "POLICIES",
+    "KVzipPolicy",
+    "LazyEvictionPolicy",
+    "RKVPolicy",
+    "RocketKVPolicy",
+    "ShadowKVPolicy",
+    "TriAttentionPolicy",
+]

@@ -56,7 +56,9 @@ class ReconstructionScores:
         b, hq, t, d = query.shape
         h, L = keys.shape[1], keys.shape[2]
         acc = torch.promote_types(query.dtype, torch.float32)
-        k = torch.cat([keys[:, :, self.sink : self.sink + SINK], keys[:, :, self.start : self.end], keys[:, :, L - t :]], 2).to(acc)
+        k = torch.cat(
+            [keys[:, :, self.sink : self.sink + SINK], keys[:, :, self.start : self.end], keys[:, :, L - t :]], 2
+        ).to(acc)
         n_ctx = self.end - self.start
         q = query.reshape(b, h, hq // h, t, d).to(acc)
         best = torch.zeros((b, h, n_ctx), dtype=acc, device=query.device)
@@ -90,8 +92,9 @@ def score_context(model, tokenizer, cache, context_ids: torch.Tensor) -> None:
     # see it as the prompt alone would (padding masked, positions counted from its first real token).
     pad = layers[0].row_start[0]
     cached = layers[0].slot_valid[:, : layers[0].length].long()
-    stores = [torch.zeros((1, layer.keys.shape[1], pad + context_len), dtype=torch.float32, device=device)
-              for layer in layers]
+    stores = [
+        torch.zeros((1, layer.keys.shape[1], pad + context_len), dtype=torch.float32, device=device) for layer in layers
+    ]
     for start, end, ids in repeat_inputs(encode, context_ids):
         fork = cache.fork()
         for layer, store in zip(fork.locks_layers, stores):

@@ -85,7 +85,7 @@ class LazyEvictionPolicy(TokenPolicy):
         if not family.startswith(prefix):
             return None
         try:
-            alpha = float(family[len(prefix):])
+            alpha = float(family[len(prefix) :])
         except ValueError:
             return None
         return {"lazy_alpha": alpha}

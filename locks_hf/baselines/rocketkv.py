@@ -43,8 +43,7 @@ def rocket_budgets(prompt_len: int, new_tokens: int, budget: int) -> tuple[int, 
     return max(capacity - new_tokens, OBSERVATION_WINDOW), budget // 2, max(1.0, capacity / budget)
 
 
-def snapkv_keep(keys: torch.Tensor, queries: torch.Tensor, real: torch.Tensor, keep: int, scale: float
-                ) -> torch.Tensor:
+def snapkv_keep(keys: torch.Tensor, queries: torch.Tensor, real: torch.Tensor, keep: int, scale: float) -> torch.Tensor:
     """Stage 1: the prompt slots kept, ``[b, h, T]``.
 
     ``keys [b, h, T, d]`` (the prompt), ``queries [b, h, G, w, d]`` (the last ``w`` prompt positions),
@@ -65,12 +64,13 @@ def snapkv_keep(keys: torch.Tensor, queries: torch.Tensor, real: torch.Tensor, k
     order = torch.sort(pooled, dim=-1, descending=True, stable=True).indices[..., : keep - w]
     kept = torch.zeros((b, h, T), dtype=torch.bool, device=keys.device)
     kept.scatter_(-1, order, True)
-    kept[..., T - w:] = True
+    kept[..., T - w :] = True
     return kept & real[:, None]
 
 
-def hybrid_scores(keys: torch.Tensor, ok: torch.Tensor, query: torch.Tensor, ratio: float
-                  ) -> tuple[torch.Tensor, int, int]:
+def hybrid_scores(
+    keys: torch.Tensor, ok: torch.Tensor, query: torch.Tensor, ratio: float
+) -> tuple[torch.Tensor, int, int]:
     """Stage 2's estimated attention ``[b, h, R]`` over resident keys ``keys [b, h, R, d]`` (``ok``
     marks real ones) for ``query [b, h, G, d]``, and the chunk length and channel count used."""
     d = query.shape[-1]
@@ -120,8 +120,12 @@ class RocketKVPolicy(TokenPolicy):
             prompt_keep, topk, ratio = rocket_budgets(T - start, layer.expected_new_tokens, self.config.budget)
             w = min(window.shape[-2], T - start)  # a short prompt has fewer real window queries
             keep[row : row + 1, :, start:] = snapkv_keep(
-                layer.keys[row : row + 1, :, start:T], window[row : row + 1, ..., window.shape[-2] - w :, :],
-                layer.slot_valid[row : row + 1, start:T], prompt_keep, scale)
+                layer.keys[row : row + 1, :, start:T],
+                window[row : row + 1, ..., window.shape[-2] - w :, :],
+                layer.slot_valid[row : row + 1, start:T],
+                prompt_keep,
+                scale,
+            )
             plans.append((prompt_keep, topk, ratio))
         state.keep = keep.unsqueeze(2)
         # per-row values are batch-first tensors: beam reorders and row selections carry them along

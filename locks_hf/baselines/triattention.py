@@ -33,8 +33,9 @@ def complex_pairs(x: torch.Tensor) -> torch.Tensor:
     return torch.complex(x[..., :half].double(), x[..., half:].double())
 
 
-def trig_scores(keys: torch.Tensor, q_mean: torch.Tensor, q_abs_mean: torch.Tensor, omega: torch.Tensor,
-                now: float) -> torch.Tensor:
+def trig_scores(
+    keys: torch.Tensor, q_mean: torch.Tensor, q_abs_mean: torch.Tensor, omega: torch.Tensor, now: float
+) -> torch.Tensor:
     """Scores ``[..., G, R]`` of post-RoPE ``keys [..., R, d]`` for query heads with mean pre-RoPE
     query ``q_mean [..., G, d/2]`` (complex) and mean modulus ``q_abs_mean [..., G, d/2]``."""
     k = complex_pairs(keys).unsqueeze(-3)  # [..., 1, R, F]
@@ -55,8 +56,9 @@ class TriAttentionPolicy(TokenPolicy):
     def start(self, layer, query, scale):
         state = super().start(layer, query, scale)
         if layer.text_config is None:
-            raise LocksConfigError("triattention needs the model config (rotary frequencies): build the "
-                                   "LocksCache with the model's config")
+            raise LocksConfigError(
+                "triattention needs the model config (rotary frequencies): build the LocksCache with the model's config"
+            )
         omega = rope_frequencies(layer.text_config).to(query.device)
         b, h, G, d = query.shape
         F = d // 2
@@ -100,8 +102,9 @@ class TriAttentionPolicy(TokenPolicy):
             count = state.tensors["count"][row : row + 1]
             q_mean = state.tensors["q_sum"][row : row + 1] / count
             q_abs = state.tensors["abs_sum"][row : row + 1] / count
-            scores = trig_scores(gather_slots(layer.keys[row : row + 1], index), q_mean, q_abs,
-                                 state.info["omega"], float(now)).amax(-2)  # [1, h, R]
+            scores = trig_scores(
+                gather_slots(layer.keys[row : row + 1], index), q_mean, q_abs, state.info["omega"], float(now)
+            ).amax(-2)  # [1, h, R]
             best = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :keep_count]
             kept = slots_mask(index.gather(-1, best), ok.gather(-1, best), state.length)
             state.keep[row, :, 0] = (state.keep[row, :, 0] & ~generated) | kept[0]

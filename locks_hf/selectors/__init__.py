@@ -28,8 +28,29 @@ from .rerank import LocksRerankSelector
 from .selection import NEG_INF, combine_group, forced_pages, select_pages
 from .shared_basis import SharedAllSelector, SharedBasisSelector
 
-__all__ = ["NEG_INF", "FullAttention", "LocksRerankSelector", "LocksSelector", "OracleSelector", "PageSelector", "QuestSelector",
-           "SharedAllSelector", "SharedBasisSelector", "combine_group", "config_for_family", "family_help", "family_of",
-           "family_sort_key", "forced_pages", "make_selector", "parse_family", "register_selector",
-           "select_pages", "selector_class", "selector_names", "static_selector_names", "summary_layout",
-           "unregister_selector"]
+__all__ = [
+    "NEG_INF",
+    "FullAttention",
+    "LocksRerankSelector",
+    "LocksSelector",
+    "OracleSelector",
+    "PageSelector",
+    "QuestSelector",
+    "SharedAllSelector",
+    "SharedBasisSelector",
+    "combine_group",
+    "config_for_family",
+    "family_help",
+    "family_of",
+    "family_sort_key",
+    "forced_pages",
+    "make_selector",
+    "parse_family",
+    "register_selector",
+    "select_pages",
+    "selector_class",
+    "selector_names",
+    "static_selector_names",
+    "summary_layout",
+    "unregister_selector",
+]

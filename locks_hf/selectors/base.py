@@ -78,8 +78,9 @@ class SelectionMethod:
         if head_dim is not None and cls.uses_rank and config.rank > head_dim:
             from ..errors import LocksConfigError
 
-            raise LocksConfigError(f"rank={config.rank} exceeds the model's head_dim={head_dim}; "
-                                   f"choose rank <= {head_dim}")
+            raise LocksConfigError(
+                f"rank={config.rank} exceeds the model's head_dim={head_dim}; choose rank <= {head_dim}"
+            )
 
     @classmethod
     def parse_family(cls, family: str) -> dict | None:
@@ -114,21 +115,35 @@ class PageSelector(SelectionMethod, ABC):
         """
         return {}
 
-    def summarize(self, keys: torch.Tensor, valid: torch.Tensor,
-                  shared: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    def summarize(
+        self, keys: torch.Tensor, valid: torch.Tensor, shared: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
         """Per-page state from ``keys [b, h, n, B, d]`` and ``valid [b, h, n, B]`` (complete pages),
         given the sequence-level state ``shared`` from `fit_sequence`."""
         return {}
 
     @abstractmethod
-    def page_scores(self, summary: dict[str, torch.Tensor], keys: torch.Tensor | None, valid: torch.Tensor,
-                    query: torch.Tensor, scale: float) -> torch.Tensor:
+    def page_scores(
+        self,
+        summary: dict[str, torch.Tensor],
+        keys: torch.Tensor | None,
+        valid: torch.Tensor,
+        query: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         """Scores ``[b, h, G, P]``; larger means the page should be kept. ``summary`` holds the
         per-page tensors and the sequence-level ones of `fit_sequence`."""
 
-    def choose_pages(self, summary: dict[str, torch.Tensor], keys: torch.Tensor | None, valid: torch.Tensor,
-                     query: torch.Tensor, scale: float, page_complete: torch.Tensor, config: LocksConfig
-                     ) -> torch.Tensor:
+    def choose_pages(
+        self,
+        summary: dict[str, torch.Tensor],
+        keys: torch.Tensor | None,
+        valid: torch.Tensor,
+        query: torch.Tensor,
+        scale: float,
+        page_complete: torch.Tensor,
+        config: LocksConfig,
+    ) -> torch.Tensor:
         """The page set ``[b, h, P]`` of a decode step: `page_scores`, then the shared rule
         (`selection.select_pages`: sink + most recent + best ``k - 2``). ``keys`` as for `page_scores`
         (also given to selectors that set `reads_candidate_keys`); ``page_complete [b, P]``; ``config``
@@ -137,11 +152,18 @@ class PageSelector(SelectionMethod, ABC):
         from .selection import select_pages
 
         scores = self.all_page_scores(summary, keys, valid, query, scale)
-        return select_pages(scores, valid[:, 0].any(-1), page_complete, config.page_slots, config.group_combine,
-                            self.per_head)
+        return select_pages(
+            scores, valid[:, 0].any(-1), page_complete, config.page_slots, config.group_combine, self.per_head
+        )
 
-    def all_page_scores(self, summary: dict[str, torch.Tensor], keys: torch.Tensor | None, valid: torch.Tensor,
-                        query: torch.Tensor, scale: float) -> torch.Tensor:
+    def all_page_scores(
+        self,
+        summary: dict[str, torch.Tensor],
+        keys: torch.Tensor | None,
+        valid: torch.Tensor,
+        query: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         """`page_scores` over every page of ``valid [b, 1, P, B]``: ``-inf`` for pages past the
         summarized ones."""
         scores = self.page_scores(summary, keys, valid, query, scale)

@@ -31,8 +31,20 @@ if TYPE_CHECKING:
 
 #: The built-in methods, in registry order.
 BUILTIN: tuple[type[SelectionMethod], ...] = (
-    LocksSelector, LocksRerankSelector, OracleSelector, QuestSelector, FullAttention, SharedBasisSelector,
-    SharedAllSelector, KVzipPolicy, LazyEvictionPolicy, RKVPolicy, RocketKVPolicy, ShadowKVPolicy, TriAttentionPolicy)
+    LocksSelector,
+    LocksRerankSelector,
+    OracleSelector,
+    QuestSelector,
+    FullAttention,
+    SharedBasisSelector,
+    SharedAllSelector,
+    KVzipPolicy,
+    LazyEvictionPolicy,
+    RKVPolicy,
+    RocketKVPolicy,
+    ShadowKVPolicy,
+    TriAttentionPolicy,
+)
 
 _REGISTRY: dict[str, type[PageSelector]] = {cls.name: cls for cls in BUILTIN}
 

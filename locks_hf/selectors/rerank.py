@@ -41,8 +41,17 @@ def candidate_lists(selected: torch.Tensor, forced: torch.Tensor, width: int) ->
     return pages, shortlisted.gather(-1, pages)
 
 
-def rerank_pages(scores: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, query: torch.Tensor, scale: float,
-                 page_complete: torch.Tensor, slots: int, candidates: int, rule: str) -> torch.Tensor:
+def rerank_pages(
+    scores: torch.Tensor,
+    keys: torch.Tensor,
+    valid: torch.Tensor,
+    query: torch.Tensor,
+    scale: float,
+    page_complete: torch.Tensor,
+    slots: int,
+    candidates: int,
+    rule: str,
+) -> torch.Tensor:
     """The re-ranked page set ``[b, h, P]`` (module docstring).
 
     ``scores [b, h, G, P]`` the estimated page scores; ``keys [b, h, P, B, d]`` (only the candidates'
@@ -63,8 +72,7 @@ def rerank_pages(scores: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, 
     known = taken[:, :, None] & torch.isfinite(gap)
     shift = torch.where(known, gap, 0.0).sum(-1, keepdim=True) / known.sum(-1, keepdim=True).clamp_min(1)
     rescored = (scores + shift).scatter(-1, index, torch.where(taken[:, :, None], exact, listed + shift))
-    return select_pages(rescored, page_real, page_complete, slots, rule, per_head=False,
-                        eligible=shortlist)
+    return select_pages(rescored, page_real, page_complete, slots, rule, per_head=False, eligible=shortlist)
 
 
 class LocksRerankSelector(LocksSelector):
@@ -103,5 +111,14 @@ class LocksRerankSelector(LocksSelector):
         return min(self.candidates(), max(pages, 0))
 
     def choose_pages(self, summary, keys, valid, query, scale, page_complete, config):
-        return rerank_pages(self.all_page_scores(summary, None, valid, query, scale), keys, valid, query, scale,
-                            page_complete, config.page_slots, self.candidates(config), config.group_combine)
+        return rerank_pages(
+            self.all_page_scores(summary, None, valid, query, scale),
+            keys,
+            valid,
+            query,
+            scale,
+            page_complete,
+            config.page_slots,
+            self.candidates(config),
+            config.group_combine,
+        )

@@ -53,8 +53,15 @@ def forced_pages(page_real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return idx == first, idx == last
 
 
-def select_pages(scores: torch.Tensor, page_real: torch.Tensor, page_complete: torch.Tensor,
-                 slots: int, rule: str, per_head: bool, eligible: torch.Tensor | None = None) -> torch.Tensor:
+def select_pages(
+    scores: torch.Tensor,
+    page_real: torch.Tensor,
+    page_complete: torch.Tensor,
+    slots: int,
+    rule: str,
+    per_head: bool,
+    eligible: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Boolean page set ``[b, h, P]`` (the paper's §4).
 
     ``scores [b, h, G, P]``; ``page_real [b, P]`` pages holding a real token; ``page_complete``
@@ -76,7 +83,8 @@ def select_pages(scores: torch.Tensor, page_real: torch.Tensor, page_complete: t
     if per_head:
         chosen = _top_pages(scores.masked_fill(poisoned, float("inf")), pool.unsqueeze(2), slots - 2).any(2)
     else:
-        combined = combine_group(scores.masked_fill(poisoned, NEG_INF), candidates.expand(-1, scores.shape[1], -1),
-                                 rule)
+        combined = combine_group(
+            scores.masked_fill(poisoned, NEG_INF), candidates.expand(-1, scores.shape[1], -1), rule
+        )
         chosen = _top_pages(combined.masked_fill(poisoned.any(2), float("inf")), pool, slots - 2)
     return (chosen | forced).expand(scores.shape[0], scores.shape[1], P)

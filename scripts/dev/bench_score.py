@@ -53,7 +53,7 @@ def fmt_ctx(n: int) -> str:
 
 
 def label_of(s: str) -> tuple[int, int]:
-    return int(s[1:s.index("i")]), int(s[s.index("i") + 1:])
+    return int(s[1 : s.index("i")]), int(s[s.index("i") + 1 :])
 
 
 def candidates(G: int, rank: int, bits: int, d: int = 128) -> list[dict]:
@@ -67,14 +67,38 @@ def candidates(G: int, rank: int, bits: int, d: int = 128) -> list[dict]:
         out.append(dict(variant="fma"))
     grid = [(None, None, None, None, None)]  # the defaults
     if GG >= 16:
-        grid += [(32, 4, 16, 4, 1), (32, 4, 8, 4, 1), (16, 8, 4, 4, 1), (64, 2, 4, 4, 1), (64, 4, 4, 8, 1),
-                 (16, 4, 4, 2, 1), (32, 4, 4, 4, 2), (8, 16, 4, 4, 1), (64, 4, 8, 8, 1)]
+        grid += [
+            (32, 4, 16, 4, 1),
+            (32, 4, 8, 4, 1),
+            (16, 8, 4, 4, 1),
+            (64, 2, 4, 4, 1),
+            (64, 4, 4, 8, 1),
+            (16, 4, 4, 2, 1),
+            (32, 4, 4, 4, 2),
+            (8, 16, 4, 4, 1),
+            (64, 4, 8, 8, 1),
+        ]
     elif GG >= 8:
-        grid += [(64, 2, 8, 4, 1), (32, 4, 4, 4, 1), (128, 1, 4, 4, 1), (128, 2, 4, 8, 1), (64, 2, 4, 4, 2),
-                 (32, 2, 4, 2, 1), (64, 2, 16, 4, 1)]
+        grid += [
+            (64, 2, 8, 4, 1),
+            (32, 4, 4, 4, 1),
+            (128, 1, 4, 4, 1),
+            (128, 2, 4, 8, 1),
+            (64, 2, 4, 4, 2),
+            (32, 2, 4, 2, 1),
+            (64, 2, 16, 4, 1),
+        ]
     else:
-        grid += [(128, 1, 8, 4, 1), (64, 2, 4, 4, 1), (32, 4, 4, 4, 1), (256, 1, 4, 8, 1), (64, 1, 4, 2, 1),
-                 (128, 1, 4, 4, 2), (64, 1, 16, 2, 1), (128, 2, 4, 8, 1)]
+        grid += [
+            (128, 1, 8, 4, 1),
+            (64, 2, 4, 4, 1),
+            (32, 4, 4, 4, 1),
+            (256, 1, 4, 8, 1),
+            (64, 1, 4, 2, 1),
+            (128, 1, 4, 4, 2),
+            (64, 1, 16, 2, 1),
+            (128, 2, 4, 8, 1),
+        ]
     for bp, hs, kcw, nw, ns in grid:
         if hs is not None and GG % hs:
             continue
@@ -84,8 +108,16 @@ def candidates(G: int, rank: int, bits: int, d: int = 128) -> list[dict]:
 
 
 def cfg_name(cfg: dict) -> str:
-    short = {"block_pages": "bp", "head_split": "hs", "words_per_chunk": "kw", "num_warps": "nw",
-             "num_stages": "ns", "sub_blocks": "sb", "by_token": "tok", "maxnreg": "reg"}
+    short = {
+        "block_pages": "bp",
+        "head_split": "hs",
+        "words_per_chunk": "kw",
+        "num_warps": "nw",
+        "num_stages": "ns",
+        "sub_blocks": "sb",
+        "by_token": "tok",
+        "maxnreg": "reg",
+    }
     rest = ",".join(f"{short.get(k, k)}{v}" for k, v in cfg.items() if k != "variant")
     return cfg["variant"] + (f"[{rest}]" if rest else "")
 
@@ -105,10 +137,14 @@ def random_summary(batch: int, h: int, P: int, d: int, rank: int, bits: int, gen
 
     basis = codes(batch, h, P, rank, d // per)
     # logits of a few units per token: a wrong projection shows in the check's relative error
-    return {"basis": basis.view(torch.uint8) if bits < 8 else basis,
-            "basis_scale": scale(batch, h, P, rank, s=1.0 if bits < 8 else 0.06),
-            "coef": codes(batch, h, P, B, rank), "coef_scale": scale(batch, h, P, B, s=0.05),
-            "mu": codes(batch, h, P, d), "mu_scale": scale(batch, h, P, 1, s=0.05)}
+    return {
+        "basis": basis.view(torch.uint8) if bits < 8 else basis,
+        "basis_scale": scale(batch, h, P, rank, s=1.0 if bits < 8 else 0.06),
+        "coef": codes(batch, h, P, B, rank),
+        "coef_scale": scale(batch, h, P, B, s=0.05),
+        "mu": codes(batch, h, P, d),
+        "mu_scale": scale(batch, h, P, 1, s=0.05),
+    }
 
 
 class ScoreSet:
@@ -127,14 +163,21 @@ class ScoreSet:
         self.n_complete = torch.full((batch,), self.P, device="cuda", dtype=torch.int32)
 
     def kw(self):
-        return dict(slot_valid=self.slot_valid, row_start=self.row_start, n_complete=self.n_complete,
-                    length=self.length, n_pages=self.P, page_size=B)
+        return dict(
+            slot_valid=self.slot_valid,
+            row_start=self.row_start,
+            n_complete=self.n_complete,
+            length=self.length,
+            n_pages=self.P,
+            page_size=B,
+        )
 
     def score(self, cfg: dict, i: int = 0):
         from locks_hf.kernels.score import score_pages
 
-        return score_pages("locks", self.query, summary=self.summaries[i], scale=self.d ** -0.5,
-                           basis_bits=self.bits, **self.kw(), **cfg)
+        return score_pages(
+            "locks", self.query, summary=self.summaries[i], scale=self.d**-0.5, basis_bits=self.bits, **self.kw(), **cfg
+        )
 
     def summary_bytes(self) -> int:
         from locks_hf.summaries import summary_bytes
@@ -186,8 +229,10 @@ def precompile(tasks, workers: int, timeout: float, log) -> dict:
             if err:
                 log(f"  compile {key}: {err}")
         pool.terminate()
-    log(f"precompiled {len(tasks)} specializations on {workers} processes in {time.time() - t0:.0f} s "
-        f"({sum(e is not None for e in res.values())} failed)")
+    log(
+        f"precompiled {len(tasks)} specializations on {workers} processes in {time.time() - t0:.0f} s "
+        f"({sum(e is not None for e in res.values())} failed)"
+    )
     return res
 
 
@@ -202,8 +247,12 @@ def check(model: str, label: str, cfgs: list[dict], log) -> dict:
     r, bits = label_of(label)
     s = ScoreSet(model, 512 << 10, 1, r, bits, copies=1, seed=5)
     summ = s.summaries[0]
-    want = estimated_page_lse(*dequantize_summary(summ, bits, torch.float64), torch.ones_like(s.slot_valid).view(
-        1, 1, s.P, B), s.query.view(1, s.h, s.G, s.d).double(), s.d ** -0.5)
+    want = estimated_page_lse(
+        *dequantize_summary(summ, bits, torch.float64),
+        torch.ones_like(s.slot_valid).view(1, 1, s.P, B),
+        s.query.view(1, s.h, s.G, s.d).double(),
+        s.d**-0.5,
+    )
     real = torch.ones((1, s.P), device="cuda", dtype=torch.bool)
     slots = BUDGET_TOKENS // B
     ref_pages = reference_select(want, real, real, slots, "share_average", False)
@@ -213,8 +262,9 @@ def check(model: str, label: str, cfgs: list[dict], log) -> dict:
         try:
             got, part = s.score(cfg)
             err = ((got.double().view_as(want) - want).norm() / want.norm()).item()
-            pages = select_pages(got, part, slots=slots, per_head=False, row_start=s.row_start, length=s.length,
-                                 heads=s.h, page_size=B)
+            pages = select_pages(
+                got, part, slots=slots, per_head=False, row_start=s.row_start, length=s.length, heads=s.h, page_size=B
+            )
             mask = torch.zeros((s.h, s.P + 1), device="cuda", dtype=torch.bool)
             mask.scatter_(1, torch.where(pages >= 0, pages, s.P).long(), True)
             differ = int((mask[:, : s.P].view(1, s.h, s.P) != ref_pages).sum())
@@ -243,8 +293,20 @@ def time_scores(model, length, batch, label, cfgs, bw, reps, log) -> list[dict]:
         except Exception as e:
             log(f"  {model} {fmt_ctx(length)} b{batch} {label} {name}: FAILED {type(e).__name__}: {str(e)[-200:]}")
             continue
-        rows.append(dict(model=model, context=length, batch=batch, label=label, cfg=cfg, name=name, score_ms=ms,
-                         floor_ms=floor, over_floor=ms / floor, gbps=s.summary_bytes() / ms / 1e6))
+        rows.append(
+            dict(
+                model=model,
+                context=length,
+                batch=batch,
+                label=label,
+                cfg=cfg,
+                name=name,
+                score_ms=ms,
+                floor_ms=floor,
+                over_floor=ms / floor,
+                gbps=s.summary_bytes() / ms / 1e6,
+            )
+        )
         log(f"  {model} {fmt_ctx(length)} b{batch} {label} {name:42s} {ms:.4f} ms  {ms / floor:5.2f}x floor")
     del s
     torch.cuda.empty_cache()
@@ -262,7 +324,7 @@ def time_attention(model, length, batch, labels, best, bw, reps, log) -> list[di
     hq, h, d = MODELS[model]
     P = length // B
     slots = BUDGET_TOKENS // B
-    scale = d ** -0.5
+    scale = d**-0.5
     kv = batch * h * length * d * 4
     nbuf = max(2, min(8, math.ceil(L2_BYTES / (batch * h * (P * 490 + slots * B * d * 4)))))
     nbuf = max(1, min(nbuf, int(0.5 * torch.cuda.mem_get_info()[0] / (kv * 1.3))))
@@ -275,11 +337,14 @@ def time_attention(model, length, batch, labels, best, bw, reps, log) -> list[di
 
     dense = {}
     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+
         def make(c, backend=backend):
             def f():
                 with sdpa_kernel(backend):
                     return F.scaled_dot_product_attention(c.query, c.keys, c.values, scale=scale, enable_gqa=True)
+
             return f
+
         try:
             dense[name] = time_graph([make(c) for c in sets], reps=reps)["ms"]
         except Exception as e:
@@ -294,20 +359,34 @@ def time_attention(model, length, batch, labels, best, bw, reps, log) -> list[di
         for arm, cfg in arms:
             try:
                 steps = [Step(c, "locks", c.summaries[label], bits, slots, scale, cfg) for c in sets]
-                t = {st: time_graph([getattr(x, st) for x in steps], reps=reps)["ms"]
-                     for st in ("score", "select", "attend", "total")}
+                t = {
+                    st: time_graph([getattr(x, st) for x in steps], reps=reps)["ms"]
+                    for st in ("score", "select", "attend", "total")
+                }
             except Exception as e:
                 log(f"  attn {model} {label} {arm}: FAILED {type(e).__name__}: {str(e)[-200:]}")
                 continue
             attended = (steps[0].pages >= 0).sum().item() / (batch * h)
             floor = batch * h * (P * summary_bytes(d, B, r, bits) + attended * B * d * 4) / (bw * 1e9)
-            row = dict(model=model, context=length, batch=batch, label=label, arm=arm, cfg=cfg,
-                       **{f"{k}_ms": v for k, v in t.items()}, dense_ms=dense_ms, dense=dense,
-                       speedup=dense_ms / t["total"], floor_ms=floor)
+            row = dict(
+                model=model,
+                context=length,
+                batch=batch,
+                label=label,
+                arm=arm,
+                cfg=cfg,
+                **{f"{k}_ms": v for k, v in t.items()},
+                dense_ms=dense_ms,
+                dense=dense,
+                speedup=dense_ms / t["total"],
+                floor_ms=floor,
+            )
             rows.append(row)
-            log(f"  attn {model} {fmt_ctx(length)} b{batch} {label} {arm:40s} score {t['score']:.4f} select "
+            log(
+                f"  attn {model} {fmt_ctx(length)} b{batch} {label} {arm:40s} score {t['score']:.4f} select "
                 f"{t['select']:.4f} attend {t['attend']:.4f} total {t['total']:.4f} dense {dense_ms:.4f} "
-                f"-> {row['speedup']:.2f}x")
+                f"-> {row['speedup']:.2f}x"
+            )
             del steps
     del sets
     torch.cuda.empty_cache()
@@ -326,20 +405,29 @@ def ncu_one(model: str, label: str, cfgs: list[dict]):
 
 
 def markdown_scores(rows) -> str:
-    out = ["| model | ctx | batch | label | setting | score ms | x byte floor | GB/s |", "|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| model | ctx | batch | label | setting | score ms | x byte floor | GB/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        out.append(f"| {r['model']} | {fmt_ctx(r['context'])} | {r['batch']} | {r['label']} | {r['name']} | "
-                   f"{r['score_ms']:.4f} | {r['over_floor']:.2f} | {r['gbps']:.0f} |")
+        out.append(
+            f"| {r['model']} | {fmt_ctx(r['context'])} | {r['batch']} | {r['label']} | {r['name']} | "
+            f"{r['score_ms']:.4f} | {r['over_floor']:.2f} | {r['gbps']:.0f} |"
+        )
     return "\n".join(out)
 
 
 def markdown_attn(rows) -> str:
-    out = ["| model | ctx | batch | label | arm | score | select | attend | **total ms** | dense ms | **vs dense** |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| model | ctx | batch | label | arm | score | select | attend | **total ms** | dense ms | **vs dense** |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        out.append(f"| {r['model']} | {fmt_ctx(r['context'])} | {r['batch']} | {r['label']} | {r['arm']} | "
-                   f"{r['score_ms']:.4f} | {r['select_ms']:.4f} | {r['attend_ms']:.4f} | **{r['total_ms']:.4f}** | "
-                   f"{r['dense_ms']:.4f} | **{r['speedup']:.2f}x** |")
+        out.append(
+            f"| {r['model']} | {fmt_ctx(r['context'])} | {r['batch']} | {r['label']} | {r['arm']} | "
+            f"{r['score_ms']:.4f} | {r['select_ms']:.4f} | {r['attend_ms']:.4f} | **{r['total_ms']:.4f}** | "
+            f"{r['dense_ms']:.4f} | **{r['speedup']:.2f}x** |"
+        )
     return "\n".join(out)
 
 
@@ -393,9 +481,20 @@ def main(argv=None):
     from bench_decode import measure_bandwidth
 
     dev = torch.cuda.get_device_properties(0)
-    result = {"info": {"device": dev.name, "sms": dev.multi_processor_count, "torch": torch.__version__,
-                       "triton": triton.__version__, "argv": sys.argv}, "compile": {}, "check": {}, "score": [],
-              "attn": [], "best": {}}
+    result = {
+        "info": {
+            "device": dev.name,
+            "sms": dev.multi_processor_count,
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "argv": sys.argv,
+        },
+        "compile": {},
+        "check": {},
+        "score": [],
+        "attn": [],
+        "best": {},
+    }
 
     def save():
         result["log"] = log_lines

@@ -88,7 +88,7 @@ def old_splits(rows: int, width: int, tp: int = 4) -> int:
 def kernel_config(model: str, ctx: int, batch: int, budget: int, reps: int, sweep: bool) -> dict:
     hq, h, d, _, _ = BD.MODELS[model]
     slots = math.ceil(budget / B)
-    scale = d ** -0.5
+    scale = d**-0.5
     rows = batch * h
     kv_bytes = batch * h * ctx * d * 2 * 2
     free = torch.cuda.mem_get_info()[0] if BD.DEV == "cuda" else 4 << 30
@@ -102,8 +102,14 @@ def kernel_config(model: str, ctx: int, batch: int, budget: int, reps: int, swee
         s.build([(4, 4)])
         # the length as the cache keeps it (a device tensor): no per-launch copy of an int
         s.length = torch.full((1,), ctx, dtype=torch.int32, device=BD.DEV)
-    row = {"model": model, "context": ctx, "batch": batch, "budget": budget, "copies": nbuf,
-           "build_s": time.perf_counter() - t0}
+    row = {
+        "model": model,
+        "context": ctx,
+        "batch": batch,
+        "budget": budget,
+        "copies": nbuf,
+        "build_s": time.perf_counter() - t0,
+    }
     log(f"{model} {BD.fmt_ctx(ctx)} b{batch}: {nbuf} copies built in {row['build_s']:.1f} s")
 
     def score(s):
@@ -113,8 +119,9 @@ def kernel_config(model: str, ctx: int, batch: int, budget: int, reps: int, swee
 
     def sel(i, **kw):
         s = sets[i]
-        return select_pages(*sp[i], slots=slots, per_head=False, row_start=s.row_start, length=s.length, heads=h,
-                            page_size=B, **kw)
+        return select_pages(
+            *sp[i], slots=slots, per_head=False, row_start=s.row_start, length=s.length, heads=h, page_size=B, **kw
+        )
 
     pages = [sel(i) for i in range(nbuf)]
     t = {}
@@ -122,8 +129,18 @@ def kernel_config(model: str, ctx: int, batch: int, budget: int, reps: int, swee
 
     def att(i, **kw):
         s = sets[i]
-        return sparse_attention(s.query, s.keys, s.values, pages[i], slot_valid=s.slot_valid, row_start=s.row_start,
-                                length=s.length, scale=scale, page_size=B, **kw)
+        return sparse_attention(
+            s.query,
+            s.keys,
+            s.values,
+            pages[i],
+            slot_valid=s.slot_valid,
+            row_start=s.row_start,
+            length=s.length,
+            scale=scale,
+            page_size=B,
+            **kw,
+        )
 
     W = pages[0].shape[1]
     osp = old_splits(rows, W)
@@ -136,24 +153,53 @@ def kernel_config(model: str, ctx: int, batch: int, budget: int, reps: int, swee
     if sweep:
         for splits, tp, nw in [(8, 4, 4), (16, 4, 4), (32, 4, 4), (8, 8, 4), (16, 8, 4), (16, 8, 8), (4, 8, 4)]:
             t[f"attend_fused_s{splits}_tp{tp}_w{nw}"] = timed(
-                [functools.partial(att, i, splits=splits, tile_pages=tp, num_warps=nw, fused_combine=True)
-                 for i in range(nbuf)], reps)
+                [
+                    functools.partial(att, i, splits=splits, tile_pages=tp, num_warps=nw, fused_combine=True)
+                    for i in range(nbuf)
+                ],
+                reps,
+            )
 
     t["score"] = timed([functools.partial(score, s) for s in sets], reps)
 
     def total_old(i):
         s = sets[i]
         sc, pa = score(s)
-        pg = select_pages(sc, pa, slots=slots, per_head=False, row_start=s.row_start, length=s.length, heads=h,
-                          page_size=B)
-        return sparse_attention(s.query, s.keys, s.values, pg, slot_valid=s.slot_valid, row_start=s.row_start,
-                                length=s.length, scale=scale, page_size=B, splits=osp, fused_combine=False)
+        pg = select_pages(
+            sc, pa, slots=slots, per_head=False, row_start=s.row_start, length=s.length, heads=h, page_size=B
+        )
+        return sparse_attention(
+            s.query,
+            s.keys,
+            s.values,
+            pg,
+            slot_valid=s.slot_valid,
+            row_start=s.row_start,
+            length=s.length,
+            scale=scale,
+            page_size=B,
+            splits=osp,
+            fused_combine=False,
+        )
 
     def total_new(i):
         s = sets[i]
-        return decode_step("locks", s.query, key_buf=s.keys, value_buf=s.values, slot_valid=s.slot_valid,
-                           row_start=s.row_start, n_complete=s.n_complete, length=s.length, n_pages=s.P,
-                           slots=slots, scale=scale, page_size=B, summary=s.summaries["r4i4"], basis_bits=4)[0]
+        return decode_step(
+            "locks",
+            s.query,
+            key_buf=s.keys,
+            value_buf=s.values,
+            slot_valid=s.slot_valid,
+            row_start=s.row_start,
+            n_complete=s.n_complete,
+            length=s.length,
+            n_pages=s.P,
+            slots=slots,
+            scale=scale,
+            page_size=B,
+            summary=s.summaries["r4i4"],
+            basis_bits=4,
+        )[0]
 
     t["total_old"] = timed([functools.partial(total_old, i) for i in range(nbuf)], reps)
     t["total_new"] = timed([functools.partial(total_new, i) for i in range(nbuf)], reps)
@@ -163,9 +209,23 @@ def kernel_config(model: str, ctx: int, batch: int, budget: int, reps: int, swee
         if name not in ("sdpa-cudnn-gqa", "sdpa-flash-rows", "sdpa-efficient-rows", "locks-dense-kernel"):
             continue
         dense[name] = timed(fns, reps)
-    dense_old = [functools.partial(sparse_attention, s.query, s.keys, s.values, None, n_pages=s.P, slot_valid=s.slot_valid,
-                                   row_start=s.row_start, length=s.length, scale=scale, page_size=B,
-                                   fused_combine=False) for s in sets]
+    dense_old = [
+        functools.partial(
+            sparse_attention,
+            s.query,
+            s.keys,
+            s.values,
+            None,
+            n_pages=s.P,
+            slot_valid=s.slot_valid,
+            row_start=s.row_start,
+            length=s.length,
+            scale=scale,
+            page_size=B,
+            fused_combine=False,
+        )
+        for s in sets
+    ]
     row["dense_kernel_separate_merge_ms"] = timed(dense_old, reps)  # the previous dense kernel: not a candidate
     ok = {k: v for k, v in dense.items() if v is not None}
     row["dense_ms"] = min(ok.values()) if ok else None
@@ -178,8 +238,10 @@ def kernel_config(model: str, ctx: int, batch: int, budget: int, reps: int, swee
         row["speedup_new"] = row["dense_ms"] / t["total_new"]
     if row["dense_ms"] and t["total_old"]:
         row["speedup_old"] = row["dense_ms"] / t["total_old"]
-    log("  " + ", ".join(f"{k} {v:.4f}" for k, v in t.items() if v) + f"; dense {row['dense_ms']} "
-        f"({row['dense_backend']})")
+    log(
+        "  " + ", ".join(f"{k} {v:.4f}" for k, v in t.items() if v) + f"; dense {row['dense_ms']} "
+        f"({row['dense_backend']})"
+    )
     for held in (sets, sp, pages):  # the closures keep the lists, not their tensors
         held.clear()
     gc.collect()
@@ -189,18 +251,22 @@ def kernel_config(model: str, ctx: int, batch: int, budget: int, reps: int, swee
 
 
 def kernel_table(rows: list[dict]) -> str:
-    out = ["| model | ctx | batch | score | select | attend old | attend fused (best) "
-           "| total old | **total new** | dense (backend) | old x | **new x** |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| model | ctx | batch | score | select | attend old | attend fused (best) "
+        "| total old | **total new** | dense (backend) | old x | **new x** |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     f = lambda x: "-" if x is None else f"{x:.4f}"  # noqa: E731
     for r in rows:
         t = r["ms"]
-        out.append(f"| {r['model']} | {BD.fmt_ctx(r['context'])} | {r['batch']} | {f(t.get('score'))} | "
-                   f"{f(t.get('select_chunks'))} | "
-                   f"{f(t.get('attend_old'))} | {f(t.get('attend_fused'))} ({f(r.get('best_attend_ms'))}) | "
-                   f"{f(t.get('total_old'))} | **{f(t.get('total_new'))}** | {f(r.get('dense_ms'))} "
-                   f"({r.get('dense_backend')}; ours, separate merge: {f(r.get('dense_kernel_separate_merge_ms'))}) | "
-                   f"{r.get('speedup_old', 0):.2f} | **{r.get('speedup_new', 0):.2f}** |")
+        out.append(
+            f"| {r['model']} | {BD.fmt_ctx(r['context'])} | {r['batch']} | {f(t.get('score'))} | "
+            f"{f(t.get('select_chunks'))} | "
+            f"{f(t.get('attend_old'))} | {f(t.get('attend_fused'))} ({f(r.get('best_attend_ms'))}) | "
+            f"{f(t.get('total_old'))} | **{f(t.get('total_new'))}** | {f(r.get('dense_ms'))} "
+            f"({r.get('dense_backend')}; ours, separate merge: {f(r.get('dense_kernel_separate_merge_ms'))}) | "
+            f"{r.get('speedup_old', 0):.2f} | **{r.get('speedup_new', 0):.2f}** |"
+        )
     return "\n".join(out)
 
 
@@ -249,13 +315,23 @@ def step_shape(shape: str, ctx: int, arms: list[str], steps: int, budget: int, o
                         prof = BS.profile_step(stepper, 1)
                         for _ in range(steps + 4):  # back to where this variant started
                             BS.rewind(cache)
-                        rec = {"shape": shape, "context": ctx, "arm": arm, "variant": variant,
-                               "median_ms": statistics.median(times), "all_ms": times, "replay_vs_eager": diff,
-                               "kernels_per_step": prof["kernels_per_step"],
-                               "device_ms_per_step": prof["device_ms_per_step"], "top": prof["top"]}
+                        rec = {
+                            "shape": shape,
+                            "context": ctx,
+                            "arm": arm,
+                            "variant": variant,
+                            "median_ms": statistics.median(times),
+                            "all_ms": times,
+                            "replay_vs_eager": diff,
+                            "kernels_per_step": prof["kernels_per_step"],
+                            "device_ms_per_step": prof["device_ms_per_step"],
+                            "top": prof["top"],
+                        }
                         out.append(rec)
-                        log(f"  {variant}: {rec['median_ms']:.2f} ms/step, {rec['kernels_per_step']:.0f} kernels/step, "
-                            f"replay diff {diff:.3g}")
+                        log(
+                            f"  {variant}: {rec['median_ms']:.2f} ms/step, {rec['kernels_per_step']:.0f} kernels/step, "
+                            f"replay diff {diff:.3g}"
+                        )
                         del stepper
                         gc.collect()
                 out[-1]["new_vs_old_logits_max_abs"] = float((logits["new"] - logits["old"]).abs().max())
@@ -274,14 +350,27 @@ def step_shape(shape: str, ctx: int, arms: list[str], steps: int, budget: int, o
 
 
 def step_table(rows: list[dict]) -> str:
-    out = ["| shape | ctx | arm | variant | ms/step | vs dense (same variant) | kernels/step | GPU kernel ms/step |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| shape | ctx | arm | variant | ms/step | vs dense (same variant) | kernels/step | GPU kernel ms/step |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        dense = next((x["median_ms"] for x in rows if x["shape"] == r["shape"] and x["context"] == r["context"]
-                      and x["arm"] == "full" and x["variant"] == r["variant"]), None)
+        dense = next(
+            (
+                x["median_ms"]
+                for x in rows
+                if x["shape"] == r["shape"]
+                and x["context"] == r["context"]
+                and x["arm"] == "full"
+                and x["variant"] == r["variant"]
+            ),
+            None,
+        )
         ratio = f"{dense / r['median_ms']:.2f}x" if dense else "-"
-        out.append(f"| {r['shape']} | {BD.fmt_ctx(r['context'])} | {r['arm']} | {r['variant']} | {r['median_ms']:.2f} | "
-                   f"{ratio} | {r['kernels_per_step']:.0f} | {r['device_ms_per_step']:.2f} |")
+        out.append(
+            f"| {r['shape']} | {BD.fmt_ctx(r['context'])} | {r['arm']} | {r['variant']} | {r['median_ms']:.2f} | "
+            f"{ratio} | {r['kernels_per_step']:.0f} | {r['device_ms_per_step']:.2f} |"
+        )
     return "\n".join(out)
 
 
@@ -289,11 +378,16 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernels", action="store_true")
     ap.add_argument("--step", action="store_true")
-    ap.add_argument("--configs", default="glm4-9b:512K:1,llama3.1-8b:512K:1,glm4-9b:1M:1,llama3.1-8b:1M:1,"
-                                         "glm4-9b:512K:8,llama3.1-8b:512K:8",
-                    help="model:context:batch, comma separated")
-    ap.add_argument("--sweep", default="glm4-9b:512K:1,llama3.1-8b:512K:1",
-                    help="configurations that also try other chunk / split / tile sizes")
+    ap.add_argument(
+        "--configs",
+        default="glm4-9b:512K:1,llama3.1-8b:512K:1,glm4-9b:1M:1,llama3.1-8b:1M:1,glm4-9b:512K:8,llama3.1-8b:512K:8",
+        help="model:context:batch, comma separated",
+    )
+    ap.add_argument(
+        "--sweep",
+        default="glm4-9b:512K:1,llama3.1-8b:512K:1",
+        help="configurations that also try other chunk / split / tile sizes",
+    )
     ap.add_argument("--step-shapes", default="llama3.1-8b:full,r4i4;glm4-9b:full,r8i4,r4i4")
     ap.add_argument("--step-context", default="512K")
     ap.add_argument("--steps", type=int, default=10)
@@ -309,8 +403,9 @@ def main(argv=None) -> None:
         for cfg in args.configs.split(","):
             model, ctx, batch = cfg.split(":")
             try:
-                RESULTS["kernels"].append(kernel_config(model, BD.parse_ctx(ctx), int(batch), args.budget, args.reps,
-                                                        cfg in sweep))
+                RESULTS["kernels"].append(
+                    kernel_config(model, BD.parse_ctx(ctx), int(batch), args.budget, args.reps, cfg in sweep)
+                )
             except Exception as e:
                 log(f"CONFIG FAILED {cfg}: {type(e).__name__}: {str(e)[-400:]}")
                 traceback.print_exc()
@@ -318,14 +413,18 @@ def main(argv=None) -> None:
             save(args.out)
             print("\n## One layer (ms; CUDA-graph medians)\n\n" + kernel_table(RESULTS["kernels"]) + "\n", flush=True)
     if args.step:
+
         def saved():
             save(args.out)
-            print("\n## Complete decode step (CUDA graph, batch 1)\n\n" + step_table(RESULTS["step"]) + "\n", flush=True)
+            print(
+                "\n## Complete decode step (CUDA graph, batch 1)\n\n" + step_table(RESULTS["step"]) + "\n", flush=True
+            )
 
         for part in args.step_shapes.split(";"):
             shape, arms = part.split(":")
-            step_shape(shape, BD.parse_ctx(args.step_context), arms.split(","), args.steps, args.budget,
-                       RESULTS["step"], saved)
+            step_shape(
+                shape, BD.parse_ctx(args.step_context), arms.split(","), args.steps, args.budget, RESULTS["step"], saved
+            )
     save(args.out)
 
 

@@ -6,6 +6,7 @@ run to run on one GPU, with and without the cuDNN SDPA backend, and split over 2
 
     python scripts/dev/check_dense_placement.py
 """
+
 import sys
 from pathlib import Path
 
@@ -30,11 +31,16 @@ full = LocksConfig(selector="full")
 with torch.no_grad():
     a = run_arm(model, config, ids, full, 16)["tokens"]
     b = run_arm(model, config, ids, full, 16)["tokens"]
-    print("1 GPU run-to-run identical:", a == b, [i for i,(p,q) in enumerate(zip(a,b)) if p!=q][:3], flush=True)
+    print("1 GPU run-to-run identical:", a == b, [i for i, (p, q) in enumerate(zip(a, b)) if p != q][:3], flush=True)
     torch.backends.cuda.enable_cudnn_sdp(False)
     c = run_arm(model, config, ids, full, 16)["tokens"]
     d = run_arm(model, config, ids, full, 16)["tokens"]
     print("1 GPU, cuDNN SDPA off, run-to-run identical:", c == d, "same as with cuDNN:", c == a, flush=True)
     model, _ = split_over_gpus(model, "LlamaDecoderLayer")
     e = run_arm(model, config, ids, full, 16)["tokens"]
-    print("split, cuDNN off, identical to 1 GPU cuDNN off:", e == c, [i for i,(p,q) in enumerate(zip(c,e)) if p!=q][:3], flush=True)
+    print(
+        "split, cuDNN off, identical to 1 GPU cuDNN off:",
+        e == c,
+        [i for i, (p, q) in enumerate(zip(c, e)) if p != q][:3],
+        flush=True,
+    )

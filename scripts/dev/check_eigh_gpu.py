@@ -2,6 +2,7 @@
 
 Run from the repository root on a CUDA machine: ``python3 scripts/dev/check_eigh_gpu.py`` (loads kernels/ directly).
 """
+
 import importlib
 import statistics
 import sys
@@ -9,14 +10,20 @@ import types
 
 import torch
 
-lk = types.ModuleType("lk"); lk.__path__ = ["kernels"]; sys.modules["lk"] = lk
-E = importlib.import_module("lk.eigh"); Bd = importlib.import_module("lk.build")
+lk = types.ModuleType("lk")
+lk.__path__ = ["kernels"]
+sys.modules["lk"] = lk
+E = importlib.import_module("lk.eigh")
+Bd = importlib.import_module("lk.build")
 dev = "cuda"
 torch.manual_seed(0)
 print(torch.__version__, importlib.import_module("triton").__version__, torch.cuda.get_device_name())
 
+
 def errs(a, w, v):
-    a = a.double(); w = w.double(); v = v.double()
+    a = a.double()
+    w = w.double()
+    v = v.double()
     ref = torch.cat([torch.linalg.eigvalsh(p) for p in a.split(8192)])
     sc = ref.abs().amax(-1).clamp_min(1e-30)
     ew = ((w - ref).abs().amax(-1) / sc).max().item()
@@ -25,6 +32,7 @@ def errs(a, w, v):
     srt = bool((w.diff(dim=-1) >= 0).all())
     return f"eval {ew:.1e} rec {rec:.1e} orth {orth:.1e} sorted {srt} finite {bool(torch.isfinite(v).all())}"
 
+
 def gram(m, n=16, d=128, frac=1.0):
     k = torch.randn(m, n, d, device=dev) + 2 * torch.randn(m, 1, d, device=dev)
     w = (torch.rand(m, n, 1, device=dev) < frac).float()
@@ -32,36 +40,57 @@ def gram(m, n=16, d=128, frac=1.0):
     c = (k - mu) * w
     return c @ c.mT
 
+
 for n in (2, 4, 8, 16, 32):
     a = gram(16384, n)
     print(f"n={n} gram", errs(a, *E.sym_eigh(a)))
-a = gram(16384, frac=0.3); print("n=16 few tokens", errs(a, *E.sym_eigh(a)))
+a = gram(16384, frac=0.3)
+print("n=16 few tokens", errs(a, *E.sym_eigh(a)))
 q, _ = torch.linalg.qr(torch.randn(16384, 16, 16, device=dev, dtype=torch.float64))
-for name, ev in [("clustered", [1.0] * 6 + [2.0] * 5 + [2.0 + 1e-6] * 5), ("rank1", [0.0] * 15 + [3.0]),
-                 ("geom", None)]:
-    evt = 10.0 ** -(7 * torch.rand(16384, 16, device=dev, dtype=torch.float64)) if ev is None else torch.tensor(ev, device=dev, dtype=torch.float64)
+for name, ev in [
+    ("clustered", [1.0] * 6 + [2.0] * 5 + [2.0 + 1e-6] * 5),
+    ("rank1", [0.0] * 15 + [3.0]),
+    ("geom", None),
+]:
+    evt = (
+        10.0 ** -(7 * torch.rand(16384, 16, device=dev, dtype=torch.float64))
+        if ev is None
+        else torch.tensor(ev, device=dev, dtype=torch.float64)
+    )
     a = (q @ torch.diag_embed(evt.expand(16384, 16)) @ q.mT).float()
     print(f"n=16 {name}", errs(a, *E.sym_eigh(a)))
 
+
 def bench(fn, reps=10):
-    fn(); torch.cuda.synchronize()
+    fn()
+    torch.cuda.synchronize()
     ts = []
     for _ in range(reps):
         s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-        s.record(); fn(); e.record(); torch.cuda.synchronize(); ts.append(s.elapsed_time(e))
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e))
     return statistics.median(ts)
+
 
 PREFILL = {"llama": (8, 348.5), "glm": (2, 344.0)}
 for model, (h, pre) in PREFILL.items():
     T = 131072
     a = gram(h * T // 16)
-    w = torch.empty(a.shape[:-1], device=dev); v = torch.empty_like(a)
+    w = torch.empty(a.shape[:-1], device=dev)
+    v = torch.empty_like(a)
     for sweeps, nw in [(8, 1), (6, 1), (8, 2)]:
         t = bench(lambda: E._eigh_kernel[(a.shape[0],)](a, w, v, N=16, SWEEPS=sweeps, num_warps=nw))
-        print(f"{model} {a.shape[0]} matrices sym_eigh sweeps={sweeps} warps={nw}: {t:.3f} ms ({100 * t / pre:.2f}% of layer prefill)")
+        print(
+            f"{model} {a.shape[0]} matrices sym_eigh sweeps={sweeps} warps={nw}: {t:.3f} ms ({100 * t / pre:.2f}% of layer prefill)"
+        )
+
     def chunked():
         for p in a.split(8192):
             torch.linalg.eigh(p)
+
     print(f"{model} torch.linalg.eigh chunked: {bench(chunked, 3):.3f} ms")
     keys = torch.randn(1, h, T, 128, device=dev, dtype=torch.bfloat16)
     pages = keys.view(1, h, T // 16, 16, 128)
@@ -79,13 +108,15 @@ print("compiled n=32: n_regs", getattr(k, "n_regs", None), "n_spills", getattr(k
 keys = torch.randn(4, 8, 1, 16, 128, device=dev, dtype=torch.bfloat16)
 valid = torch.rand(4, 8, 1, 16, device=dev) > 0.1
 eager = Bd.build_summary(keys, valid, 4, 4)
-s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
+s = torch.cuda.Stream()
+s.wait_stream(torch.cuda.current_stream())
 with torch.cuda.stream(s):
     Bd.build_summary(keys, valid, 4, 4)
 torch.cuda.current_stream().wait_stream(s)
 g = torch.cuda.CUDAGraph()
 with torch.cuda.graph(g):
     out = Bd.build_summary(keys, valid, 4, 4)
-g.replay(); torch.cuda.synchronize()
+g.replay()
+torch.cuda.synchronize()
 print("graph capture OK; replay == eager:", all(torch.equal(out[k], eager[k]) for k in eager))
 print(f"decode page build (32 pages) graph replay: {bench(g.replay, 20) * 1e3:.1f} us")

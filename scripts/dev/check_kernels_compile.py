@@ -37,7 +37,7 @@ def cubin_registers(cubin: bytes) -> int | None:
     sections = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
     names = sections[shstrndx][4]
     for name, _, _, _, off, size in sections:
-        label = cubin[names + name: cubin.index(b"\0", names + name)]
+        label = cubin[names + name : cubin.index(b"\0", names + name)]
         if not label.startswith(b".nv.info"):
             continue
         p = off
@@ -62,23 +62,70 @@ def compile_sm90(fn, pointers: dict[str, str], constants: dict, floats=(), num_w
             constexprs[(i,)] = constants[name]
         else:
             signature[name] = pointers.get(name, "fp32" if name in floats else "i32")
-    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    kernel = triton.compile(
+        ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": num_warps},
+    )
     return cubin_registers(kernel.asm["cubin"])
 
 
 def cases():
-    att = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "sel_ptr": I32, "valid_ptr": "*u8",
-           "row_start_ptr": I32, "len_ptr": I32, "part_o_ptr": F32, "part_l_ptr": F32, "out_ptr": "*bf16",
-           "count_ptr": "*i64", "row_count_ptr": "*i64", "pad_ptr": I32, "sem_ptr": I32}
+    att = {
+        "q_ptr": "*bf16",
+        "k_ptr": "*bf16",
+        "v_ptr": "*bf16",
+        "sel_ptr": I32,
+        "valid_ptr": "*u8",
+        "row_start_ptr": I32,
+        "len_ptr": I32,
+        "part_o_ptr": F32,
+        "part_l_ptr": F32,
+        "out_ptr": "*bf16",
+        "count_ptr": "*i64",
+        "row_count_ptr": "*i64",
+        "pad_ptr": I32,
+        "sem_ptr": I32,
+    }
     for G, dense, fused in ((16, False, True), (4, False, True), (16, True, True), (16, False, False)):
-        yield (f"attention G={G} dense={dense} fused={fused}", attend._sparse_attn_kernel, att,
-               dict(G=G, GP=max(16, G), D=128, B=16, TP=4, SPLIT=True, DOT_PREC="tf32", DENSE=dense, COUNT=True,
-                    ROW_COUNT=True, CONTEXT=True, FUSED=fused, SB=2 if G == 16 else 4), ("scale",), 4)
-    yield ("page mask from lists", select._list_mask_kernel, {"list_ptr": I32, "mask_ptr": "*i8"},
-           dict(BLOCK=4096, WB=128), (), 4)
-    yield ("attention merge", attend._combine_kernel, {"part_o_ptr": F32, "part_l_ptr": F32, "out_ptr": "*bf16"},
-           dict(G=16, D=128, SBLK=32), (), 4)
+        yield (
+            f"attention G={G} dense={dense} fused={fused}",
+            attend._sparse_attn_kernel,
+            att,
+            dict(
+                G=G,
+                GP=max(16, G),
+                D=128,
+                B=16,
+                TP=4,
+                SPLIT=True,
+                DOT_PREC="tf32",
+                DENSE=dense,
+                COUNT=True,
+                ROW_COUNT=True,
+                CONTEXT=True,
+                FUSED=fused,
+                SB=2 if G == 16 else 4,
+            ),
+            ("scale",),
+            4,
+        )
+    yield (
+        "page mask from lists",
+        select._list_mask_kernel,
+        {"list_ptr": I32, "mask_ptr": "*i8"},
+        dict(BLOCK=4096, WB=128),
+        (),
+        4,
+    )
+    yield (
+        "attention merge",
+        attend._combine_kernel,
+        {"part_o_ptr": F32, "part_l_ptr": F32, "out_ptr": "*bf16"},
+        dict(G=16, D=128, SBLK=32),
+        (),
+        4,
+    )
 
 
 def main() -> int:

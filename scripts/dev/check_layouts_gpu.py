@@ -28,10 +28,18 @@ def main(argv=None) -> dict:
     ids = torch.randint(3, 256, (1, args.prompt), generator=torch.Generator().manual_seed(1)).to(args.device)
     report = []
     for budget in (int(b) for b in args.budgets.split(",")):
-        caches = {layout: LocksCache(model.config, LocksConfig(budget=budget), layout=layout,
-                                     max_cache_len=args.prompt + args.new + 16) for layout in ("static", "dynamic")}
-        outs = {layout: model.generate(ids, max_new_tokens=args.new, do_sample=False, disable_compile=True,
-                                       past_key_values=cache)[0, args.prompt:] for layout, cache in caches.items()}
+        caches = {
+            layout: LocksCache(
+                model.config, LocksConfig(budget=budget), layout=layout, max_cache_len=args.prompt + args.new + 16
+            )
+            for layout in ("static", "dynamic")
+        }
+        outs = {
+            layout: model.generate(
+                ids, max_new_tokens=args.new, do_sample=False, disable_compile=True, past_key_values=cache
+            )[0, args.prompt :]
+            for layout, cache in caches.items()
+        }
         differ = (outs["static"] != outs["dynamic"]).nonzero()
         first = int(differ[0]) if len(differ) else None
         pages = (args.prompt + args.new - 1) // 16  # complete pages (the last token is never fed)
@@ -40,14 +48,19 @@ def main(argv=None) -> dict:
             for name in s.summary:
                 a, b = s.summary[name][:, :, :pages].float(), d.summary[name][:, :, :pages].float()
                 bad = (a != b).flatten(3).any(-1)  # [b, h, P]: pages whose bytes differ
-                diffs[f"L{li}.{name}"] = {"pages_differ": int(bad.sum()), "max_abs": float((a - b).abs().max()),
-                                          "first_page": int(bad.nonzero()[0, -1]) if bad.any() else None}
+                diffs[f"L{li}.{name}"] = {
+                    "pages_differ": int(bad.sum()),
+                    "max_abs": float((a - b).abs().max()),
+                    "first_page": int(bad.nonzero()[0, -1]) if bad.any() else None,
+                }
         row = {"budget": budget, "first_differing_token": first, "summaries": diffs}
         report.append(row)
         print(f"b={budget}: first differing token {first} of {args.new}")
         for k, v in diffs.items():
             if v["pages_differ"]:
-                print(f"  {k:<22} {v['pages_differ']:4d} pages differ (first {v['first_page']}), max |diff| {v['max_abs']:.3g}")
+                print(
+                    f"  {k:<22} {v['pages_differ']:4d} pages differ (first {v['first_page']}), max |diff| {v['max_abs']:.3g}"
+                )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

@@ -81,15 +81,32 @@ def launch_args(qdt, sdt, bits, group, G, d, B, dense, splits, counts, num_warps
     attend_quant._quant_attn_kernel, attend_quant._combine_kernel = rec, _Launch()
     try:
         attend_quant.quantized_attention(
-            torch.zeros(b, h * G, d, dtype=qdt), pages, key_codes=codes, key_scale=key_scale, key_zero=key_scale,
-            value_codes=codes.clone(), value_scale=value_scale, value_zero=value_scale, key_tail=tail,
-            value_tail=tail.clone(), quantized=(256 - group, length - 70), bits=bits, group=group,
-            slot_valid=torch.ones(b, cap, dtype=torch.bool), row_start=torch.zeros(b, dtype=torch.int32),
-            length=length, scale=0.3, page_size=B, n_pages=P if dense else None,
-            counts=torch.zeros(2, dtype=torch.int64) if counts else None, splits=splits, num_warps=num_warps)
+            torch.zeros(b, h * G, d, dtype=qdt),
+            pages,
+            key_codes=codes,
+            key_scale=key_scale,
+            key_zero=key_scale,
+            value_codes=codes.clone(),
+            value_scale=value_scale,
+            value_zero=value_scale,
+            key_tail=tail,
+            value_tail=tail.clone(),
+            quantized=(256 - group, length - 70),
+            bits=bits,
+            group=group,
+            slot_valid=torch.ones(b, cap, dtype=torch.bool),
+            row_start=torch.zeros(b, dtype=torch.int32),
+            length=length,
+            scale=0.3,
+            page_size=B,
+            n_pages=P if dense else None,
+            counts=torch.zeros(2, dtype=torch.int64) if counts else None,
+            splits=splits,
+            num_warps=num_warps,
+        )
     finally:
         attend_quant._quant_attn_kernel, attend_quant._combine_kernel = kernel, combine
-    (args, kw), = rec.calls
+    ((args, kw),) = rec.calls
     return args, kw
 
 
@@ -136,9 +153,12 @@ def main(argv=None) -> int:
         shared = kernel.metadata.shared
         over = shared > args.limit
         bad += over
-        print(f"{'OVER' if over else 'ok  '}  {label}: tile_pages={kw['TP']} num_stages={kw['num_stages']} "
-              f"num_warps={kw['num_warps']} shared={shared} B {cubin_resources(kernel.asm['cubin'])} "
-              f"{time.time() - t0:.1f} s", flush=True)
+        print(
+            f"{'OVER' if over else 'ok  '}  {label}: tile_pages={kw['TP']} num_stages={kw['num_stages']} "
+            f"num_warps={kw['num_warps']} shared={shared} B {cubin_resources(kernel.asm['cubin'])} "
+            f"{time.time() - t0:.1f} s",
+            flush=True,
+        )
     return 1 if bad else 0
 
 

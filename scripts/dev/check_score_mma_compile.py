@@ -40,8 +40,11 @@ _DT = {"fp32": F32, "bf16": BF16, "fp16": F16}
 #: 4 bits in 128-page blocks: 2-word and 4-word chunks at the 128 KiB code tile), the CPU tests' d = 64 launch that overflowed on the H200 before the chunk width followed the
 #: row width, and the bf16 tiles the H200 timings were taken with (G = 4 and the head-split G = 16).
 CASES = [
-    (F32, 1, 8, 2, 64, 16), (F32, 4, 8, 2, 128, 16), (F32, 4, 8, 4, 128, 16),
-    (BF16, 4, 8, 4, 128, 16), (BF16, 16, 8, 4, 128, 16),
+    (F32, 1, 8, 2, 64, 16),
+    (F32, 4, 8, 2, 128, 16),
+    (F32, 4, 8, 4, 128, 16),
+    (BF16, 4, 8, 4, 128, 16),
+    (BF16, 16, 8, 4, 128, 16),
 ]
 
 
@@ -69,14 +72,23 @@ def launch_args(qdt, G, rank, bits, d, B, h=2, b=1, pages=64):
     rec, kernel = _Launch(), score._locks_mma_kernel
     score._locks_mma_kernel = rec
     try:
-        score.score_pages("locks", torch.zeros(b, h * G, d, dtype=qdt), summary=summary, scale=0.1, basis_bits=bits,
-                          variant="mma", slot_valid=torch.ones(b, pages * B, dtype=torch.bool),
-                          row_start=torch.zeros(b, dtype=torch.int32),
-                          n_complete=torch.full((b,), pages, dtype=torch.int32), length=pages * B, n_pages=pages,
-                          page_size=B)
+        score.score_pages(
+            "locks",
+            torch.zeros(b, h * G, d, dtype=qdt),
+            summary=summary,
+            scale=0.1,
+            basis_bits=bits,
+            variant="mma",
+            slot_valid=torch.ones(b, pages * B, dtype=torch.bool),
+            row_start=torch.zeros(b, dtype=torch.int32),
+            n_complete=torch.full((b,), pages, dtype=torch.int32),
+            length=pages * B,
+            n_pages=pages,
+            page_size=B,
+        )
     finally:
         score._locks_mma_kernel = kernel
-    (args, kw), = rec.calls
+    ((args, kw),) = rec.calls
     return args, kw
 
 
@@ -90,8 +102,11 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", default="2,4,8", help="ranks of --grid (16 at 2 bits, float32: half the warps)")
     args = ap.parse_args(argv)
     if args.grid:
-        cases = [(_DT[t], G, r, bits, args.d, 16) for t in args.dtypes.split(",")
-                 for G, r, bits in itertools.product((1, 2, 4, 8, 16), [int(r) for r in args.ranks.split(",")], (2, 4, 8))]
+        cases = [
+            (_DT[t], G, r, bits, args.d, 16)
+            for t in args.dtypes.split(",")
+            for G, r, bits in itertools.product((1, 2, 4, 8, 16), [int(r) for r in args.ranks.split(",")], (2, 4, 8))
+        ]
     else:
         cases = CASES if args.only is None else [CASES[int(i)] for i in args.only.split(",")]
     print(f"Triton {triton.__version__}, sm_90 AOT, shared memory limit {args.limit} B", flush=True)
@@ -110,9 +125,12 @@ def main(argv=None) -> int:
         shared = kernel.metadata.shared
         over = shared > args.limit
         bad += over
-        print(f"{'OVER' if over else 'ok  '}  {label}: block_pages={kw['BP']} head_split={kw['HS']} "
-              f"words_per_chunk={kw['KCW']} num_warps={kw['num_warps']} shared={shared} B "
-              f"{cubin_resources(kernel.asm['cubin'])} {time.time() - t0:.1f} s", flush=True)
+        print(
+            f"{'OVER' if over else 'ok  '}  {label}: block_pages={kw['BP']} head_split={kw['HS']} "
+            f"words_per_chunk={kw['KCW']} num_warps={kw['num_warps']} shared={shared} B "
+            f"{cubin_resources(kernel.asm['cubin'])} {time.time() - t0:.1f} s",
+            flush=True,
+        )
     return 1 if bad else 0
 
 

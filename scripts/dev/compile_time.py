@@ -40,9 +40,14 @@ TARGET = GPUTarget("cuda", 90, 32)
 def _summary_args(rank, bits, d, page, pages, kv_heads) -> list:
     """Pointer/stride triples of the six summary tensors as `score_pages` passes them (codes as int32 words)."""
     words = d * bits // 32
-    strides = [(kv_heads * pages * rank * words, pages * rank * words), (kv_heads * pages * rank, pages * rank),
-               (kv_heads * pages * page * rank // 4, pages * page * rank // 4), (kv_heads * pages * page, pages * page),
-               (kv_heads * pages * d // 4, pages * d // 4), (kv_heads * pages, pages)]
+    strides = [
+        (kv_heads * pages * rank * words, pages * rank * words),
+        (kv_heads * pages * rank, pages * rank),
+        (kv_heads * pages * page * rank // 4, pages * page * rank // 4),
+        (kv_heads * pages * page, pages * page),
+        (kv_heads * pages * d // 4, pages * d // 4),
+        (kv_heads * pages, pages),
+    ]
     dtypes = [torch.int32, torch.bfloat16, torch.int32, torch.bfloat16, torch.int32, torch.bfloat16]
     args = []
     for dt, (sb, sh) in zip(dtypes, strides):
@@ -60,32 +65,95 @@ def _aot(kernel, args, kw):
     return k, time.time() - t0
 
 
-def compile_fma(rank: int, bits: int = 4, d: int = 128, page: int = 16, G: int = 4, pages: int = 32768,
-                kv_heads: int = 8, num_warps: int = 4):
+def compile_fma(
+    rank: int,
+    bits: int = 4,
+    d: int = 128,
+    page: int = 16,
+    G: int = 4,
+    pages: int = 32768,
+    kv_heads: int = 8,
+    num_warps: int = 4,
+):
     """Compile one specialization; returns (compiled kernel, seconds)."""
     bp = 32 * num_warps
     args = [MockTensor(torch.bfloat16), 32 * d, d, *_summary_args(rank, bits, d, page, pages, kv_heads)]
-    args += [MockTensor(torch.uint8), pages * page, MockTensor(torch.int32), MockTensor(torch.int32),
-             MockTensor(torch.int32), MockTensor(torch.float32), pages, MockTensor(torch.float32),
-             -(-pages // bp), kv_heads, d ** -0.5, MockTensor(torch.float32), 1, 0x4B000000]
+    args += [
+        MockTensor(torch.uint8),
+        pages * page,
+        MockTensor(torch.int32),
+        MockTensor(torch.int32),
+        MockTensor(torch.int32),
+        MockTensor(torch.float32),
+        pages,
+        MockTensor(torch.float32),
+        -(-pages // bp),
+        kv_heads,
+        d**-0.5,
+        MockTensor(torch.float32),
+        1,
+        0x4B000000,
+    ]
     kw = dict(G=G, GG=G, D=d, B=page, R=rank, BITS=bits, BP=bp, num_warps=num_warps, num_stages=1, debug=False)
     return _aot(KERNEL, args, kw)
 
 
-def compile_mma(rank: int, bits: int = 4, d: int = 128, page: int = 16, G: int = 4, pages: int = 32768,
-                kv_heads: int | None = None, **tiles):
+def compile_mma(
+    rank: int,
+    bits: int = 4,
+    d: int = 128,
+    page: int = 16,
+    G: int = 4,
+    pages: int = 32768,
+    kv_heads: int | None = None,
+    **tiles,
+):
     """Compile one "mma" specialization at `score_tiles.mma_tiles` (``tiles`` override them)."""
     GG = 1 << max(0, (G - 1).bit_length())
     kv_heads = kv_heads or (8 if G == 4 else 2)
-    bp, hs, kcw, nw, ns = mma_tiles(GG, tiles.get("block_pages"), tiles.get("head_split"),
-                                    tiles.get("words_per_chunk"), tiles.get("num_warps"), tiles.get("num_stages"),
-                                    rank=rank, basis_bits=bits, query_bytes=2)
+    bp, hs, kcw, nw, ns = mma_tiles(
+        GG,
+        tiles.get("block_pages"),
+        tiles.get("head_split"),
+        tiles.get("words_per_chunk"),
+        tiles.get("num_warps"),
+        tiles.get("num_stages"),
+        rank=rank,
+        basis_bits=bits,
+        query_bytes=2,
+    )
     args = [MockTensor(torch.bfloat16), kv_heads * G * d, d, *_summary_args(rank, bits, d, page, pages, kv_heads)]
-    args += [MockTensor(torch.uint8), pages * page, MockTensor(torch.int32), MockTensor(torch.int32),
-             MockTensor(torch.int32), MockTensor(torch.float32), pages, MockTensor(torch.float32),
-             -(-pages // bp), kv_heads, d ** -0.5, 1, 0x4B000000, PAIR_BASE["bf16"]]
-    kw = dict(G=G, GG=GG, D=d, B=page, R=rank, BITS=bits, BP=bp, HS=hs, KCW=kcw, DOT_PREC="tf32", num_warps=nw,
-              num_stages=ns, debug=False)
+    args += [
+        MockTensor(torch.uint8),
+        pages * page,
+        MockTensor(torch.int32),
+        MockTensor(torch.int32),
+        MockTensor(torch.int32),
+        MockTensor(torch.float32),
+        pages,
+        MockTensor(torch.float32),
+        -(-pages // bp),
+        kv_heads,
+        d**-0.5,
+        1,
+        0x4B000000,
+        PAIR_BASE["bf16"],
+    ]
+    kw = dict(
+        G=G,
+        GG=GG,
+        D=d,
+        B=page,
+        R=rank,
+        BITS=bits,
+        BP=bp,
+        HS=hs,
+        KCW=kcw,
+        DOT_PREC="tf32",
+        num_warps=nw,
+        num_stages=ns,
+        debug=False,
+    )
     k, seconds = _aot(_locks_mma_kernel, args, kw)
     return k, seconds, dict(block_pages=bp, head_split=hs, words_per_chunk=kcw, num_warps=nw)
 
@@ -93,8 +161,9 @@ def compile_mma(rank: int, bits: int = 4, d: int = 128, page: int = 16, G: int =
 def resources(cubin: bytes) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
-    usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-resource-usage", f.name],
-                           capture_output=True, text=True).stdout
+    usage = subprocess.run(
+        [os.path.join(BIN, "cuobjdump"), "--dump-resource-usage", f.name], capture_output=True, text=True
+    ).stdout
     sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
     instr = sum(1 for line in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/", line))
@@ -124,13 +193,24 @@ def main(argv=None):
         for rank in [int(r) for r in args.ranks.split(",")]:
             if args.kernel == "fma":
                 k, seconds = compile_fma(rank, bits)
-                print(f"rank {rank} bits {bits}: {seconds:.1f} s", resources(k.asm["cubin"]), "stages (s):",
-                      stages or "n/a", flush=True)
+                print(
+                    f"rank {rank} bits {bits}: {seconds:.1f} s",
+                    resources(k.asm["cubin"]),
+                    "stages (s):",
+                    stages or "n/a",
+                    flush=True,
+                )
                 continue
             for G in [int(g) for g in args.groups.split(",")]:
                 k, seconds, tiles = compile_mma(rank, bits, G=G)
-                print(f"mma G={G} rank {rank} bits {bits} {tiles}: {seconds:.1f} s", resources(k.asm["cubin"]),
-                      f"shared {k.metadata.shared} B", "stages (s):", stages or "n/a", flush=True)
+                print(
+                    f"mma G={G} rank {rank} bits {bits} {tiles}: {seconds:.1f} s",
+                    resources(k.asm["cubin"]),
+                    f"shared {k.metadata.shared} B",
+                    "stages (s):",
+                    stages or "n/a",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

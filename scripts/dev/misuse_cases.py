@@ -38,6 +38,7 @@ def case(name):
     def register(fn):
         CASES[name] = fn
         return fn
+
     return register
 
 
@@ -57,10 +58,12 @@ def same(a, b, what):
 
 # -- generate() options and model loading ----------------------------------------------------------
 for arch in TINY_ARCHS:
+
     @case(f"{arch}: covering budget equals dense")
     def _(arch=arch):
-        out = tiny(arch).generate(ids(), max_new_tokens=6, do_sample=False,
-                                  past_key_values=LocksCache(tiny(arch).config, budget=1024))
+        out = tiny(arch).generate(
+            ids(), max_new_tokens=6, do_sample=False, past_key_values=LocksCache(tiny(arch).config, budget=1024)
+        )
         return same(out, tiny(arch, "sdpa").generate(ids(), max_new_tokens=6, do_sample=False), "differs from dense")
 
     @case(f"{arch}: prompt-lookup decoding")
@@ -74,11 +77,13 @@ for arch in TINY_ARCHS:
     def _(arch=arch):
         model = tiny(arch)
         cache = LocksCache(model.config, budget=32)
-        model.generate(ids(), max_new_tokens=8, do_sample=False, assistant_model=tiny(arch, "sdpa", seed=1),
-                       past_key_values=cache)
+        model.generate(
+            ids(), max_new_tokens=8, do_sample=False, assistant_model=tiny(arch, "sdpa", seed=1), past_key_values=cache
+        )
         return "silent: ran as something other than Locks decode"
 
     for attn in ("sdpa", "eager"):
+
         @case(f"{arch}: LocksCache(model.config) on an {attn} model")
         def _(arch=arch, attn=attn):
             model = tiny(arch, attn)
@@ -101,31 +106,50 @@ for arch in TINY_ARCHS:
                 m.get_input_embeddings().weight[7] = float("nan")
         batch = ids(120, 2)
         batch[1, 50] = 7
-        got = model.generate(batch, max_new_tokens=4, do_sample=False, past_key_values=LocksCache(model.config, budget=32))
-        alone = model.generate(batch[:1], max_new_tokens=4, do_sample=False,
-                               past_key_values=LocksCache(model.config, budget=32))
+        got = model.generate(
+            batch, max_new_tokens=4, do_sample=False, past_key_values=LocksCache(model.config, budget=32)
+        )
+        alone = model.generate(
+            batch[:1], max_new_tokens=4, do_sample=False, past_key_values=LocksCache(model.config, budget=32)
+        )
         want = dense.generate(batch, max_new_tokens=4, do_sample=False)
         return "correct" if torch.equal(got[1], want[1]) and torch.equal(got[:1], alone) else "silent: rows differ"
 
 
 def _deepseek():
-    return DeepseekV3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2,
-                            vocab_size=256, intermediate_size=64, moe_intermediate_size=32, kv_lora_rank=16,
-                            q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-                            n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=2)
+    return DeepseekV3Config(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_hidden_layers=2,
+        vocab_size=256,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=2,
+    )
 
 
 FAMILIES = {
     "bloom (ALiBi)": lambda: BloomConfig(hidden_size=64, n_head=4, n_layer=2, vocab_size=256),
     "mpt (ALiBi)": lambda: MptConfig(d_model=64, n_heads=4, n_layers=2, vocab_size=256),
-    "falcon (ALiBi)": lambda: FalconConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
-                                           vocab_size=256, alibi=True),
+    "falcon (ALiBi)": lambda: FalconConfig(
+        hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=256, alibi=True
+    ),
     "falcon (RoPE)": lambda: FalconConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=256),
     "deepseek-v3 (MLA)": _deepseek,
-    "gemma2 (soft-capping)": lambda: Gemma2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                                  head_dim=16, num_hidden_layers=2),
+    "gemma2 (soft-capping)": lambda: Gemma2Config(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2
+    ),
 }
 for family, make in FAMILIES.items():
+
     @case(f"{family}: LocksCache(config)")
     def _(make=make):
         LocksCache(make())
@@ -162,30 +186,47 @@ def _():
 @case("LocksStaticCache overflow during decode")
 def _():
     model = tiny("llama")
-    model.generate(ids(100), past_key_values=LocksStaticCache(model.config, max_cache_len=112, budget=32),
-                   max_new_tokens=20, do_sample=False)
+    model.generate(
+        ids(100),
+        past_key_values=LocksStaticCache(model.config, max_cache_len=112, budget=32),
+        max_new_tokens=20,
+        do_sample=False,
+    )
     return "silent: wrote past max_cache_len"
 
 
 @case("LocksStaticCache max_cache_len not a whole number of pages")
 def _():
     model = tiny("llama")
-    model.generate(ids(100), past_key_values=LocksStaticCache(model.config, max_cache_len=105, budget=32),
-                   max_new_tokens=10, do_sample=False)
+    model.generate(
+        ids(100),
+        past_key_values=LocksStaticCache(model.config, max_cache_len=105, budget=32),
+        max_new_tokens=10,
+        do_sample=False,
+    )
     return "silent: wrote past max_cache_len (rounded up to a page)"
 
 
 @case("LocksStaticCache holds exactly max_cache_len")
 def _():
     model = tiny("llama")
-    out = model.generate(ids(100), past_key_values=LocksStaticCache(model.config, max_cache_len=110, budget=32),
-                         max_new_tokens=11, do_sample=False)
+    out = model.generate(
+        ids(100),
+        past_key_values=LocksStaticCache(model.config, max_cache_len=110, budget=32),
+        max_new_tokens=11,
+        do_sample=False,
+    )
     return "correct" if out.shape[1] == 111 else "silent: wrong length"
 
 
 # -- LocksConfig ----------------------------------------------------------------------------------
-for label, kwargs in {"basis_bits=4.0": {"basis_bits": 4.0}, "rank=True": {"rank": True},
-                      "page_size=2**40": {"page_size": 2**40}, "budget=128.0": {"budget": 128.0}}.items():
+for label, kwargs in {
+    "basis_bits=4.0": {"basis_bits": 4.0},
+    "rank=True": {"rank": True},
+    "page_size=2**40": {"page_size": 2**40},
+    "budget=128.0": {"budget": 128.0},
+}.items():
+
     @case(f"LocksConfig({label})")
     def _(kwargs=kwargs):
         model = tiny("llama")
@@ -212,16 +253,36 @@ def _():
 # -- the eval harness -----------------------------------------------------------------------------
 @case("RULER vt records under two PYTHONHASHSEEDs")
 def _():
-    code = ("import json; from locks_hf.eval.ruler import RulerGenerator; from locks_hf.eval.testing import "
-            "ByteTokenizer; print(json.dumps([RulerGenerator(ByteTokenizer()).record('vt', 4096, i) for i in range(3)]))")
-    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                           env={**os.environ, "PYTHONHASHSEED": s}).stdout for s in ("1", "2")}
+    code = (
+        "import json; from locks_hf.eval.ruler import RulerGenerator; from locks_hf.eval.testing import "
+        "ByteTokenizer; print(json.dumps([RulerGenerator(ByteTokenizer()).record('vt', 4096, i) for i in range(3)]))"
+    )
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": s},
+        ).stdout
+        for s in ("1", "2")
+    }
     return "correct" if len(outs) == 1 else "silent: records differ"
 
 
 def _prediction(**changes):
-    row = {"id": "vt-4096-0", "task": "vt", "length": 4096, "arm": "full", "family": "full", "budget": None,
-           "selector": "full", "sample": 0, "pred": "", "score": 1.0}
+    row = {
+        "id": "vt-4096-0",
+        "task": "vt",
+        "length": 4096,
+        "arm": "full",
+        "family": "full",
+        "budget": None,
+        "selector": "full",
+        "sample": 0,
+        "pred": "",
+        "score": 1.0,
+    }
     return json.dumps({**row, **changes}, ensure_ascii=False) + "\n"
 
 
@@ -269,10 +330,32 @@ def _():
         return f"silent: ran {n} packaged sample records"
 
 
-SWEEP = ["sweep", "--model", "tiny-llama", "--tasks", "niah_single_1", "--lengths", "1024", "--num-samples", "1",
-         "--arms", "full", "--budgets", "64", "--max-new-tokens", "2"]
-for flag, value in [("--max-new-tokens", "0"), ("--lengths", "0"), ("--num-samples", "-3"), ("--shard", "abc"),
-                    ("--dtype", "float99"), ("--shard", "3/2")]:
+SWEEP = [
+    "sweep",
+    "--model",
+    "tiny-llama",
+    "--tasks",
+    "niah_single_1",
+    "--lengths",
+    "1024",
+    "--num-samples",
+    "1",
+    "--arms",
+    "full",
+    "--budgets",
+    "64",
+    "--max-new-tokens",
+    "2",
+]
+for flag, value in [
+    ("--max-new-tokens", "0"),
+    ("--lengths", "0"),
+    ("--num-samples", "-3"),
+    ("--shard", "abc"),
+    ("--dtype", "float99"),
+    ("--shard", "3/2"),
+]:
+
     @case(f"locks-hf-eval sweep {flag} {value}")
     def _(flag=flag, value=value):
         from locks_hf.eval.cli import main
@@ -323,7 +406,8 @@ def classify(fn) -> tuple[str, str]:
         last = Path(traceback.extract_tb(err.__traceback__)[-1].filename).resolve()
         ours = any(folder in last.parents for folder in LIBRARY)
         if isinstance(err, (LocksConfigError, UnsupportedModelError)) or (
-                isinstance(err, (ValueError, FileNotFoundError)) and ours):
+            isinstance(err, (ValueError, FileNotFoundError)) and ours
+        ):
             return "clear error", f"{type(err).__name__}: {str(err)[:120]}"
         return "crash", f"{type(err).__name__}: {str(err)[:120]}"
     if result == "correct":
@@ -344,7 +428,9 @@ def main(argv=None):
         rows.append({"case": name, "outcome": outcome, "detail": detail})
         print(f"{outcome:12s} {name}" + (f"  [{detail}]" if detail else ""), flush=True)
     counts = collections.Counter(r["outcome"] for r in rows)
-    print(f"\ntried {len(rows)}: " + ", ".join(f"{k} {counts[k]}" for k in ("clear error", "correct", "silent", "crash")))
+    print(
+        f"\ntried {len(rows)}: " + ", ".join(f"{k} {counts[k]}" for k in ("clear error", "correct", "silent", "crash"))
+    )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"counts": counts, "cases": rows}, indent=1) + "\n")

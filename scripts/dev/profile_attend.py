@@ -45,13 +45,14 @@ def reference(c, pages, scale):
         slots = slots[slots < c.length]
         k = c.keys[bb, hh, slots].double()
         v = c.values[bb, hh, slots].double()
-        q = c.query[bb, hh * G:(hh + 1) * G, 0].double()
-        out[bb, hh * G:(hh + 1) * G] = torch.softmax(q @ k.T * scale, -1) @ v
+        q = c.query[bb, hh * G : (hh + 1) * G, 0].double()
+        out[bb, hh * G : (hh + 1) * G] = torch.softmax(q @ k.T * scale, -1) @ v
     return out
 
 
 def kernel_profile(fn, steps=10):
     from torch.profiler import ProfilerActivity, profile
+
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -77,7 +78,7 @@ def main():
     for model in args.models.split(","):
         hq, h, d, _, _ = bd.MODELS[model]
         slots = args.budget // bd.B
-        scale = d ** -0.5
+        scale = d**-0.5
         gen = torch.Generator(device="cuda").manual_seed(T)
         sets = [bd.CacheSet(1, hq, h, d, T, gen) for _ in range(args.copies)]
         for s in sets:
@@ -97,28 +98,44 @@ def main():
         variants["separate_stats"] = dict(stats=True)
         variants["fused_stats"] = dict(stats=True, fused_combine=True)
         for st in steps:
-            st.stats = dict(counts=torch.zeros(2, dtype=torch.int64, device="cuda"),
-                            row_counts=torch.zeros((1, 2), dtype=torch.int64, device="cuda"),
-                            pad=torch.zeros(1, dtype=torch.int32, device="cuda"),
-                            semaphore=torch.zeros(h, dtype=torch.int32, device="cuda"))
+            st.stats = dict(
+                counts=torch.zeros(2, dtype=torch.int64, device="cuda"),
+                row_counts=torch.zeros((1, 2), dtype=torch.int64, device="cuda"),
+                pad=torch.zeros(1, dtype=torch.int32, device="cuda"),
+                semaphore=torch.zeros(h, dtype=torch.int32, device="cuda"),
+            )
             st.c.length_t = torch.tensor([st.c.length], dtype=torch.int32, device="cuda")
         ref = reference(sets[0], steps[0].pages, scale)
         times = {}
         for name, kw in variants.items():
+
             def fn(st, kw=kw):
                 c = st.c
                 kw = dict(kw)
                 extra = st.stats if kw.pop("stats", False) else {}
-                return sparse_attention(c.query, c.keys, c.values, st.pages, slot_valid=c.slot_valid,
-                                        row_start=c.row_start, length=c.length_t if extra else c.length,
-                                        scale=scale, page_size=bd.B, **kw, **extra)
+                return sparse_attention(
+                    c.query,
+                    c.keys,
+                    c.values,
+                    st.pages,
+                    slot_valid=c.slot_valid,
+                    row_start=c.row_start,
+                    length=c.length_t if extra else c.length,
+                    scale=scale,
+                    page_size=bd.B,
+                    **kw,
+                    **extra,
+                )
+
             out = fn(steps[0]).view(1, hq, d).double()
             err = ((out - ref).norm() / ref.norm()).item()
             t = bd.time_graph([lambda st=st: fn(st) for st in steps], reps=20)["ms"] * 1e3
             kp = kernel_profile(lambda: fn(steps[0]))
             times[name] = {"us": t, "rel_err": err, "kernels": kp}
-            print(f"  {model} attend {name:14s} {t:7.2f} us (graph)  err {err:.2e}  kernels: "
-                  + ", ".join(f"{e['kernel'][:24]} {e['us']:.2f}" for e in kp))
+            print(
+                f"  {model} attend {name:14s} {t:7.2f} us (graph)  err {err:.2e}  kernels: "
+                + ", ".join(f"{e['kernel'][:24]} {e['us']:.2f}" for e in kp)
+            )
         r["attend"] = times
         res["rows"][model] = r
         Path(args.out).write_text(json.dumps(res, indent=1))
@@ -136,13 +153,21 @@ def main():
 
         t_old = bd.time_graph([lambda m=m, st=st: old_mask(m, st.pages) for m, st in zip(masks, steps)], reps=20)["ms"]
         want = masks[0].clone()
-        t_new = bd.time_graph([lambda m=m, st=st: mark_lists(m, st.pages) for m, st in zip(masks, steps)], reps=20)["ms"]
+        t_new = bd.time_graph([lambda m=m, st=st: mark_lists(m, st.pages) for m, st in zip(masks, steps)], reps=20)[
+            "ms"
+        ]
         same = torch.equal(want, masks[0])
-        r["mask"] = {"old_us": t_old * 1e3, "new_us": t_new * 1e3, "equal": same,
-                     "old_kernels": kernel_profile(lambda: old_mask(masks[0], steps[0].pages)),
-                     "new_kernels": kernel_profile(lambda: mark_lists(masks[0], steps[0].pages))}
-        print(f"  {model} page mask: memset+scatter+copy {t_old * 1e3:.2f} us, one launch {t_new * 1e3:.2f} us, "
-              f"equal {same}")
+        r["mask"] = {
+            "old_us": t_old * 1e3,
+            "new_us": t_new * 1e3,
+            "equal": same,
+            "old_kernels": kernel_profile(lambda: old_mask(masks[0], steps[0].pages)),
+            "new_kernels": kernel_profile(lambda: mark_lists(masks[0], steps[0].pages)),
+        }
+        print(
+            f"  {model} page mask: memset+scatter+copy {t_old * 1e3:.2f} us, one launch {t_new * 1e3:.2f} us, "
+            f"equal {same}"
+        )
         res["rows"][model] = r
         Path(args.out).write_text(json.dumps(res, indent=1))
         sets = steps = masks = None

@@ -27,10 +27,24 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from locks_hf import LocksCache
 
 SHAPES = {
-    "llama3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                        num_key_value_heads=8, head_dim=128, vocab_size=128256),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, vocab_size=256),
+    "llama3.1-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+    ),
 }
 
 
@@ -38,7 +52,12 @@ def cache_bytes(cache) -> int:
     """Bytes of the tensors the Locks layers hold: K/V storage, slot validity, summaries."""
     total = 0
     for layer in cache.locks_layers:
-        tensors = [*layer.kv_buffers(), layer.slot_valid, *layer.summary.values(), *getattr(layer, "shared", {}).values()]
+        tensors = [
+            *layer.kv_buffers(),
+            layer.slot_valid,
+            *layer.summary.values(),
+            *getattr(layer, "shared", {}).values(),
+        ]
         total += sum(t.nbytes for t in tensors if t is not None)
     return total
 
@@ -74,18 +93,34 @@ def main(argv=None):
         for step in range(1, args.new_tokens + 1):
             token = model(token, past_key_values=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
             if step % args.sample_every == 0 or step == args.new_tokens:
-                samples.append({"tokens": args.prompt + step, "memory": memory(device), "cache": cache_bytes(cache),
-                                "seconds": round(time.perf_counter() - start, 1)})
+                samples.append(
+                    {
+                        "tokens": args.prompt + step,
+                        "memory": memory(device),
+                        "cache": cache_bytes(cache),
+                        "seconds": round(time.perf_counter() - start, 1),
+                    }
+                )
                 s = samples[-1]
-                print(f"{s['tokens']:>9} tokens  memory {s['memory'] / 2**20:10.1f} MiB  cache "
-                      f"{s['cache'] / 2**20:10.1f} MiB  beyond {(s['memory'] - s['cache']) / 2**20:10.1f} MiB  "
-                      f"{s['seconds']:8.1f} s", flush=True)
+                print(
+                    f"{s['tokens']:>9} tokens  memory {s['memory'] / 2**20:10.1f} MiB  cache "
+                    f"{s['cache'] / 2**20:10.1f} MiB  beyond {(s['memory'] - s['cache']) / 2**20:10.1f} MiB  "
+                    f"{s['seconds']:8.1f} s",
+                    flush=True,
+                )
     first, last = samples[0], samples[-1]
     tokens = max(last["tokens"] - first["tokens"], 1)
     beyond = (last["memory"] - first["memory"]) - (last["cache"] - first["cache"])
-    summary = {"shape": args.shape, "device": str(device), "prompt": args.prompt, "new_tokens": args.new_tokens,
-               "budget": args.budget, "attended_fraction": cache.attended_fraction(),
-               "beyond_cache_bytes_per_token": beyond / tokens, "cache_bytes_per_token": (last["cache"] - first["cache"]) / tokens}
+    summary = {
+        "shape": args.shape,
+        "device": str(device),
+        "prompt": args.prompt,
+        "new_tokens": args.new_tokens,
+        "budget": args.budget,
+        "attended_fraction": cache.attended_fraction(),
+        "beyond_cache_bytes_per_token": beyond / tokens,
+        "cache_bytes_per_token": (last["cache"] - first["cache"]) / tokens,
+    }
     print(json.dumps(summary))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

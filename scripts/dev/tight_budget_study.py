@@ -69,8 +69,9 @@ def capture(args) -> None:
         with torch.no_grad():
             caps, cache = capture_decode(model, bench.prompt_ids(rec, tok), steps=args.steps, page_size=B)
         keys = {c.layer: cache.layers[c.layer].keys[0, 0].clone() for c in caps}  # one KV head (Gemma 3 270M)
-        torch.save({"id": rec["id"], "keys": keys, "steps": [(c.layer, c.length, c.query[0], c.scale) for c in caps]},
-                   path)
+        torch.save(
+            {"id": rec["id"], "keys": keys, "steps": [(c.layer, c.length, c.query[0], c.scale) for c in caps]}, path
+        )
         print(rec["id"], flush=True)
 
 
@@ -147,9 +148,9 @@ def _score_step(recall, fits, keys, length, q, scale, d) -> None:
         est = torch.nn.functional.pad(torch.logsumexp(est_t, -1), (0, P - n), value=NEG)
         err = (k[:n] - k_hat[:n]).norm(dim=-1)
         err = torch.round(err / err.amax(-1, keepdim=True).clamp_min(1e-30) * 255) * err.amax(-1, keepdim=True) / 255
-        q_perp = (q.norm(dim=-1)[:, None] ** 2 - torch.einsum("gd,ndr->gnr", q, basis[:n]).norm(dim=-1) ** 2)
+        q_perp = q.norm(dim=-1)[:, None] ** 2 - torch.einsum("gd,ndr->gnr", q, basis[:n]).norm(dim=-1) ** 2
         bound_t = scale * q_perp.clamp_min(0).sqrt()[:, :, None] * err[None]  # [G, n, B]
-        gauss_t = bound_t ** 2 / (2 * (d - basis.shape[-1]))
+        gauss_t = bound_t**2 / (2 * (d - basis.shape[-1]))
         for slots in (4, 8, 16):
             if P <= slots:
                 continue
@@ -161,8 +162,17 @@ def _score_step(recall, fits, keys, length, q, scale, d) -> None:
 
             recall[(name, budget, "plain")].append(rec(top(shares(est, cand), cand, slots - 2)))
             for m in MULTIPLES:
-                sel = rerank_pages(est[None, None], paged[None, None], valid[None, None], q[None, None], scale,
-                                   complete[None], slots, m * slots, "share_average")[0, 0]
+                sel = rerank_pages(
+                    est[None, None],
+                    paged[None, None],
+                    valid[None, None],
+                    q[None, None],
+                    scale,
+                    complete[None],
+                    slots,
+                    m * slots,
+                    "share_average",
+                )[0, 0]
                 recall[(name, budget, f"rr{m}")].append(rec(sel))
                 listed = top(shares(est, cand), cand, m * slots)
                 recall[(name, budget, f"rr{m} candidates")].append(rec(listed))
@@ -171,15 +181,20 @@ def _score_step(recall, fits, keys, length, q, scale, d) -> None:
                 head = lse(exact, listed)
                 shifted = torch.logaddexp(head, lse(est, tail) + (exact - est)[:, listed].mean(-1))
                 # the library's rule restated here (equal but for float ties)
-                recall[(name, budget, f"rr{m} = restated")].append(float(torch.equal(
-                    pick(sub, shifted, listed, slots - 2), sel & cand)))
-                for variant, z in (("no shift", torch.logaddexp(head, lse(est, tail))), ("list only", head),
-                                   ("exact normaliser", lse(exact, cand))):
+                recall[(name, budget, f"rr{m} = restated")].append(
+                    float(torch.equal(pick(sub, shifted, listed, slots - 2), sel & cand))
+                )
+                for variant, z in (
+                    ("no shift", torch.logaddexp(head, lse(est, tail))),
+                    ("list only", head),
+                    ("exact normaliser", lse(exact, cand)),
+                ):
                     recall[(name, budget, f"rr{m} {variant}")].append(rec(pick(sub, z, listed, slots - 2)))
                 if name == "r4i4" and m in (4, 8):
                     gauss = torch.nn.functional.pad(torch.logsumexp(est_t + gauss_t, -1), (0, P - n), value=NEG)
                     recall[(name, budget, f"rr{m} residual tail")].append(
-                        rec(pick(sub, _residual_tail(exact, est, gauss - est, listed, tail), listed, slots - 2)))
+                        rec(pick(sub, _residual_tail(exact, est, gauss - est, listed, tail), listed, slots - 2))
+                    )
             if name != "r4i4":
                 continue
             scores = {"bound": est_t + bound_t, "gauss": est_t + gauss_t, "max": None}
@@ -189,8 +204,9 @@ def _score_step(recall, fits, keys, length, q, scale, d) -> None:
                 listing = shares(torch.nn.functional.pad(s, (0, P - n), value=NEG), cand)
                 _candidate_variant(recall, (name, budget, f"rr4 by {variant}"), listing, exact, est, cand, slots, rec)
             by_max = torch.softmax(est.masked_fill(~cand[None], NEG), -1).nan_to_num(0).amax(0)
-            _candidate_variant(recall, (name, budget, "rr4 by group max of shares"), by_max, exact, est, cand, slots,
-                               rec)
+            _candidate_variant(
+                recall, (name, budget, "rr4 by group max of shares"), by_max, exact, est, cand, slots, rec
+            )
 
 
 def _candidate_variant(recall, key, listing, exact, est, cand, slots, rec) -> None:
@@ -208,7 +224,7 @@ def _residual_tail(exact, est, corr, listed, tail) -> torch.Tensor:
     head by least squares of (exact - estimate) on ``corr`` over the list."""
     gap, x = (exact - est)[:, listed], corr[:, listed]
     xm, gm = x.mean(-1, keepdim=True), gap.mean(-1, keepdim=True)
-    c = (((x - xm) * (gap - gm)).sum(-1, keepdim=True) / ((x - xm) ** 2).sum(-1, keepdim=True).clamp_min(1e-12))
+    c = ((x - xm) * (gap - gm)).sum(-1, keepdim=True) / ((x - xm) ** 2).sum(-1, keepdim=True).clamp_min(1e-12)
     c = c.clamp(0, 2)
     return torch.logaddexp(lse(exact, listed), lse(est + gm - c * xm + c * corr, tail))
 
