@@ -388,6 +388,8 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         held = int(self.cumulative_length) if self.is_initialized else 0
         if not 0 <= length <= held:
             raise ValueError(f"rewind({length}): the layer holds {held} tokens; rewind to 0..{held}")
+        if not self.is_initialized:  # nothing written yet: already at 0, and no buffers to reset
+            return
         self.cumulative_length.fill_(length)
         self.length_t.fill_(length)
         if length:

@@ -338,3 +338,22 @@ def test_cuda_graph_and_compiled_steps_equal_the_eager_step_on_cuda(step):
         rows = _rows((600, 560), seeds=[1, 2], max_new=40)
         eager = _decode(StaticEngine(model, step="eager", sampling=sampling), rows, arms)
         assert _decode(StaticEngine(model, step=step, sampling=sampling), rows, arms) == eager
+
+
+def test_rewind_of_an_empty_cache_to_its_empty_prefix():
+    """`mark_prefix` before any forward marks an empty prefix: `rewind` returns to it (nothing held, no
+    buffers yet) instead of failing on buffers a first forward would allocate, and the cache then
+    prefills and decodes as a fresh one (tiny Llama, float64)."""
+    from locks_hf import LocksConfig, LocksStaticCache
+
+    model = tiny("llama")
+    ids = torch.randint(3, 256, (1, 40), generator=torch.Generator().manual_seed(5))
+    cache = LocksStaticCache(model.config, max_cache_len=64, locks=LocksConfig(budget=32))
+    cache.mark_prefix()
+    cache.rewind()
+    assert cache.get_seq_length() == 0
+    with pytest.raises(ValueError, match="rewind to 0..0"):
+        cache.locks_layers[0].rewind(3)
+    fresh = LocksStaticCache(model.config, max_cache_len=64, locks=LocksConfig(budget=32))
+    got = model(ids, past_key_values=cache).logits
+    assert torch.equal(got, model(ids, past_key_values=fresh).logits)
