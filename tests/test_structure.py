@@ -273,15 +273,21 @@ def _import_graph() -> dict[str, set[str]]:
     from pathlib import Path
 
     import locks_hf
+    import locks_hf.eval
+    import locks_hf.kernels
 
-    root = Path(locks_hf.__file__).parent
+    # kernels/ and eval/ are subpackages by pyproject's package-dir (links under locks_hf/ in some
+    # development trees): each package is read where the import system finds it.
+    packages = {p.__name__: Path(p.__file__).parent for p in (locks_hf, locks_hf.kernels, locks_hf.eval)}
     files = {}
-    for folder, _, names in os.walk(root, followlinks=True):  # kernels/ and eval/ may be links
-        for name in names:
-            if name.endswith(".py"):
-                path = Path(folder) / name
-                parts = list(path.relative_to(root.parent).with_suffix("").parts)
-                files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for package, root in packages.items():
+        for folder, dirs, names in os.walk(root):
+            dirs[:] = [d for d in dirs if f"{package}.{d}" not in packages]
+            for name in names:
+                if name.endswith(".py"):
+                    path = Path(folder) / name
+                    parts = [*package.split("."), *path.relative_to(root).with_suffix("").parts]
+                    files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     graph = {}
     for module, path in files.items():
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]
