@@ -74,7 +74,6 @@ def _sparse_attn_kernel(
     length = tl.load(len_ptr)
     g = tl.arange(0, GP)
     c = tl.arange(0, D)
-    t = tl.arange(0, B)
     q = tl.load(q_ptr + bb * q_sb + (hh * G + g[:, None]) * q_sh + c[None, :], mask=g[:, None] < G, other=0.0)
     kb = k_ptr + bb * k_sb + hh * k_sh
     vb = v_ptr + bb * v_sb + hh * v_sh
@@ -90,30 +89,17 @@ def _sparse_attn_kernel(
         end = tl.minimum(end, tl.cdiv(length - rs, B))
     seen = tl.zeros([TP, B], dtype=tl.int32)
     for w0 in range(start, end, TP):
-        w = w0 + tl.arange(0, TP)
-        if DENSE:
-            pg = tl.where(w < end, w, -1)
-        else:
-            pg = tl.load(sel_ptr + row * W + w, mask=w < end, other=-1)
-        slot = rs + pg[:, None] * B + t[None, :]
         # the keys' load waits only for the page list; padding is masked in the logits (and in V,
         # whose padding slots may hold anything: 0 * NaN = NaN)
-        inside = (pg >= 0)[:, None] & (slot >= 0) & (slot < length)
-        ok = inside & slot_ok(vrow, slot, length)
+        slot, inside, ok = _page_tile(sel_ptr, row, W, w0, end, rs, length, vrow, TP, B, DENSE)
         seen += ok.to(tl.int32)
         slot = tl.reshape(slot, [TP * B])
         ok = tl.reshape(ok, [TP * B])
         k = tl.load(kb + slot[:, None] * k_st + c[None, :], mask=tl.reshape(inside, [TP * B])[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [GP, TP*B], base 2
-        s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - safe[:, None])
-        alpha = tl.exp2(m - safe)
-        l = l * alpha + tl.sum(p, axis=1)
+        p, alpha, m, l = _softmax_tile(s, ok, m, l)
         v = tl.load(vb + slot[:, None] * v_st + c[None, :], mask=ok[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m = m_new
 
     # statistics: the real tokens this program attended; the real tokens cached, once per batch row
     n_seen = tl.sum(tl.sum(seen, axis=1), axis=0).to(tl.int64)
@@ -126,6 +112,68 @@ def _sparse_attn_kernel(
             context = ((length - tl.load(pad_ptr + bb)) * H).to(tl.int64)
             tl.atomic_add(row_count_ptr + bb * 2 + 1, context)
             tl.atomic_add(count_ptr + 1, context)
+    _store_heads(
+        acc, l, m, row, split, n_split, part_o_ptr, part_l_ptr, out_ptr, out_sb, out_sh, bb, hh, G, GP, D, SPLIT
+    )
+    if SPLIT and FUSED:  # the row's last split to finish merges the partials (no second launch)
+        tl.debug_barrier()  # every thread's stores before the arrival (released by the atomic)
+        if tl.atomic_add(sem_ptr + row, 1) == n_split - 1:
+            _combine_row(
+                part_o_ptr, part_l_ptr, row, n_split, out_ptr + bb * out_sb + hh * G * out_sh, out_sh, G, GP, D, SB
+            )
+            tl.store(sem_ptr + row, 0)
+
+
+@triton.jit
+def _page_tile(sel_ptr, row, W, w0, end, rs, length, vrow, TP: tl.constexpr, B: tl.constexpr, DENSE: tl.constexpr):
+    """The slots ``[TP, B]`` of list entries ``w0 ... w0 + TP`` of this (row, KV head) (``DENSE``: entry w
+    is page w), which of them lie inside written pages, and which of those hold real tokens."""
+    w = w0 + tl.arange(0, TP)
+    if DENSE:
+        pg = tl.where(w < end, w, -1)
+    else:
+        pg = tl.load(sel_ptr + row * W + w, mask=w < end, other=-1)
+    slot = rs + pg[:, None] * B + tl.arange(0, B)[None, :]
+    inside = (pg >= 0)[:, None] & (slot >= 0) & (slot < length)
+    return slot, inside, inside & slot_ok(vrow, slot, length)
+
+
+@triton.jit
+def _softmax_tile(s, ok, m, l):
+    """One tile of the online softmax over base-2 logits ``s [GP, N]`` (``ok [N]``: real tokens): the
+    tile's weights, the factor that rescales what came before, and the new running max and sum."""
+    s = tl.where(ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - safe[:, None])
+    alpha = tl.exp2(m - safe)
+    return p, alpha, m_new, l * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _store_heads(
+    acc,
+    l,
+    m,
+    row,
+    split,
+    n_split,
+    part_o_ptr,
+    part_l_ptr,
+    out_ptr,
+    out_sb,
+    out_sh,
+    bb,
+    hh,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """The G query heads' normalised outputs: with ``SPLIT``, this split's partial and its base-2 LSE
+    for the merge; otherwise the output rows themselves."""
+    g = tl.arange(0, GP)
+    c = tl.arange(0, D)
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
     gm = g[:, None] < G
     if SPLIT:
@@ -133,13 +181,6 @@ def _sparse_attn_kernel(
         tl.store(part_o_ptr + (base + g[:, None]) * D + c[None, :], o, mask=gm)
         lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
         tl.store(part_l_ptr + base + g, lse, mask=g < G)
-        if FUSED:  # the row's last split to finish merges the partials (no second launch)
-            tl.debug_barrier()  # every thread's stores before the arrival (released by the atomic)
-            if tl.atomic_add(sem_ptr + row, 1) == n_split - 1:
-                _combine_row(
-                    part_o_ptr, part_l_ptr, row, n_split, out_ptr + bb * out_sb + hh * G * out_sh, out_sh, G, GP, D, SB
-                )
-                tl.store(sem_ptr + row, 0)
     else:
         tl.store(
             out_ptr + bb * out_sb + (hh * G + g[:, None]) * out_sh + c[None, :], o.to(out_ptr.dtype.element_ty), mask=gm

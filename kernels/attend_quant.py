@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from ._common import LOG2E, as_length, dot_precision, next_pow2, slot_ok, sm_count
-from .attend import MAX_SPLITS, _combine_kernel, default_splits
+from ._common import LOG2E, as_length, dot_precision, next_pow2, sm_count
+from .attend import MAX_SPLITS, _combine_kernel, _page_tile, _softmax_tile, _store_heads, default_splits
 
 #: Code widths and group sizes the kernel reads (those of `locks_hf.kv_quant`).
 QUANT_BITS = (2, 4)
@@ -144,7 +144,6 @@ def _quant_attn_kernel(
     g = tl.arange(0, GP)
     c = tl.arange(0, D)
     cp = tl.arange(0, D * BITS // 8)
-    t = tl.arange(0, B)
     q = tl.load(q_ptr + bb * q_sb + (hh * G + g[:, None]) * q_sh + c[None, :], mask=g[:, None] < G, other=0.0)
     kcb = kc_ptr + bb * kc_sb + hh * kc_sh
     ksb = bb * ks_sb + hh * ks_sh
@@ -164,14 +163,8 @@ def _quant_attn_kernel(
         end = tl.minimum(end, tl.cdiv(length - rs, B))
     seen = tl.zeros([TP * B], dtype=tl.int32)
     for w0 in range(start, end, TP):
-        w = w0 + tl.arange(0, TP)
-        if DENSE:
-            pg = tl.where(w < end, w, -1)
-        else:
-            pg = tl.load(sel_ptr + row * W + w, mask=w < end, other=-1)
-        slot = rs + pg[:, None] * B + t[None, :]
-        inside = (pg >= 0)[:, None] & (slot >= 0) & (slot < length)
-        ok = tl.reshape(inside & slot_ok(vrow, slot, length), [TP * B])
+        slot, inside, ok = _page_tile(sel_ptr, row, W, w0, end, rs, length, vrow, TP, B, DENSE)
+        ok = tl.reshape(ok, [TP * B])
         slot = tl.reshape(slot, [TP * B])
         inside = tl.reshape(inside, [TP * B])
         seen += ok.to(tl.int32)
@@ -187,12 +180,7 @@ def _quant_attn_kernel(
         k_full = tl.load(ktb + (slot - qk)[:, None] * kt_st + c[None, :], mask=kf[:, None], other=0.0)
         k = tl.where(kq[:, None], k_deq.to(q.dtype), k_full.to(q.dtype))
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [GP, TP*B], base 2
-        s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - safe[:, None])
-        alpha = tl.exp2(m - safe)
-        l = l * alpha + tl.sum(p, axis=1)
+        p, alpha, m, l = _softmax_tile(s, ok, m, l)
 
         # values: codes and the per-slot scale and zero of each channel group below qv, the tail from qv
         # on; padding and unwritten slots read as 0 (their p is 0, but 0 * NaN = NaN)
@@ -206,21 +194,12 @@ def _quant_attn_kernel(
         v_full = tl.load(vtb + (slot - qv)[:, None] * vt_st + c[None, :], mask=vf[:, None], other=0.0)
         v = tl.where(vq[:, None], v_deq.to(q.dtype), v_full.to(q.dtype))
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m = m_new
 
     if COUNT:  # the real tokens this program attended
         tl.atomic_add(count_ptr, tl.sum(seen, axis=0).to(tl.int64))
-    o = acc / tl.where(l > 0, l, 1.0)[:, None]
-    gm = g[:, None] < G
-    if SPLIT:
-        base = (row * n_split + split) * G
-        tl.store(part_o_ptr + (base + g[:, None]) * D + c[None, :], o, mask=gm)
-        lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
-        tl.store(part_l_ptr + base + g, lse, mask=g < G)
-    else:
-        tl.store(
-            out_ptr + bb * out_sb + (hh * G + g[:, None]) * out_sh + c[None, :], o.to(out_ptr.dtype.element_ty), mask=gm
-        )
+    _store_heads(
+        acc, l, m, row, split, n_split, part_o_ptr, part_l_ptr, out_ptr, out_sb, out_sh, bb, hh, G, GP, D, SPLIT
+    )
 
 
 #: Largest tile (slots x head_dim) whose loads are software-pipelined (``num_stages=2``) by default, by
