@@ -101,17 +101,20 @@ def _sparse_attn_kernel(
         v = tl.load(vb + slot[:, None] * v_st + c[None, :], mask=ok[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
 
-    # statistics: the real tokens this program attended; the real tokens cached, once per batch row
-    n_seen = tl.sum(tl.sum(seen, axis=1), axis=0).to(tl.int64)
-    if COUNT:
-        tl.atomic_add(count_ptr, n_seen)
-    if ROW_COUNT:
-        tl.atomic_add(row_count_ptr + bb * 2, n_seen)
-    if CONTEXT:
-        if (hh == 0) & (split == 0):
-            context = ((length - tl.load(pad_ptr + bb)) * H).to(tl.int64)
-            tl.atomic_add(row_count_ptr + bb * 2 + 1, context)
-            tl.atomic_add(count_ptr + 1, context)
+    record_attended(
+        tl.sum(tl.sum(seen, axis=1), axis=0),
+        bb,
+        hh,
+        split,
+        length,
+        H,
+        count_ptr,
+        row_count_ptr,
+        pad_ptr,
+        COUNT,
+        ROW_COUNT,
+        CONTEXT,
+    )
     _store_heads(
         acc, l, m, row, split, n_split, part_o_ptr, part_l_ptr, out_ptr, out_sb, out_sh, bb, hh, G, GP, D, SPLIT
     )
@@ -122,6 +125,36 @@ def _sparse_attn_kernel(
                 part_o_ptr, part_l_ptr, row, n_split, out_ptr + bb * out_sb + hh * G * out_sh, out_sh, G, GP, D, SB
             )
             tl.store(sem_ptr + row, 0)
+
+
+@triton.jit
+def record_attended(
+    n_seen,
+    bb,
+    hh,
+    split,
+    length,
+    H,
+    count_ptr,
+    row_count_ptr,
+    pad_ptr,
+    COUNT: tl.constexpr,
+    ROW_COUNT: tl.constexpr,
+    CONTEXT: tl.constexpr,
+):
+    """A program's statistics: the ``n_seen`` real tokens it attended into ``counts[0]`` and (``ROW_COUNT``)
+    its batch row's ``row_counts[bb, 0]``; with ``CONTEXT`` the real tokens cached, once per batch row,
+    into ``row_counts[bb, 1]`` and ``counts[1]``."""
+    n_seen = n_seen.to(tl.int64)
+    if COUNT:
+        tl.atomic_add(count_ptr, n_seen)
+    if ROW_COUNT:
+        tl.atomic_add(row_count_ptr + bb * 2, n_seen)
+    if CONTEXT:
+        if (hh == 0) & (split == 0):
+            context = ((length - tl.load(pad_ptr + bb)) * H).to(tl.int64)
+            tl.atomic_add(row_count_ptr + bb * 2 + 1, context)
+            tl.atomic_add(count_ptr + 1, context)
 
 
 @triton.jit

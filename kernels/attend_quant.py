@@ -31,7 +31,15 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from ._common import LOG2E, as_length, dot_precision, next_pow2, sm_count
-from .attend import MAX_SPLITS, _combine_kernel, _page_tile, _softmax_tile, _store_heads, default_splits
+from .attend import (
+    MAX_SPLITS,
+    _combine_kernel,
+    _page_tile,
+    _softmax_tile,
+    _store_heads,
+    default_splits,
+    record_attended,
+)
 
 #: Code widths and group sizes the kernel reads (those of `locks_hf.kv_quant`).
 QUANT_BITS = (2, 4)
@@ -71,6 +79,53 @@ def _unpack(packed, BITS: tl.constexpr, N: tl.constexpr, D: tl.constexpr):
     else:  # [N, D/4, 2, 2] flattened: (c0, c2), (c1, c3) joined -> c0, c1, c2, c3
         y = tl.join(tl.join(x & 3, (x >> 4) & 3), tl.join((x >> 2) & 3, x >> 6))
     return tl.reshape(y, [N, D])
+
+
+@triton.jit
+def _tail_index(slot, first, RING: tl.constexpr):
+    """Where slot ``slot`` of the full-precision tail lies: at ``slot - first`` in a tail that starts at
+    the first slot not quantized (a dynamic layer's), or at ``slot % RING`` in a ring (a static one's)."""
+    if RING:
+        idx = slot % RING
+    else:
+        idx = slot - first
+    return idx
+
+
+@triton.jit
+def _key_scales(
+    ks_ptr, kz_ptr, base, ks_st, slot, quant, c, QG: tl.constexpr, TP: tl.constexpr, B: tl.constexpr, D: tl.constexpr
+):
+    """The per-channel key scale and zero point of each slot of a tile ``slot [TP, B]`` (``quant``: its
+    quantized slots), as ``[TP*B, D]`` float32. A page of ``B <= QG`` slots lies in at most two key
+    groups: two ``[TP, D]`` loads a tile, chosen per slot, instead of one row per slot."""
+    if B <= QG:
+        first = tl.min(slot, axis=1)  # [TP]: the page's first slot (slots ascend along a page)
+        lo = first // QG
+        hi = (first + B - 1) // QG
+        any_q = tl.max(quant.to(tl.int32), axis=1) > 0
+        at_lo = base + lo[:, None] * ks_st + c[None, :]
+        at_hi = base + hi[:, None] * ks_st + c[None, :]
+        on_hi = ((slot // QG) != lo[:, None])[:, :, None]  # [TP, B, 1]
+        sc = tl.where(
+            on_hi,
+            tl.load(ks_ptr + at_hi, mask=any_q[:, None] & (hi != lo)[:, None], other=0.0).to(tl.float32)[:, None, :],
+            tl.load(ks_ptr + at_lo, mask=any_q[:, None], other=0.0).to(tl.float32)[:, None, :],
+        )
+        ze = tl.where(
+            on_hi,
+            tl.load(kz_ptr + at_hi, mask=any_q[:, None] & (hi != lo)[:, None], other=0.0).to(tl.float32)[:, None, :],
+            tl.load(kz_ptr + at_lo, mask=any_q[:, None], other=0.0).to(tl.float32)[:, None, :],
+        )
+        sc = tl.reshape(sc, [TP * B, D])
+        ze = tl.reshape(ze, [TP * B, D])
+    else:
+        flat = tl.reshape(slot, [TP * B])
+        at = base + (flat // QG)[:, None] * ks_st + c[None, :]
+        q = tl.reshape(quant, [TP * B])[:, None]
+        sc = tl.load(ks_ptr + at, mask=q, other=0.0).to(tl.float32)
+        ze = tl.load(kz_ptr + at, mask=q, other=0.0).to(tl.float32)
+    return sc, ze
 
 
 @triton.jit
@@ -121,6 +176,8 @@ def _quant_attn_kernel(
     pages_per_split,
     n_split,
     count_ptr,
+    row_count_ptr,
+    pad_ptr,
     G: tl.constexpr,
     GP: tl.constexpr,
     D: tl.constexpr,
@@ -132,6 +189,9 @@ def _quant_attn_kernel(
     DOT_PREC: tl.constexpr,
     DENSE: tl.constexpr,
     COUNT: tl.constexpr,
+    ROW_COUNT: tl.constexpr,
+    CONTEXT: tl.constexpr,
+    RING: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -163,40 +223,41 @@ def _quant_attn_kernel(
         end = tl.minimum(end, tl.cdiv(length - rs, B))
     seen = tl.zeros([TP * B], dtype=tl.int32)
     for w0 in range(start, end, TP):
-        slot, inside, ok = _page_tile(sel_ptr, row, W, w0, end, rs, length, vrow, TP, B, DENSE)
-        ok = tl.reshape(ok, [TP * B])
-        slot = tl.reshape(slot, [TP * B])
-        inside = tl.reshape(inside, [TP * B])
+        slot2, inside2, ok2 = _page_tile(sel_ptr, row, W, w0, end, rs, length, vrow, TP, B, DENSE)  # [TP, B]
+        ok = tl.reshape(ok2, [TP * B])
+        slot = tl.reshape(slot2, [TP * B])
+        inside = tl.reshape(inside2, [TP * B])
         seen += ok.to(tl.int32)
 
-        # keys: codes and their group's per-channel scale and zero below qk, the tail from qk on
+        # keys: codes times their group's per-channel scale plus its zero below qk, the tail from qk on
         kq = inside & (slot < qk)
         kf = inside & (slot >= qk)
         codes = tl.load(kcb + slot[:, None] * kc_st + cp[None, :], mask=kq[:, None], other=0)
-        grp = ksb + (slot // QG)[:, None] * ks_st + c[None, :]
-        ksc = tl.load(ks_ptr + grp, mask=kq[:, None], other=0.0).to(tl.float32)
-        kze = tl.load(kz_ptr + grp, mask=kq[:, None], other=0.0).to(tl.float32)
+        ksc, kze = _key_scales(ks_ptr, kz_ptr, ksb, ks_st, slot2, inside2 & (slot2 < qk), c, QG, TP, B, D)
         k_deq = _unpack(codes, BITS, TP * B, D).to(tl.float32) * ksc + kze
-        k_full = tl.load(ktb + (slot - qk)[:, None] * kt_st + c[None, :], mask=kf[:, None], other=0.0)
+        k_full = tl.load(ktb + _tail_index(slot, qk, RING)[:, None] * kt_st + c[None, :], mask=kf[:, None], other=0.0)
         k = tl.where(kq[:, None], k_deq.to(q.dtype), k_full.to(q.dtype))
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [GP, TP*B], base 2
         p, alpha, m, l = _softmax_tile(s, ok, m, l)
 
-        # values: codes and the per-slot scale and zero of each channel group below qv, the tail from qv
-        # on; padding and unwritten slots read as 0 (their p is 0, but 0 * NaN = NaN)
+        # values: codes times the per-slot scale plus the zero of each channel group below qv, the tail
+        # from qv on; padding and unwritten slots read as 0 (their p is 0, but 0 * NaN = NaN)
         vq = ok & (slot < qv)
         vf = ok & (slot >= qv)
         codes = tl.load(vcb + slot[:, None] * vc_st + cp[None, :], mask=vq[:, None], other=0)
-        grp = vsb + slot[:, None] * vs_st + (c // QG)[None, :]
+        NG: tl.constexpr = D // QG
+        grp = vsb + slot[:, None] * vs_st + tl.arange(0, NG)[None, :]  # [TP*B, NG]: one load a group
         vsc = tl.load(vs_ptr + grp, mask=vq[:, None], other=0.0).to(tl.float32)
         vze = tl.load(vz_ptr + grp, mask=vq[:, None], other=0.0).to(tl.float32)
-        v_deq = _unpack(codes, BITS, TP * B, D).to(tl.float32) * vsc + vze
-        v_full = tl.load(vtb + (slot - qv)[:, None] * vt_st + c[None, :], mask=vf[:, None], other=0.0)
+        v_deq = tl.reshape(_unpack(codes, BITS, TP * B, D).to(tl.float32), [TP * B, NG, QG])
+        v_deq = tl.reshape(v_deq * vsc[:, :, None] + vze[:, :, None], [TP * B, D])
+        v_full = tl.load(vtb + _tail_index(slot, qv, RING)[:, None] * vt_st + c[None, :], mask=vf[:, None], other=0.0)
         v = tl.where(vq[:, None], v_deq.to(q.dtype), v_full.to(q.dtype))
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
 
-    if COUNT:  # the real tokens this program attended
-        tl.atomic_add(count_ptr, tl.sum(seen, axis=0).to(tl.int64))
+    record_attended(
+        tl.sum(seen, axis=0), bb, hh, split, length, H, count_ptr, row_count_ptr, pad_ptr, COUNT, ROW_COUNT, CONTEXT
+    )
     _store_heads(
         acc, l, m, row, split, n_split, part_o_ptr, part_l_ptr, out_ptr, out_sb, out_sh, bb, hh, G, GP, D, SPLIT
     )
@@ -272,6 +333,9 @@ def quantized_attention(
     page_size: int,
     n_pages: int | None = None,
     counts: torch.Tensor | None = None,
+    row_counts: torch.Tensor | None = None,
+    pad: torch.Tensor | None = None,
+    ring: int = 0,
     splits: int | None = None,
     tile_pages: int | None = None,
     num_warps: int = 4,
@@ -284,7 +348,10 @@ def quantized_attention(
     ``n_pages``; ``quantized``: ``(qk, qv)`` as ints or an ``int32 [2]`` device tensor; ``slot_valid
     [b, cap]`` (False = padding), ``row_start`` int32 ``[b]``, ``length`` the slots written (int or
     ``int32 [1]``). ``counts`` (int64, optional): ``counts[0]`` grows by the real tokens attended, summed
-    over rows and KV heads (as `attend.sparse_attention`'s). ``tile_pages`` / ``num_stages``: pages a tile
+    over rows and KV heads; ``row_counts`` (int64 ``[b, 2]``) and ``pad`` (int32 ``[b]``): a static layer's
+    per-row statistics, as `attend.sparse_attention` keeps them. ``ring`` > 0: the tails are rings of
+    that many slots (slot ``s`` at ``s % ring``, a static layer's), else they start at slots ``qk`` / ``qv``.
+    ``tile_pages`` / ``num_stages``: pages a tile
     and software-pipeline stages, by default `launch_tiles`'s for the dtypes and head_dim. Returns the
     output in the query's shape and dtype.
     """
@@ -321,6 +388,13 @@ def quantized_attention(
         if t.shape[-1] > 1 and t.stride(-1) != 1:
             raise ValueError(f"quantized_attention: {name} must be contiguous in its last dim")
     G = hq // h
+    if pad is not None and (row_counts is None or counts is None):
+        raise ValueError("quantized_attention: pad (the cached-token statistics) needs counts and row_counts")
+    if ring < 0 or ring & (ring - 1) or (ring and (key_tail.shape[2] != ring or value_tail.shape[2] != ring)):
+        raise ValueError(
+            f"quantized_attention: ring must be 0 or a power of two, the tails' slots; got ring={ring} with "
+            f"tails of {key_tail.shape[2]} / {value_tail.shape[2]} slots"
+        )
     dense = pages is None
     if pages is None:
         if n_pages is None:
@@ -406,6 +480,8 @@ def quantized_attention(
             pps,
             splits,
             row_start if counts is None else counts,
+            row_start if row_counts is None else row_counts,
+            row_start if pad is None else pad,
             G=G,
             GP=max(16, next_pow2(G)),
             D=d,
@@ -417,6 +493,9 @@ def quantized_attention(
             DOT_PREC=dot_precision(q.dtype),
             DENSE=dense,
             COUNT=counts is not None,
+            ROW_COUNT=row_counts is not None,
+            CONTEXT=pad is not None,
+            RING=ring,
             num_warps=num_warps,
             num_stages=stages,
         )

@@ -11,11 +11,12 @@ import torch
 
 from ._common import as_length
 from .attend import sparse_attention
+from .attend_quant import quantized_attention
 from .rerank import rerank_pages
 from .score import SUMMARY_NAMES, score_pages, scores
 from .select import mark_lists, select_pages
 
-__all__ = ["SUMMARY_NAMES", "decode_step", "implements"]
+__all__ = ["SUMMARY_NAMES", "choose_pages", "decode_step", "implements", "quantized_decode_step"]
 
 #: Page sizes: the attention tiles need >= 4 tokens, the Jacobi eigensolver a power of two <= 32.
 _PAGE_SIZES = (4, 8, 16, 32)
@@ -63,24 +64,124 @@ def decode_step(
     ``"full"``).
     """
     length = as_length(length, query.device)  # one device tensor for the three kernels
-    b, h = query.shape[0], key_buf.shape[1]
-    rows = b * h
-    stats = dict(counts=counts, row_counts=row_counts, pad=pad)
+    pages = choose_pages(
+        method,
+        query,
+        heads=key_buf.shape[1],
+        keys=key_buf,
+        slot_valid=slot_valid,
+        row_start=row_start,
+        n_complete=n_complete,
+        length=length,
+        n_pages=n_pages,
+        slots=slots,
+        scale=scale,
+        page_size=page_size,
+        summary=summary,
+        basis_bits=basis_bits,
+        active_slots=active_slots,
+        selection=selection,
+        per_head=per_head,
+        rerank=rerank,
+    )
+    out = sparse_attention(
+        query,
+        key_buf,
+        value_buf,
+        pages,
+        n_pages=n_pages,
+        slot_valid=slot_valid,
+        row_start=row_start,
+        length=length,
+        scale=scale,
+        page_size=page_size,
+        counts=counts,
+        row_counts=row_counts,
+        pad=pad,
+    )
+    return out, _listed(pages, query.shape[0] * key_buf.shape[1], row_start)
+
+
+def quantized_decode_step(
+    method: str,
+    query: torch.Tensor,
+    packed: dict,
+    *,
+    n_complete: torch.Tensor,
+    n_pages: int,
+    slots: int,
+    scale: float,
+    summary: dict[str, torch.Tensor] | None = None,
+    basis_bits: int = 4,
+    counts: torch.Tensor | None = None,
+    active_slots: torch.Tensor | None = None,
+    row_counts: torch.Tensor | None = None,
+    pad: torch.Tensor | None = None,
+    selection: torch.Tensor | None = None,
+    per_head: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`decode_step` over KIVI-packed K/V: the pages chosen from the summaries as there (``"locks"`` /
+    ``"quest"``: scoring reads no key), attended by `attend_quant.quantized_attention`. ``packed`` holds
+    that function's storage arguments (codes, scales, zero points, tails, ``quantized``, ``bits``,
+    ``group``, ``ring``, ``slot_valid``, ``row_start``, ``length``, ``page_size``)."""
+    if method == "oracle":
+        raise ValueError("quantized_decode_step: the oracle reads every key; it selects on the reference path")
+    length = as_length(packed["length"], query.device)
+    packed = {**packed, "length": length}
+    heads = packed["key_codes"].shape[1]
+    pages = choose_pages(
+        method,
+        query,
+        heads=heads,
+        keys=None,
+        slot_valid=packed["slot_valid"],
+        row_start=packed["row_start"],
+        n_complete=n_complete,
+        length=length,
+        n_pages=n_pages,
+        slots=slots,
+        scale=scale,
+        page_size=packed["page_size"],
+        summary=summary,
+        basis_bits=basis_bits,
+        active_slots=active_slots,
+        selection=selection,
+        per_head=per_head,
+    )
+    out = quantized_attention(
+        query, pages, n_pages=n_pages, counts=counts, row_counts=row_counts, pad=pad, scale=scale, **packed
+    )
+    b, hq, d = query.shape[0], query.shape[1], query.shape[-1]
+    return out.reshape(b, 1, hq, d), _listed(pages, b * heads, packed["row_start"])
+
+
+def choose_pages(
+    method: str,
+    query: torch.Tensor,
+    *,
+    heads: int,
+    keys: torch.Tensor | None,
+    slot_valid: torch.Tensor,
+    row_start: torch.Tensor,
+    n_complete: torch.Tensor,
+    length: torch.Tensor,
+    n_pages: int,
+    slots: int,
+    scale: float,
+    page_size: int,
+    summary: dict[str, torch.Tensor] | None,
+    basis_bits: int,
+    active_slots: torch.Tensor | None,
+    selection: torch.Tensor | None,
+    per_head: bool,
+    rerank: int = 0,
+) -> torch.Tensor | None:
+    """Steps 1-2 of a decode step: the page lists ``[b*h, W]`` (``None`` for ``"full"``: every page),
+    marked in ``selection`` when given. ``keys`` (the key buffer) for the oracle and re-ranking."""
+    if rerank < 0:
+        raise ValueError(f"decode_step: rerank (candidates per page slot) must be >= 0, got {rerank}")
     if method == "full":
-        out = sparse_attention(
-            query,
-            key_buf,
-            value_buf,
-            None,
-            n_pages=n_pages,
-            slot_valid=slot_valid,
-            row_start=row_start,
-            length=length,
-            scale=scale,
-            page_size=page_size,
-            **stats,
-        )
-        return out, row_start.new_empty((rows, 0))
+        return None
     page_scores, partials = score_pages(
         method,
         query,
@@ -92,21 +193,19 @@ def decode_step(
         scale=scale,
         page_size=page_size,
         summary=summary,
-        keys=key_buf,
+        keys=keys,
         basis_bits=basis_bits,
     )
     where = dict(row_start=row_start, length=length, page_size=page_size)
-    if rerank < 0:
-        raise ValueError(f"decode_step: rerank (candidates per page slot) must be >= 0, got {rerank}")
     if rerank:
         # the short list: rerank * k candidates (+ the forced pages), at the budget in use
         wide = None if active_slots is None else active_slots * rerank + 2
         shortlist = select_pages(
-            page_scores, partials, slots=rerank * slots + 2, per_head=False, heads=h, active_slots=wide, **where
+            page_scores, partials, slots=rerank * slots + 2, per_head=False, heads=heads, active_slots=wide, **where
         )
         pages = rerank_pages(
             query,
-            key_buf,
+            keys,
             shortlist,
             page_scores,
             partials,
@@ -118,23 +217,16 @@ def decode_step(
         )
     else:
         pages = select_pages(
-            page_scores, partials, slots=slots, per_head=per_head, heads=h, active_slots=active_slots, **where
+            page_scores, partials, slots=slots, per_head=per_head, heads=heads, active_slots=active_slots, **where
         )
     if selection is not None:  # the selection keeps no mask of its own
-        _mark_attended(selection.view(rows, -1), pages)
-    out = sparse_attention(
-        query,
-        key_buf,
-        value_buf,
-        pages,
-        slot_valid=slot_valid,
-        row_start=row_start,
-        length=length,
-        scale=scale,
-        page_size=page_size,
-        **stats,
-    )
-    return out, pages
+        _mark_attended(selection.view(pages.shape[0], -1), pages)
+    return pages
+
+
+def _listed(pages: torch.Tensor | None, rows: int, like: torch.Tensor) -> torch.Tensor:
+    """The step's page lists, or an empty ``[rows, 0]`` for a dense step."""
+    return like.new_empty((rows, 0)) if pages is None else pages
 
 
 def _mark_attended(mask: torch.Tensor, pages: torch.Tensor) -> None:

@@ -2,8 +2,10 @@
 
 Dynamo cannot see inside a Triton launcher that picks tiles on the host; as custom ops with fake
 (shape-only) implementations, a decode step with the kernels traces into one graph and CUDA graphs
-capture the launches. Three ops: the decode step (score -> select -> attend), the summary build, and
-the in-place summary of the pages a decode step completes (`page_update`).
+capture the launches. The ops: the decode step (score -> select -> attend) over bf16 K/V and over
+KIVI-packed K/V, the attention over packed K/V alone, the summary build, the in-place summary of the
+pages a decode step completes (`page_update`) and a static quantized layer's per-step KIVI schedule
+(`kivi`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .build import build_summary, summary_shapes
-from .decode import decode_step
+from .decode import decode_step, quantized_decode_step
 from .page_update import update_completed_pages
 from .score import SUMMARY_NAMES
 from .select import page_list_width
@@ -130,9 +132,11 @@ def update_completed_pages_op(
     rank: int,
     basis_bits: int,
     n_complete: torch.Tensor | None,
+    ring: int = 0,
 ) -> None:
     """`page_update.update_completed_pages`: the summary (``SUMMARY_NAMES[method]``) written in place,
-    and ``n_complete`` unless it is ``None`` (required, for the reason `decode_step_op` gives)."""
+    and ``n_complete`` unless it is ``None`` (required, for the reason `decode_step_op` gives); ``ring``
+    > 0: ``key_buf`` is a static quantized layer's full-precision ring of that many slots."""
     update_completed_pages(
         method,
         key_buf,
@@ -144,15 +148,34 @@ def update_completed_pages_op(
         rank=rank,
         basis_bits=basis_bits,
         n_complete=n_complete,
+        ring=ring,
     )
 
 
 @update_completed_pages_op.register_fake
-def _(method, key_buf, slot_valid, row_start, length, summary, page_size, rank, basis_bits, n_complete):
+def _(method, key_buf, slot_valid, row_start, length, summary, page_size, rank, basis_bits, n_complete, ring=0):
     return None
 
 
-@torch.library.custom_op("locks_hf::quantized_attention", mutates_args=("counts",))
+#: The packed storage a quantized layer hands the kernels (`PagedLayer.packed_kv`), in the order the
+#: quantized-KV custom ops take its tensors.
+PACKED_TENSORS = (
+    "key_codes",
+    "key_scale",
+    "key_zero",
+    "value_codes",
+    "value_scale",
+    "value_zero",
+    "key_tail",
+    "value_tail",
+    "quantized",
+    "slot_valid",
+    "row_start",
+    "length",
+)
+
+
+@torch.library.custom_op("locks_hf::quantized_attention", mutates_args=("counts", "row_counts"))
 def quantized_attention_op(
     query: torch.Tensor,
     pages: torch.Tensor | None,
@@ -165,19 +188,23 @@ def quantized_attention_op(
     key_tail: torch.Tensor,
     value_tail: torch.Tensor,
     quantized: torch.Tensor,
-    bits: int,
-    group: int,
     slot_valid: torch.Tensor,
     row_start: torch.Tensor,
     length: torch.Tensor,
+    bits: int,
+    group: int,
     scale: float,
     page_size: int,
     counts: torch.Tensor | None,
+    row_counts: torch.Tensor | None,
+    pad: torch.Tensor | None,
     n_pages: int | None = None,
+    ring: int = 0,
 ) -> torch.Tensor:
     """`attend_quant.quantized_attention` (decode attention over KIVI-packed K/V); ``quantized`` is the
     ``int32 [2]`` device tensor ``(qk, qv)`` and ``length`` the ``int32 [1]`` one; ``counts`` (int64 or
-    ``None``, required for the reason `decode_step_op` gives): ``counts[0]`` grows by the tokens attended."""
+    ``None``, required for the reason `decode_step_op` gives): ``counts[0]`` grows by the tokens attended;
+    ``row_counts`` / ``pad``: a static layer's per-row statistics; ``ring``: the tails' ring size (0: none)."""
     from .attend_quant import quantized_attention
 
     return quantized_attention(
@@ -201,13 +228,94 @@ def quantized_attention_op(
         page_size=page_size,
         n_pages=n_pages,
         counts=counts,
+        row_counts=row_counts,
+        pad=pad,
+        ring=ring,
     )
 
 
 @quantized_attention_op.register_fake
+def _(query, pages, *args, n_pages=None, ring=0):
+    return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("locks_hf::quantized_decode_step", mutates_args=("counts", "row_counts", "selection"))
+def quantized_decode_step_op(
+    method: str,
+    query: torch.Tensor,
+    key_codes: torch.Tensor,
+    key_scale: torch.Tensor,
+    key_zero: torch.Tensor,
+    value_codes: torch.Tensor,
+    value_scale: torch.Tensor,
+    value_zero: torch.Tensor,
+    key_tail: torch.Tensor,
+    value_tail: torch.Tensor,
+    quantized: torch.Tensor,
+    slot_valid: torch.Tensor,
+    row_start: torch.Tensor,
+    length: torch.Tensor,
+    bits: int,
+    group: int,
+    ring: int,
+    page_size: int,
+    n_complete: torch.Tensor,
+    summary: list[torch.Tensor],
+    n_pages: int,
+    slots: int,
+    scale: float,
+    basis_bits: int,
+    counts: torch.Tensor,
+    active_slots: torch.Tensor | None,
+    row_counts: torch.Tensor | None,
+    pad: torch.Tensor | None,
+    selection: torch.Tensor | None,
+    per_head: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`decode.quantized_decode_step`: `decode_step_op` over a quantized layer's packed storage (the
+    tensors of `PACKED_TENSORS`, then ``bits``, ``group``, ``ring``, ``page_size``)."""
+    packed = dict(
+        zip(
+            PACKED_TENSORS,
+            (
+                key_codes,
+                key_scale,
+                key_zero,
+                value_codes,
+                value_scale,
+                value_zero,
+                key_tail,
+                value_tail,
+                quantized,
+                slot_valid,
+                row_start,
+                length,
+            ),
+        )
+    )
+    return quantized_decode_step(
+        method,
+        query,
+        {**packed, "bits": bits, "group": group, "ring": ring, "page_size": page_size},
+        n_complete=n_complete,
+        n_pages=n_pages,
+        slots=slots,
+        scale=scale,
+        summary=dict(zip(SUMMARY_NAMES.get(method, ()), summary)),
+        basis_bits=basis_bits,
+        counts=counts,
+        active_slots=active_slots,
+        row_counts=row_counts,
+        pad=pad,
+        selection=selection,
+        per_head=per_head,
+    )
+
+
+@quantized_decode_step_op.register_fake
 def _(
+    method,
     query,
-    pages,
     key_codes,
     key_scale,
     key_zero,
@@ -217,14 +325,96 @@ def _(
     key_tail,
     value_tail,
     quantized,
-    bits,
-    group,
     slot_valid,
     row_start,
     length,
-    scale,
+    bits,
+    group,
+    ring,
     page_size,
+    n_complete,
+    summary,
+    n_pages,
+    slots,
+    scale,
+    basis_bits,
     counts,
-    n_pages=None,
+    active_slots,
+    row_counts,
+    pad,
+    selection,
+    per_head,
 ):
-    return torch.empty_like(query, memory_format=torch.contiguous_format)
+    b, hq, d = query.shape[0], query.shape[1], query.shape[-1]
+    h = key_codes.shape[1]
+    width = 0 if method == "full" else page_list_width(per_head, slots, hq // h)
+    return query.new_empty((b, 1, hq, d)), query.new_empty((b * h, width), dtype=torch.int32)
+
+
+@torch.library.custom_op(
+    "locks_hf::kivi_append",
+    mutates_args=(
+        "key_ring",
+        "value_ring",
+        "key_codes",
+        "key_scale",
+        "key_zero",
+        "value_codes",
+        "value_scale",
+        "value_zero",
+        "quantized",
+        "counter",
+    ),
+)
+def kivi_append_op(
+    new_keys: torch.Tensor,
+    new_values: torch.Tensor,
+    key_ring: torch.Tensor,
+    value_ring: torch.Tensor,
+    key_codes: torch.Tensor,
+    key_scale: torch.Tensor,
+    key_zero: torch.Tensor,
+    value_codes: torch.Tensor,
+    value_scale: torch.Tensor,
+    value_zero: torch.Tensor,
+    slot_valid: torch.Tensor,
+    row_start: torch.Tensor,
+    length: torch.Tensor,
+    quantized: torch.Tensor,
+    counter: torch.Tensor,
+    bits: int,
+    group: int,
+    residual: int,
+    page_size: int,
+    post: bool,
+) -> None:
+    """`kivi.kivi_append`: KIVI's decode-step schedule on a static quantized layer's buffers, in place."""
+    from .kivi import kivi_append
+
+    kivi_append(
+        new_keys,
+        new_values,
+        key_ring=key_ring,
+        value_ring=value_ring,
+        key_codes=key_codes,
+        key_scale=key_scale,
+        key_zero=key_zero,
+        value_codes=value_codes,
+        value_scale=value_scale,
+        value_zero=value_zero,
+        slot_valid=slot_valid,
+        row_start=row_start,
+        length=length,
+        quantized=quantized,
+        counter=counter,
+        bits=bits,
+        group=group,
+        residual=residual,
+        page_size=page_size,
+        post=post,
+    )
+
+
+@kivi_append_op.register_fake
+def _(*args):
+    return None

@@ -74,10 +74,13 @@ def _page_update_kernel(
     SWEEPS: tl.constexpr,
     QUEST: tl.constexpr,
     N_COMPLETE: tl.constexpr,
+    RING: tl.constexpr,
 ):
     """Program ``(row, head)``: summary of the row's just-completed page into ``s0..s5`` (the buffers
     of ``SUMMARY_NAMES``, contiguous ``[b, H, P, ...]``), nothing when no page has just completed;
-    with ``N_COMPLETE`` head 0 also writes the row's complete pages (what the scoring reads next)."""
+    with ``N_COMPLETE`` head 0 also writes the row's complete pages (what the scoring reads next). With
+    ``RING`` the keys are a ring of that many slots (slot ``s`` at ``s % RING``: a static quantized
+    layer's full-precision tail, which holds every slot of a page until it is summarized)."""
     prog = tl.program_id(0)
     bb = (prog // H).to(tl.int64)
     hh = prog % H
@@ -95,7 +98,8 @@ def _page_update_kernel(
     c = tl.arange(0, D)
     slot = rs + page * B + t
     ok = (t < B) & slot_ok(valid_ptr + bb * valid_sb, slot, length)
-    keys = tl.load(k_ptr + bb * k_sb + hh * k_sh + slot[:, None] * k_st + c[None, :], mask=ok[:, None], other=0.0)
+    at = slot % RING if RING else slot
+    keys = tl.load(k_ptr + bb * k_sb + hh * k_sh + at[:, None] * k_st + c[None, :], mask=ok[:, None], other=0.0)
     if QUEST:
         tl.store(s0 + lin * D + c, tl.max(tl.where(ok[:, None], keys, float("-inf")), axis=0))
         tl.store(s1 + lin * D + c, tl.min(tl.where(ok[:, None], keys, float("inf")), axis=0))
@@ -184,6 +188,7 @@ def update_completed_pages(
     basis_bits: int,
     num_warps: int | None = None,
     n_complete: torch.Tensor | None = None,
+    ring: int = 0,
 ) -> None:
     """Summarize, in place, each (row, KV head)'s page that the newest token completed.
 
@@ -196,6 +201,8 @@ def update_completed_pages(
     of ``B``; every other page, and every other row, is left as it was. No host synchronisation.
     ``n_complete`` (int32 ``[b]``, optional): overwritten with each row's complete pages,
     ``max(length - row_start, 0) // B`` (so that a decode step needs no launch of its own for it).
+    ``ring`` > 0: ``key_buf [b, h, ring, d]`` is a ring holding slot ``s`` at ``s % ring`` (a static
+    quantized layer's full-precision tail); the summaries keep the capacity's page axis.
     """
     if method not in SUMMARY_NAMES:
         raise ValueError(f"update_completed_pages: unknown method {method!r}")
@@ -224,6 +231,8 @@ def update_completed_pages(
         )
     if method == "locks" and (basis_bits not in (2, 4, 8) or rank < 1):
         raise ValueError(f"update_completed_pages: basis_bits in (2, 4, 8) and rank >= 1, got {basis_bits}, {rank}")
+    if ring < 0 or ring & (ring - 1) or (ring and key_buf.shape[2] != ring):
+        raise ValueError(f"update_completed_pages: ring must be 0 or the power-of-two slots of key_buf, got {ring}")
     if row_start.dtype != torch.int32 or length.dtype != torch.int32 or length.numel() != 1:
         raise ValueError("update_completed_pages: row_start int32 [b] and length int32 [1] tensors")
     P = summary[0].shape[2] if summary and summary[0].dim() > 2 else 0
@@ -260,5 +269,6 @@ def update_completed_pages(
             SWEEPS=default_sweeps(B),
             QUEST=not locks,
             N_COMPLETE=n_complete is not None,
+            RING=ring,
             num_warps=num_warps,
         )

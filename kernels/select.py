@@ -313,9 +313,15 @@ def mark_lists(mask: torch.Tensor, pages: torch.Tensor, block: int = 4096) -> to
     return mask
 
 
-def chunk_size(n_pages: int, kp: int, max_chunks: int = 16) -> int:
-    """Pages per first-stage program: at most ``max_chunks`` chunks per row, at least ``kp`` pages."""
-    return max(256, kp, next_pow2(triton.cdiv(n_pages, max_chunks)))
+def chunk_size(n_pages: int, kp: int, chunks: int = 16) -> int:
+    """Pages per first-stage program: the power of two at or below ``n_pages / chunks`` (so about
+    ``chunks`` to ``2 * chunks`` chunks a row), at least 256 and ``kp`` pages.
+
+    Rounded down, not up: a cache a few pages past a power of two (a prompt plus headroom) would
+    otherwise get chunks twice as long and half as many programs (32,773 pages: 4,096-page chunks
+    and 9 programs a row, against 2,048 and 16 at 32,768)."""
+    per = max(1, n_pages // chunks)
+    return max(256, kp, 1 << (per.bit_length() - 1))
 
 
 def page_list_width(per_head: bool, slots: int, group: int) -> int:
@@ -337,6 +343,7 @@ def select_pages(
     chunk: int | None = None,
     active_slots: torch.Tensor | None = None,
     num_warps: int | None = None,
+    partial_block: int = 64,
 ) -> torch.Tensor:
     """Page lists ``[b*h, W]`` int32 (``SENTINEL``-padded) from ``score_pages``' outputs.
 
@@ -348,7 +355,8 @@ def select_pages(
     lists keep width ``W`` of ``slots``, padded); read by the kernels, so a captured graph serves
     every budget up to ``slots``.
 
-    ``chunk``: pages per first-stage program; ``num_warps`` of that launch.
+    ``chunk``: pages per first-stage program; ``num_warps`` of that launch; ``partial_block``: scoring
+    partials each of its programs folds per step (a power of two).
     """
     if scores.dim() != 3 or scores.dtype != torch.float32 or partials.dtype != torch.float32 or partials.dim() != 4:
         raise ValueError(
@@ -397,7 +405,7 @@ def select_pages(
         B=page_size,
         CH=CH,
         KP=KP,
-        NBP=64,
+        NBP=partial_block,
         num_warps=num_warps or (4 if CH <= 1024 else 8),
     )
     _select_merge_kernel[(vrows,)](

@@ -106,6 +106,9 @@ def locks_attention_forward(
         if q_len == 1:
             real = layer.real_tokens() * key.shape[1]
             layer.record_step(real, real)
+        if attention_mask is not None and attention_mask.shape[-1] > key.shape[-2]:
+            # a static mask spans the capacity; a quantized static layer hands a prefill only its written slots
+            attention_mask = attention_mask[..., : key.shape[-2]]
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )

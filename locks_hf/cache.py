@@ -24,6 +24,7 @@ from .compat import find_first_full_attention_index, get_layer_types_and_kwargs
 from .config import LocksConfig, LocksConfigError
 from .dynamic_layer import LocksLayer
 from .fork import copied_layer, dynamic_layers
+from .kv_quant import same_kv
 from .layout import (
     CapacityPlan,
     build_static_layers,
@@ -234,6 +235,11 @@ class LocksCache(LocksCacheMixin, DynamicCache):
                     check_head_dim(locks, layer.keys.shape[-1])
         clone.locks_config = locks or self.locks_config
         refusal = None if self._plan is None else config_refusal(clone.locks_config, self._layer_types)
+        if refusal is None and self._plan is not None and not same_kv(self.locks_config, clone.locks_config):
+            refusal = (
+                f"kv_bits={clone.locks_config.kv_bits}: a static layer keeps the KV storage it was created with "
+                f"(kv_bits={self.locks_config.kv_bits})"
+            )
         if self._plan is not None and refusal is None:
             clone._plan = copy.copy(self._plan)
             width = page_slots_width(clone.locks_config, self.max_budget)

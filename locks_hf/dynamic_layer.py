@@ -299,8 +299,15 @@ class LocksLayer(DynamicLayer, PolicyInputs, PagedLayer):
         if self._summary_shared:  # copy on write: the other holder keeps its own pages
             self.summary, self._summary_shared = {n: t.clone() for n, t in self.summary.items()}, False
         # Pages past a row's target are incomplete there: written now, summarized again once complete.
+        # Pages a row had summarized keep their summary: built once, from the keys as they were then
+        # (a quantized layer's "post" summaries come from keys that may be quantized by now).
+        fresh = (
+            torch.arange(lo, hi, device=self.device)[None, :]
+            >= torch.tensor(self.n_summarized, device=self.device)[:, None]
+        )
         for name, tensor in new.items():
-            self.summary[name][:, :, lo:hi] = tensor
+            keep = fresh.view(b, 1, hi - lo, *([1] * (tensor.dim() - 3)))
+            self.summary[name][:, :, lo:hi] = torch.where(keep, tensor, self.summary[name][:, :, lo:hi])
         self.n_summarized = target
 
     def summary_view(self) -> dict[str, torch.Tensor]:

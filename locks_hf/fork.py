@@ -32,6 +32,14 @@ def copied_layer(layer, locks: LocksConfig | None, width: int | None):
 def dynamic_copy(layer: PagedLayer, locks: LocksConfig, length: int) -> LocksLayer:
     """A dynamic layer holding the first ``length`` slots of ``layer`` (a static one), decoding with
     ``locks``: quantized KV is a full-precision copy quantized as `LocksCache.fork` does."""
+    if layer.packed_kv() is not None:
+        from .errors import LocksConfigError
+
+        raise LocksConfigError(
+            "this cache's K/V are stored quantized in the static layout, which cannot be converted to the "
+            f"dynamic layout that {locks.label} needs: fork it with settings the static layout serves, or "
+            "prefill a LocksCache(..., layout='dynamic') for them"
+        )
     if locks.kv_bits != 16:
         return to_quantized(LocksLayer.from_paged(layer, full_precision(locks), length), locks)
     return LocksLayer.from_paged(layer, locks, length)

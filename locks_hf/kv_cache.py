@@ -41,6 +41,7 @@ from .kv_quant import (
     check_kv_head_dim,
     dequantize_keys,
     dequantize_values,
+    due_counts,
     full_precision,
     kv_token_bytes,
     quantize_keys,
@@ -261,16 +262,18 @@ class QuantizedLocksLayer(LocksLayer):
         """Quantize what KIVI holds quantized once ``done`` tokens have been attended: keys in whole
         chunks of ``kv_residual``, values all but the last ``kv_residual``."""
         cfg = self.config
-        G, R, B = cfg.kv_group, cfg.kv_residual, cfg.page_size
-        keys_to = done // R * R
+        bound = None
         if cfg.summary_from == "post" and self._summaries_from_keys():
             # never before the page is summarized from its full-precision keys (binds for padded rows only)
-            unsummarized = min((s + n * B for s, n in zip(self.row_start, self.n_summarized)), default=0)
-            keys_to = min(keys_to, unsummarized // G * G)
+            B = cfg.page_size
+            bound = min((s + n * B for s, n in zip(self.row_start, self.n_summarized)), default=0)
+        keys_to, values_to = due_counts(
+            done, (self._qk, self._qv), residual=cfg.kv_residual, group=cfg.kv_group, first_unsummarized=bound
+        )
         if keys_to > self._qk:
             self._quantize_keys(keys_to)
-        if done - R > self._qv:
-            self._quantize_values(done - R)
+        if values_to > self._qv:
+            self._quantize_values(values_to)
 
     def _quantize_keys(self, upto: int) -> None:
         cfg, qk = self.config, self._qk

@@ -100,6 +100,24 @@ def check_kv_head_dim(config, head_dim: int, value_dim: int | None = None) -> No
             )
 
 
+def due_counts(length, quantized, *, residual: int, group: int, first_unsummarized=None):
+    """KIVI's schedule: ``(keys_to, values_to)``, the slots below which keys and values are quantized once
+    ``length`` tokens have been attended, given the counts ``quantized = (qk, qv)`` so far. Keys go in
+    whole chunks of ``residual`` (``length // residual * residual``), held (for summaries built from the
+    full-precision keys) at ``first_unsummarized``, the first slot of a page some row has not summarized
+    yet, rounded down to a group; values all but the last ``residual``. Never below what is quantized.
+    Host ints, or device tensors (a static layer's: no synchronisation)."""
+    qk, qv = quantized
+    keys_to = length // residual * residual
+    if torch.is_tensor(length):
+        if first_unsummarized is not None:
+            keys_to = torch.minimum(keys_to, first_unsummarized // group * group)
+        return torch.maximum(keys_to, qk), torch.maximum(length - residual, qv)
+    if first_unsummarized is not None:
+        keys_to = min(keys_to, first_unsummarized // group * group)
+    return max(keys_to, qk), max(length - residual, qv)
+
+
 def full_precision(config):
     """``config`` with the quantization fields at their defaults (the K/V kept in their dtype)."""
     return config.replace(**KV_DEFAULTS)

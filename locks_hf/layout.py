@@ -32,6 +32,7 @@ from .backends import KERNELS_ENV, kernels_available, kernels_enabled
 from .buffers import mark_static, resized
 from .config import LocksConfig
 from .selectors import static_selector_names
+from .static_kv_layer import static_refusal  # (also registers the quantized static layer)
 from .static_layer import LocksStaticLayer
 
 logger = logging.getLogger(__name__)
@@ -53,11 +54,9 @@ def config_refusal(locks: LocksConfig, layer_types: list[str] | None) -> str | N
             f"selector {locks.selector!r} keeps state beyond its pages (static layout supports "
             f"{', '.join(static_selector_names())})"
         )
-    if locks.kv_bits != 16:
-        return (
-            f"kv_bits={locks.kv_bits}: quantized KV is stored by the dynamic layout only (the static layout "
-            "keeps full-precision buffers)"
-        )
+    quantized = static_refusal(locks)
+    if quantized:
+        return quantized
     if locks.min_context:
         return (
             f"min_context={locks.min_context}: a static graph cannot switch between dense and sparse "

@@ -166,6 +166,10 @@ class PagedLayer(ABC):
         """True when no row is padded, known on the host (then every page is a view of the buffer)."""
         return False
 
+    #: The static layout's layer: its decode step is one static graph whose launches keep the layer's
+    #: bookkeeping (`kernel_buffers`).
+    static_layout = False
+
     # -- statistics -----------------------------------------------------------------------------------
     #: Decode steps and estimation bytes counted on the host (`decode_traffic`); a static layer,
     #: whose steps run in a compiled graph, keeps no host count.

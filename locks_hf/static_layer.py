@@ -36,7 +36,7 @@ from transformers.utils import is_torchdynamo_compiling
 from .buffers import mark_static, resized
 from .config import LocksConfig
 from .errors import LocksConfigError
-from .kv_quant import refuse_quantized
+from .kv_quant import check_same_kv
 from .paged import PagedLayer, pages_to_mask, slot_validity
 from .selectors import make_selector, static_selector_names
 
@@ -48,8 +48,22 @@ logger = logging.getLogger(__name__)
 class LocksStaticLayer(StaticLayer, PagedLayer):
     """One full-attention layer of `LocksStaticCache`: K/V of ``max_cache_len`` slots plus page summaries."""
 
+    #: The ``kv_bits`` this class stores (`locks_hf.static_kv_layer` declares the quantized ones).
+    stored_kv_bits: tuple[int, ...] = (16,)
+    static_layout = True
+
+    def __new__(cls, max_cache_len: int = 0, config: LocksConfig | None = None, *args, **kwargs):
+        # as `LocksLayer.__new__`: quantized KV settings make the layer the subclass that stores them
+        if cls is LocksStaticLayer and config is not None and config.kv_bits not in cls.stored_kv_bits:
+            storing = [sub for sub in LocksStaticLayer.__subclasses__() if config.kv_bits in sub.stored_kv_bits]
+            if not storing:
+                raise LocksConfigError(f"no static Locks layer stores kv_bits={config.kv_bits}")
+            cls = storing[0]
+        return super().__new__(cls)
+
     def __init__(self, max_cache_len: int, config: LocksConfig, max_slots: int | None = None, **kwargs) -> None:
-        refuse_quantized(config, "LocksStaticCache")
+        if config.kv_bits not in self.stored_kv_bits:
+            raise LocksConfigError(f"{type(self).__name__} does not store kv_bits={config.kv_bits}")
         B = config.page_size
         super().__init__(max_cache_len=-(-max_cache_len // B) * B)
         self.config = config
@@ -68,7 +82,7 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
 
     # -- storage ---------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
+        self._init_kv(key_states, value_states)
         b, h, _, d = key_states.shape
         dev = self.device
         P = self.num_pages
@@ -86,10 +100,17 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         if not is_torchdynamo_compiling():
             self._mark_static()
 
+    def _init_kv(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """The K/V storage (transformers' static buffers of ``max_cache_len`` slots)."""
+        super().lazy_initialization(key_states, value_states)
+
+    def _kv_tensors(self) -> list[torch.Tensor]:
+        """The K/V storage, batch axis first (what growth, forks and beam reorders carry)."""
+        return [self.keys, self.values]
+
     def _mark_static(self) -> None:
         mark_static(
-            self.keys,
-            self.values,
+            *self._kv_tensors(),
             self.cumulative_length,
             *self._row_state().values(),
             self.length_t,
@@ -237,6 +258,12 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         return query_len > 1 or (self.selector is None and not self.backend.decodes_densely)
 
     def _prefill(self, attention_mask: torch.Tensor | None, query_len: int) -> None:
+        self._read_padding(attention_mask, query_len)
+        self._sync_complete()
+        self._summarize_pages(0)
+
+    def _read_padding(self, attention_mask: torch.Tensor | None, query_len: int) -> None:
+        """A multi-token forward's padding (from the mask) into ``slot_valid``, ``row_start`` and ``pad``."""
         # Eager (transformers never compiles prefill): host values are fine here.
         end = int(self.cumulative_length)
         if attention_mask is not None:
@@ -247,8 +274,6 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         slots = torch.arange(end, device=self.device)
         self.row_start.copy_(torch.where(self.slot_valid[:, :end], slots, end).amin(-1).to(torch.int32))
         self.pad.copy_((~self.slot_valid[:, :end]).sum(-1))
-        self._sync_complete()
-        self._summarize_pages(0)
 
     def _sync_complete(self) -> None:
         """``n_complete`` for the current length (eagerly; during decode the page update keeps it)."""
@@ -293,8 +318,7 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
             return
         cap, P = self.max_cache_len, self.max_cache_len // B
         pick = (lambda t: t.index_select(0, rows.to(t.device))) if rows is not None else (lambda t: t)
-        self.keys = resized(pick(self.keys), 2, cap)
-        self.values = resized(pick(self.values), 2, cap)
+        self._resize_kv(pick, cap)
         self.batch_size = self.keys.shape[0]
         self.slot_valid = resized(pick(self.slot_valid), 1, cap, fill=True)
         self.row_start, self.pad, self.row_counts, self.n_complete = (
@@ -312,6 +336,11 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         for summary, _ in self._stored_layouts.values():
             mark_static(*summary.values())
         self.refresh_backend()
+
+    def _resize_kv(self, pick, capacity: int) -> None:
+        """New K/V buffers of ``capacity`` slots holding the rows ``pick`` takes."""
+        self.keys = resized(pick(self.keys), 2, capacity)
+        self.values = resized(pick(self.values), 2, capacity)
 
     def fork(self, config: LocksConfig | None = None, max_slots: int | None = None) -> LocksStaticLayer:
         """An independent copy (fresh buffers) that decodes with ``config`` (see `set_config`: the
@@ -352,8 +381,7 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         idx = beam_idx.to(self.device)
         stored = [t for summary, _ in self._stored_layouts.values() for t in summary.values()]
         for t in (
-            self.keys,
-            self.values,
+            *self._kv_tensors(),
             self.slot_valid,
             self.row_start,
             self.pad,
@@ -414,7 +442,7 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
                 f"set_config: page_size {config.page_size} differs from the cache's {self.config.page_size}; "
                 "the page grid is fixed at creation"
             )
-        refuse_quantized(config, "LocksStaticCache")
+        check_same_kv(self.config, config)
         if config.selector not in static_selector_names() or config.min_context:
             raise LocksConfigError(
                 f"set_config: LocksStaticCache supports selector in {static_selector_names()} with "

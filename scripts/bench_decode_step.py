@@ -36,6 +36,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
 from locks_hf import LocksCache, LocksConfig, LocksStaticCache, traffic
+from locks_hf.kv_quant import kv_token_bytes
 from locks_hf.selectors import config_for_family, make_selector
 
 SHAPES = {
@@ -59,13 +60,13 @@ SHAPES = {
         head_dim=128,
         vocab_size=151552,
     ),
-    "tiny": dict(
+    "tiny": dict(  # (head_dim 32: quantized-KV arms need a value group of 32 channels)
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=32,
         vocab_size=256,
     ),
 }
@@ -116,12 +117,13 @@ def make_arm(name: str, budget: int) -> LocksConfig:
 def read_bytes_per_step(locks: LocksConfig, config, context: int, dtype: torch.dtype) -> int | None:
     """Bytes one decode step reads from the cache over all layers and KV heads, from the arm's rule
     (``None`` for the token-level baselines): dense K/V; or the scored pages' summaries (the oracle:
-    every key), the keys of a re-ranked short list and the K/V of the ``k`` attended pages."""
+    every key), the keys of a re-ranked short list and the K/V of the ``k`` attended pages, at their
+    stored size (packed codes with their scales and zero points for quantized KV)."""
     h, d, n = config.num_key_value_heads, config.head_dim, config.num_hidden_layers
-    token = d * torch.finfo(dtype).bits // 8  # one token's key (or value)
+    key, value = kv_token_bytes(locks, d, d, torch.finfo(dtype).bits // 8)  # one token's stored key, value
     selector = make_selector(locks)
     if selector is None:
-        return n * h * traffic.attended_kv_bytes(context, token, token)
+        return n * h * traffic.attended_kv_bytes(context, key, value)
     if selector.token_level:
         return None
     B = locks.page_size
@@ -129,9 +131,9 @@ def read_bytes_per_step(locks: LocksConfig, config, context: int, dtype: torch.d
     reads = traffic.selection_reads(selector, pages, context, B)
     probe = selector.summarize(torch.zeros(1, 1, 1, B, d, dtype=dtype), torch.ones(1, 1, 1, B, dtype=torch.bool))
     estimate = traffic.selection_read_bytes(
-        reads, pages * sum(t.numel() * t.element_size() for t in probe.values()), token
+        reads, pages * sum(t.numel() * t.element_size() for t in probe.values()), key
     )
-    return n * h * (estimate + traffic.attended_kv_bytes(locks.page_slots * B, token, token))
+    return n * h * (estimate + traffic.attended_kv_bytes(locks.page_slots * B, key, value))
 
 
 def make_cache(graphs: str, config, name: str, locks: LocksConfig, capacity: int):
@@ -267,7 +269,10 @@ def main(argv=None) -> None:
             capacity = ctx + args.warmup + args.steps + 64
             shared = None
             for name, locks in arms.items():
-                if args.graphs == "none":  # one dynamic cache, re-configured per arm
+                if args.graphs == "none" and locks.kv_bits != 16:  # quantized KV: a cache of its own
+                    cache = make_cache("none", config, name, locks, capacity)
+                    synthetic_prefill(cache, config, ctx, device, dtype)
+                elif args.graphs == "none":  # one dynamic cache, re-configured per arm
                     if shared is None:
                         shared = make_cache("none", config, "full", make_arm("full", args.budget), capacity)
                         synthetic_prefill(shared, config, ctx, device, dtype)
@@ -302,7 +307,7 @@ def main(argv=None) -> None:
                 print(rows[-1]["context"], name, f"{med:.2f} ms", f"replay diff {diff}", flush=True)
                 if args.profile and device.type == "cuda":
                     rows[-1]["profile"] = profile_step(stepper, args.profile)
-                if args.graphs == "none":
+                if args.graphs == "none" and cache is shared:
                     cache.reset_stats()
                     cache.crop(
                         -(args.steps + args.warmup + args.profile)

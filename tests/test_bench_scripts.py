@@ -36,7 +36,7 @@ def test_bench_decode_step_runs_on_cpu(tmp_path):
             "--budget",
             "64",
             "--arms",
-            "full,r4i4,quest",
+            "full,r4i4,quest,r4i4+kv4-post",
             "--steps",
             "2",
             "--warmup",
@@ -46,10 +46,44 @@ def test_bench_decode_step_runs_on_cpu(tmp_path):
         ]
     )
     rows = {r["arm"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"full", "r4i4", "quest"}
+    assert set(rows) == {"full", "r4i4", "quest", "r4i4+kv4-post"}
     assert rows["full"]["attended"] == 1.0
     assert 0.0 < rows["r4i4"]["attended"] < 0.5  # b = 64 of 512 tokens: the step was sparse
     assert all(r["median_ms"] > 0 and len(r["all_ms"]) == 2 for r in rows.values())
+    # 4-bit KV: the attended K/V read at their packed size (codes, scales and zero points: 5/16 of bf16)
+    kv = rows["r4i4+kv4-post"]["read_bytes"] - rows["r4i4"]["read_bytes"]
+    assert kv < 0
+
+
+def test_bench_throughput_runs_on_cpu(tmp_path):
+    """scripts/bench_throughput.py: the synthetic fill, the batch, the step and the table (tiny model, CPU)."""
+    out = tmp_path / "throughput.json"
+    _load("bench_throughput").main(
+        [
+            "--shape",
+            "tiny",
+            "--device",
+            "cpu",
+            "--contexts",
+            "512",
+            "--budget",
+            "64",
+            "--arms",
+            "full,r4i4,r4i4+kv4-post",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--max-batch",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
+    rows = {r["arm"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"full", "r4i4", "r4i4+kv4-post"}
+    assert all(r["batch"] == 2 and r["tokens_per_s"] > 0 and len(r["all_ms"]) == 2 for r in rows.values())
+    assert rows["full"]["attended"] == 1.0 and 0 < rows["r4i4+kv4-post"]["attended"] < 0.5
 
 
 def test_bench_generate_runs_on_cpu(tmp_path):

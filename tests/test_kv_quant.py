@@ -519,12 +519,17 @@ def test_refusals_name_the_option():
         LocksCache(model.config, LocksConfig(kv_bits=4))
     model = tiny("llama", head_dim=32)
     cfg = LocksConfig(kv_bits=4, kv_residual=32)
+    pre = cfg.replace(summary_from="pre")  # the static layout builds summaries before quantization only
     for make in (
-        lambda: LocksStaticCache(model.config, 512, cfg),
-        lambda: LocksCache(model.config, cfg, layout="static"),
+        lambda: LocksStaticCache(model.config, 512, pre),
+        lambda: LocksCache(model.config, pre, layout="static"),
     ):
-        with pytest.raises(LocksConfigError, match="kv_bits=4: quantized KV is stored by the dynamic layout only"):
+        with pytest.raises(LocksConfigError, match="summary_from='pre' on quantized KV.*layout='dynamic'"):
             make()
+    static = LocksStaticCache(model.config, 512, cfg)
+    model(_ids(100), past_key_values=static)
+    with pytest.raises(LocksConfigError, match="stored quantized in the static layout"):
+        static.fork(pre)  # a fork the static layout cannot serve would convert to the dynamic one
     cache = LocksCache(model.config, cfg)
     model(_ids(100), past_key_values=cache)
     for other in (LocksConfig(), cfg.replace(kv_bits=2), cfg.replace(summary_from="pre")):
@@ -630,8 +635,8 @@ def test_sweep_runs_quantized_arms_and_reports_them(tmp_path):
 
 
 def test_a_static_cache_forks_into_a_quantized_dynamic_one(caplog):
-    """The static layout stores no quantized KV: its fork for a quantized arm converts (logged) and decodes
-    as a fork of a dynamic prefill does."""
+    """A static layer keeps the KV storage it was created with: a fork for a quantized arm converts to the
+    dynamic layout (logged) and decodes as a fork of a dynamic prefill does."""
     model = tiny("llama", head_dim=32)
     ids = _ids(170)
     static = LocksStaticCache(model.config, 512, LocksConfig(selector="full"))
@@ -646,5 +651,5 @@ def test_a_static_cache_forks_into_a_quantized_dynamic_one(caplog):
             for f in forks
         ]
     assert not forks[0].is_static and all(isinstance(layer, QuantizedLocksLayer) for layer in forks[0].locks_layers)
-    assert "kv_bits=4: quantized KV is stored by the dynamic layout only" in caplog.text
+    assert "kv_bits=4: a static layer keeps the KV storage it was created with (kv_bits=16)" in caplog.text
     assert torch.equal(outs[0], outs[1])

@@ -233,3 +233,35 @@ def test_generate_matches_the_reference(as_if_cuda, monkeypatch):
     assert torch.equal(out.sequences, ref.sequences)
     assert rel(torch.stack(out.scores), torch.stack(ref.scores)) < 1e-5
     assert traffic == ref_traffic
+
+
+def test_the_static_layout_on_the_kernels_matches_the_reference(as_if_cuda, monkeypatch):
+    """A static quantized cache decoding on the kernels (the per-step write, the fused selection and
+    attention, the page update from the ring) gives the tokens, codes and statistics of the same cache
+    on the reference path, across a key group quantized during decode in a left-padded batch."""
+    from locks_hf import LocksStaticCache
+
+    model = tiny_model("llama", head_dim=64).to(DEV)
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(3, 256, (2, 90), generator=g).to(DEV)
+    mask = torch.ones_like(ids)
+    mask[1, :16] = 0
+    ids[1, :16] = 0
+    cfg = LocksConfig(selector="locks", budget=48, kv_bits=4, kv_group=32, kv_residual=32)
+    runs = {}
+    for env in ("1", "0"):
+        monkeypatch.setenv(KERNELS_ENV, env)
+        cache = LocksStaticCache(model.config, max_cache_len=110, locks=cfg)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12, do_sample=False)
+        layer = cache.locks_layers[0]
+        runs[env] = out, {lay.backend for lay in cache.locks_layers}, layer, cache.row_stats()
+    (out, backends, layer, stats), (ref, ref_backends, ref_layer, ref_stats) = runs["1"], runs["0"]
+    assert backends == {QUANTIZED_KERNEL} and ref_backends == {REFERENCE}
+    assert torch.equal(out, ref)
+    assert layer.quantized.tolist() == ref_layer.quantized.tolist() == [96, 68]  # (as of the last step's write)
+    for mine, theirs in zip(layer._kv_tensors(), ref_layer._kv_tensors()):
+        assert torch.equal(mine, theirs)
+    assert torch.equal(stats, ref_stats) and stats[:, 0].min() > 0

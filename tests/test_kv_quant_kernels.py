@@ -309,17 +309,24 @@ def test_a_quantized_layer_is_read_through_packed_kv():
 
     # the custom op takes the same keywords: wiring a decode step is one call
     counts = torch.zeros(2, dtype=torch.int64, device=DEV)
-    assert torch.equal(torch.ops.locks_hf.quantized_attention(q, pages, scale=0.3, counts=counts, **packed), got)
+    assert torch.equal(
+        torch.ops.locks_hf.quantized_attention(q, pages, scale=0.3, counts=counts, row_counts=None, pad=None, **packed),
+        got,
+    )
     assert counts[0] == int(ok.sum())
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode(allow_non_fake_inputs=True):
-        fake = torch.ops.locks_hf.quantized_attention(q, pages, scale=0.3, counts=None, **packed)
+        fake = torch.ops.locks_hf.quantized_attention(
+            q, pages, scale=0.3, counts=None, row_counts=None, pad=None, **packed
+        )
     assert fake.shape == got.shape and fake.dtype == got.dtype
     assert layer.packed_kv()["quantized"] is packed["quantized"]  # sent once while (qk, qv) stay
     # schema, fake tensor, autograd registration and the mutated counts
     torch.library.opcheck(
-        torch.ops.locks_hf.quantized_attention.default, (q, pages), dict(scale=0.3, counts=counts, **packed)
+        torch.ops.locks_hf.quantized_attention.default,
+        (q, pages),
+        dict(scale=0.3, counts=counts, row_counts=None, pad=None, **packed),
     )
 
 
@@ -401,3 +408,124 @@ def test_compiles_for_sm90_within_shared_memory():
     )
     assert run.returncode == 0, run.stdout + run.stderr[-2000:]
     assert run.stdout.count("ok  ") == 7, run.stdout
+
+
+# -- the static layout: the per-step write, rings --------------------------------------------------------------
+def _static_layer(bits, group, dtype, selector="locks", T=150, pads=(0, 11, 40), seed=0, d=64):
+    """A static quantized layer after a padded prefill of ``T`` slots (reference path), and the K/V of
+    later steps."""
+    from locks_hf.static_layer import LocksStaticLayer
+
+    b, h = len(pads), 2
+    g = torch.Generator().manual_seed(seed)
+    channel = torch.where(torch.rand(d, generator=g) < 0.1, 8.0, 1.0)
+    keys = (torch.randn(b, h, T + 80, d, generator=g) * channel + torch.randn(d, generator=g)).to(dtype).to(DEV)
+    values = (torch.randn(b, h, T + 80, d, generator=g) * 2).to(dtype).to(DEV)
+    valid = torch.ones(b, T, dtype=torch.bool, device=DEV)
+    for row, pad in enumerate(pads):
+        valid[row, :pad] = False
+    cfg = LocksConfig(selector=selector, budget=64, kv_bits=bits, kv_group=group, kv_residual=group)
+    layer = LocksStaticLayer(T + 100, cfg)
+    layer.update(keys[:, :, :T], values[:, :, :T])
+    layer.prepare(_padding_mask(valid), T)
+    return layer, keys, values
+
+
+def _state(layer):
+    return [t.clone() for t in (*layer._kv_tensors(), layer.quantized)]
+
+
+@pytest.mark.parametrize(
+    "bits,group,dtype",
+    [(4, 32, torch.float32), (2, 32, torch.bfloat16), (4, 64, torch.bfloat16), (2, 64, torch.float32)],
+)
+def test_the_append_kernel_writes_what_the_reference_writes(bits, group, dtype):
+    """`kernels.kivi.kivi_append` against `reference_append_kv`, step by step over slots where key groups
+    fall due (held by the padded rows' incomplete pages, "post") and one value a step: every buffer equal,
+    codes bit-exact (float64 arithmetic, the scales rounded to bf16 as torch rounds them)."""
+    import copy
+
+    from locks_hf.backends.reference import reference_append_kv
+    from locks_hf.kernels.kivi import kivi_append
+
+    T = 150
+    layer, keys, values = _static_layer(bits, group, dtype)
+    twin = copy.deepcopy(layer)
+    seen = set()
+    for i in range(T, T + 70):
+        k, v = keys[:, :, i : i + 1], values[:, :, i : i + 1]
+        s = layer.append_buffers()
+        kivi_append(
+            k,
+            v,
+            **{n: s[n] for n in ("key_codes", "key_scale", "key_zero", "value_codes", "value_scale", "value_zero")},
+            key_ring=s["key_tail"],
+            value_ring=s["value_tail"],
+            slot_valid=s["slot_valid"],
+            row_start=s["row_start"],
+            length=s["length"],
+            quantized=s["quantized"],
+            counter=s["counter"],
+            bits=bits,
+            group=group,
+            residual=group,
+            page_size=16,
+            post=True,
+        )
+        reference_append_kv(twin, k, v)
+        for mine, ref in zip(_state(layer), _state(twin)):
+            assert torch.equal(mine, ref), i
+        assert layer.counter.item() == 0
+        seen.add((i + 1, *layer.quantized.tolist()))  # (slots written, qk, qv)
+        for t in (layer, twin):
+            t.cumulative_length.add_(1)
+            t.length_t.add_(1)
+    qks = sorted({qk for _, qk, _ in seen})
+    assert len(qks) >= 2 and all(b - a == group for a, b in zip(qks, qks[1:]))  # key groups fell due
+    assert all(qv == n - 1 - group for n, _, qv in seen)  # a value a step
+    # the padded rows' incomplete pages held key groups back past length // residual * residual
+    assert any(qk < (n - 1) // group * group for n, qk, _ in seen)
+
+
+def test_the_ring_tails_read_as_offset_tails():
+    """Attention over tails held as rings (``ring``) equals attention over the same slots as tails that
+    start at ``qk`` / ``qv``; a page update from a ring equals one from a full key buffer."""
+    c = QuantCache(4, 32, "partial", seed=11)
+    ring = 128
+    kw = c.kwargs()
+    rings = {}
+    for name, first in (("key_tail", c.qk), ("value_tail", c.qv)):
+        tail = kw[name]
+        r = torch.full((c.b, c.h, ring, c.d), float("nan"), dtype=tail.dtype, device=tail.device)
+        slots = torch.arange(first, c.L)
+        r[:, :, slots % ring] = tail[:, :, : c.L - first]
+        rings[name] = r
+    q = c.query(4)
+    pages = _sparse_pages(c, seed=6)
+    want = kernels.quantized_attention(q.to(DEV), pages.to(DEV), scale=0.3, **kw)
+    got = kernels.quantized_attention(q.to(DEV), pages.to(DEV), scale=0.3, ring=ring, **{**kw, **rings})
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="ring must be 0 or a power of two"):
+        kernels.quantized_attention(q.to(DEV), pages.to(DEV), scale=0.3, ring=96, **{**kw, **rings})
+
+    # the page update reads a completed page from the ring as from the buffer
+    from locks_hf.kernels.build import summary_shapes
+
+    b, h, d, B = 1, 2, 64, 16
+    L = 160  # page 9 (slots 144-159) just completed
+    full = torch.randn(b, h, L + 16, d, generator=torch.Generator().manual_seed(2)).to(DEV)
+    ring_keys = torch.zeros(b, h, ring, d, device=DEV)
+    ring_keys[:, :, torch.arange(L - 100, L) % ring] = full[:, :, L - 100 : L]
+    valid = torch.ones(b, L + 16, dtype=torch.bool, device=DEV)
+    row_start = torch.zeros(b, dtype=torch.int32, device=DEV)
+    length = torch.full((1,), L, dtype=torch.int32, device=DEV)
+    out = []
+    for keys, r in ((full, 0), (ring_keys, ring)):
+        shapes = summary_shapes((b, h, 11), B, d, 4, 4)
+        summary = [torch.zeros(s, dtype=t, device=DEV) for s, t in (shapes[n] for n in kernels.SUMMARY_NAMES["locks"])]
+        kernels.update_completed_pages(
+            "locks", keys, valid, row_start, length, summary, page_size=B, rank=4, basis_bits=4, ring=r
+        )
+        out.append(summary)
+    for a, b_ in zip(*out):
+        assert torch.equal(a, b_) and a[:, :, 9].abs().sum() > 0

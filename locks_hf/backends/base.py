@@ -17,8 +17,8 @@ if TYPE_CHECKING:
 
 
 class DecodeBackend(ABC):
-    """The per-layer decode operations: the sparse step, the static layer's per-step page summary and
-    the summary build."""
+    """The per-layer decode operations: the sparse step, the static layer's per-step page summary, the
+    summary build and a static quantized layer's per-step K/V write."""
 
     #: Short name for logs and reports.
     name: ClassVar[str]
@@ -44,6 +44,11 @@ class DecodeBackend(ABC):
     @abstractmethod
     def build_summary(self, layer: PagedLayer, keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
         """The layer's selector's per-page tensors for ``keys [b, h, n, B, d]`` (``valid [b, h, n, B]``)."""
+
+    def append_kv(self, layer: PagedLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """A static quantized layer's decode-step write: what KIVI's schedule has due quantized, then the
+        token ``keys`` / ``values [b, h, 1, d]`` into the full-precision ring (no host synchronisation)."""
+        raise TypeError(f"the {self.name} backend stores no quantized KV in the static layout")
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__}>"

@@ -18,7 +18,7 @@ import torch
 
 from ..selectors import selector_class
 from .base import DecodeBackend
-from .quantized import QUANTIZED_KERNEL
+from .quantized import QUANTIZED_KERNEL, selects_on_kernels
 from .reference import REFERENCE
 from .token_policy import TOKEN_POLICY
 from .triton import TRITON
@@ -109,7 +109,8 @@ def choose_backend(layer: PagedLayer) -> DecodeBackend:
             value_head_dim=values.shape[-1],
             enabled=kernels_enabled(),
             available=kernels_available(),
-        ):
+        ) and (not layer.static_layout or selects_on_kernels(layer)):
+            # (a static layer's step keeps its bookkeeping in the launches: all of it on the kernels)
             return QUANTIZED_KERNEL
         return REFERENCE
     if kernels_enabled() and kernels_implement(layer.config, layer.key_buffer()):

@@ -1,12 +1,14 @@
 """The quantized-KV kernel backend: a layer storing KIVI-packed K/V (`PagedLayer.packed_kv`) attends
 its selected pages with `locks_hf.kernels.quantized_attention`, dequantizing them in registers.
 
-Steps 1-2 (score and select) are the reference's (`reference.select_pages`, in PyTorch: the oracle's
-and the re-rank's key reads dequantize through the layer's `all_page_keys` / `page_keys`); step 3 is
-one launch of the custom op ``torch.ops.locks_hf.quantized_attention`` over the packed codes, their
-scales and zero points and the full-precision tail, which counts the tokens it attends into the
-layer's statistics. The bookkeeping (selection, statistics, traffic) is the reference path's. Summaries
-are the reference's: a quantized layer is dynamic and builds them in ``prepare``.
+Selectors that score from summaries alone (Locks, Quest, and ``"full"``, which attends every page)
+choose their pages on the scoring and selection kernels, and the step is one custom op
+(``torch.ops.locks_hf.quantized_decode_step``), as on the bf16 kernels: a static layer's bookkeeping
+(statistics, selected-page mask) is kept in its launches, so the step can be captured in a CUDA graph.
+Selectors that read keys (the oracle, exact re-ranking) select as the reference does
+(`reference.select_pages`, whose key reads dequantize through the layer's `all_page_keys` /
+`page_keys`) and attend with ``torch.ops.locks_hf.quantized_attention``. A static quantized layer's
+per-step write (KIVI's schedule, the token into its ring) is `kernels.kivi` (``kivi_append``).
 `locks_hf.backends.choice` picks this backend for CUDA layers whose settings the kernel implements.
 """
 
@@ -16,34 +18,119 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..selectors import selector_class
 from .base import DecodeBackend
-from .reference import reference_summary, reference_update_newest_page, select_pages
+from .reference import select_pages
+from .triton import StepInputs, kernel_summary, kernel_update_newest_page, kernels, on_device
 
 if TYPE_CHECKING:
     from ..paged import PagedLayer
 
 
+def selects_on_kernels(layer: PagedLayer) -> bool:
+    """Whether ``layer``'s pages are chosen on the kernels: its selector scores from summaries (or is
+    dense) and the kernels implement its settings for the layer's K/V dtype and head dim."""
+    cfg = layer.config
+    cls = selector_class(cfg.selector)
+    packed = layer.packed_kv()
+    if cls.kernel_method not in ("full", "locks", "quest") or cfg.rerank or packed is None:
+        return False
+    tail = packed["key_tail"]
+    return kernels().implements(
+        cls.kernel_method,
+        dtype=tail.dtype,
+        head_dim=tail.shape[-1],
+        page_size=cfg.page_size,
+        per_head=cls.per_head,
+        group_combine=cfg.group_combine,
+        basis_bits=cfg.basis_bits,
+        coef_bits=cfg.coef_bits,
+        centroid_bits=cfg.centroid_bits,
+    )
+
+
 def quantized_kernel_decode(layer: PagedLayer, query: torch.Tensor, scale: float) -> torch.Tensor:
     """Kernel twin of `reference.reference_decode` for a layer with packed K/V: ``query [b, Hq, 1, d]``
     -> ``[b, 1, Hq, d]``, the selection and statistics recorded as the reference records them."""
-    from .. import kernels
-
     packed = layer.packed_kv()
     assert packed is not None  # the backend is chosen only for a layer whose storage is packed
+    if selects_on_kernels(layer):
+        step = StepInputs.of(layer)
+        names = kernels().ops.PACKED_TENSORS
+        with on_device(query.device):
+            out, pages = torch.ops.locks_hf.quantized_decode_step(
+                step.method,
+                query,
+                *[packed[n] for n in names],
+                packed["bits"],
+                packed["group"],
+                packed.get("ring", 0),
+                packed["page_size"],
+                step.n_complete,
+                step.summary,
+                layer.num_pages,
+                step.width,
+                float(scale),
+                layer.config.basis_bits,
+                layer.count_buffer(),
+                step.active,
+                per_head=step.per_head,
+                **step.bookkeeping,
+            )
+        return step.finish(layer, out, pages)
     pages, taken, valid = select_pages(layer, query, scale)
     listed = torch.where(taken, pages, -1)  # [b, h, W]: the fixed width's padding is no page
-    with kernels.on_device(query.device):
+    with on_device(query.device):
         out = torch.ops.locks_hf.quantized_attention(
-            query.contiguous(), listed, scale=float(scale), counts=layer.count_buffer(), **packed
+            query.contiguous(),
+            listed,
+            scale=float(scale),
+            counts=layer.count_buffer(),
+            row_counts=None,
+            pad=None,
+            **packed,
         )
     layer.record_step(None, valid.sum() * layer.kv_heads)  # the launch counted the attended tokens
     return out.transpose(1, 2)
 
 
+def kernel_append_kv(layer: PagedLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Kernel twin of `reference.reference_append_kv`: KIVI's schedule and the token's write, one launch."""
+    s = layer.append_buffers()
+    cfg = layer.config
+    with on_device(keys.device):
+        torch.ops.locks_hf.kivi_append(
+            keys,
+            values,
+            s["key_tail"],
+            s["value_tail"],
+            s["key_codes"],
+            s["key_scale"],
+            s["key_zero"],
+            s["value_codes"],
+            s["value_scale"],
+            s["value_zero"],
+            s["slot_valid"],
+            s["row_start"],
+            s["length"],
+            s["quantized"],
+            s["counter"],
+            cfg.kv_bits,
+            cfg.kv_group,
+            cfg.kv_residual,
+            cfg.page_size,
+            s["post"],
+        )
+
+
 class QuantizedKernelBackend(DecodeBackend):
-    """Selection in PyTorch, attention in `locks_hf.kernels.quantized_attention` over the packed K/V."""
+    """Attention in `locks_hf.kernels.quantized_attention` over the packed K/V; selection on the kernels
+    where the selector scores from summaries, else in PyTorch."""
 
     name = "quantized_kernel"
+    decodes_densely = True
+    counts_row_statistics = True
+    graph_safe = True
 
     def decode(self, layer: PagedLayer, query: torch.Tensor, scale: float) -> torch.Tensor:
         out = quantized_kernel_decode(layer, query, scale)
@@ -51,10 +138,13 @@ class QuantizedKernelBackend(DecodeBackend):
         return out
 
     def update_newest_page(self, layer: PagedLayer) -> None:
-        reference_update_newest_page(layer)
+        kernel_update_newest_page(layer)
 
     def build_summary(self, layer: PagedLayer, keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
-        return reference_summary(layer, keys, valid)
+        return kernel_summary(layer, keys, valid)
+
+    def append_kv(self, layer: PagedLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
+        kernel_append_kv(layer, keys, values)
 
 
 QUANTIZED_KERNEL = QuantizedKernelBackend()

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from ..kv_quant import due_counts, quantize_keys, quantize_values
 from .base import DecodeBackend
 
 if TYPE_CHECKING:
@@ -101,6 +102,51 @@ def reference_summary(layer: PagedLayer, keys: torch.Tensor, valid: torch.Tensor
     return layer.selector.summarize(keys, valid, layer.shared)
 
 
+def reference_append_kv(layer: PagedLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """A static quantized layer's decode-step write (`static_kv_layer.QuantizedStaticLayer`), the twin of
+    `kernels.kivi.kivi_append` on the buffers of its `append_buffers`: quantize what is due from the
+    rings, then write the token ``keys`` / ``values [b, h, 1, d]`` at slot ``length`` of the rings. Fixed
+    shapes and device tensors only (a captured graph may hold it): a ring's worth of slots from ``qk``
+    (``qv``) is quantized and only the due ones are written (the storage has spare slots for it)."""
+    cfg = layer.config
+    G, R, B, bits = cfg.kv_group, cfg.kv_residual, cfg.page_size, cfg.kv_bits
+    s = layer.append_buffers()
+    key_ring, value_ring = s["key_tail"], s["value_tail"]
+    ring, cap = key_ring.shape[2], s["slot_valid"].shape[1]
+    b, h = key_ring.shape[:2]
+    T = s["length"].long()  # [1]
+    qk, qv = s["quantized"].long().unbind()
+    rs = s["row_start"].long()
+    bound = (rs + (T - rs).clamp_min(0) // B * B).min() if s["post"] else None  # the first incomplete page
+    keys_to, values_to = due_counts(T[0], (qk, qv), residual=R, group=G, first_unsummarized=bound)
+
+    def write(buf: torch.Tensor, at: torch.Tensor, due: torch.Tensor, new: torch.Tensor) -> None:
+        index = at.view(1, 1, -1, 1).expand(b, h, -1, buf.shape[-1])
+        buf.scatter_(2, index, torch.where(due.view(1, 1, -1, 1), new, buf.gather(2, index)))
+
+    # keys: a ring's worth of slots from qk (whole groups), written where due
+    slots = qk + torch.arange(ring, device=T.device)
+    due = slots < keys_to
+    valid = s["slot_valid"][:, slots.clamp(max=cap - 1)] & due
+    codes, scale, zero = quantize_keys(key_ring[:, :, slots % ring], bits, G, valid)
+    write(s["key_codes"], slots, due, codes)
+    write(s["key_scale"], slots[::G] // G, due[::G], scale)
+    write(s["key_zero"], slots[::G] // G, due[::G], zero)
+
+    # values: a ring's worth of slots from qv, written where due
+    slots = qv + torch.arange(ring, device=T.device)
+    due = slots < values_to
+    valid = s["slot_valid"][:, slots.clamp(max=cap - 1)] & due
+    codes, scale, zero = quantize_values(value_ring[:, :, slots % ring], bits, G, valid)
+    write(s["value_codes"], slots, due, codes)
+    write(s["value_scale"], slots, due, scale)
+    write(s["value_zero"], slots, due, zero)
+
+    # the token into the rings, then the new counts
+    key_ring.index_copy_(2, T % ring, keys)
+    value_ring.index_copy_(2, T % ring, values)
+    s["quantized"].copy_(torch.stack([keys_to, values_to]).to(torch.int32))
+
 class ReferenceBackend(DecodeBackend):
     """PyTorch on any device: the CPU path, and the GPU path for settings the kernels do not implement."""
 
@@ -116,6 +162,9 @@ class ReferenceBackend(DecodeBackend):
 
     def build_summary(self, layer: PagedLayer, keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
         return reference_summary(layer, keys, valid)
+
+    def append_kv(self, layer: PagedLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
+        reference_append_kv(layer, keys, values)
 
 
 REFERENCE = ReferenceBackend()

@@ -9,7 +9,7 @@ the kernels implement.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -21,13 +21,6 @@ if TYPE_CHECKING:
     from ..paged import PagedLayer
 
 
-def _summary_list(layer: PagedLayer, method: str) -> list[torch.Tensor]:
-    """The summaries the scoring kernel of ``method`` reads, in the order the custom ops take them."""
-    from .. import kernels
-
-    return [layer.summary[n] for n in kernels.SUMMARY_NAMES.get(method, ())]
-
-
 def kernel_decode(layer: PagedLayer, query: torch.Tensor, scale: float) -> torch.Tensor:
     """Kernel twin of `reference.reference_decode`: ``query [b, Hq, 1, d]`` -> ``[b, 1, Hq, d]``.
 
@@ -35,94 +28,127 @@ def kernel_decode(layer: PagedLayer, query: torch.Tensor, scale: float) -> torch
     bookkeeping too: the statistics and the selected-page mask; no other launch runs here. Otherwise
     the glue records them.
     """
-    from .. import kernels
-
-    cfg = layer.config
     keys = layer.key_buffer()
-    declared = selector_class(cfg.selector)  # what the kernels need: scan mode, per-head lists
-    method = declared.kernel_method
-    assert keys is not None and method is not None  # `choose_backend` picks this backend only then
-    b, h = query.shape[0], keys.shape[1]
-    width, active = layer.page_slots()  # page-list width, and the budget as a device tensor (or None)
-    bufs = layer.kernel_buffers()
-    if bufs is not None:
-        n_complete = bufs["n_complete"]
-        row_start = bufs["row_start"]
-        if n_complete is None:
-            row_start, n_complete = layer.row_tensors()
-        extra = dict(
-            row_counts=bufs["row_counts"], pad=bufs["pad"], selection=None if declared.dense else bufs["selection"]
-        )
-    else:
-        row_start, n_complete = layer.row_tensors()
-        extra = dict(row_counts=None, pad=None, selection=None)
+    step = StepInputs.of(layer)
+    assert keys is not None  # `choose_backend` picks this backend only then
     # Triton launches on the *current* device; with a model split over GPUs (device_map) this layer's
     # tensors may live on another one. The kernels count the tokens they attend into the statistics.
-    with kernels.on_device(query.device):
+    with on_device(query.device):
         out, pages = torch.ops.locks_hf.decode_step(
-            method,
+            step.method,
             query,
             keys,
             layer.value_buffer(),
             layer.slot_valid,
-            row_start,
-            n_complete,
+            step.row_start,
+            step.n_complete,
             layer.length_tensor(),
-            _summary_list(layer, method),
+            step.summary,
             layer.num_pages,
-            width,
+            step.width,
             float(scale),
-            cfg.page_size,
-            cfg.basis_bits,
+            layer.config.page_size,
+            layer.config.basis_bits,
             layer.count_buffer(),
-            active,
-            per_head=declared.per_head,
-            rerank=cfg.rerank or 0,
-            **extra,
+            step.active,
+            per_head=step.per_head,
+            rerank=layer.config.rerank or 0,
+            **step.bookkeeping,
         )
-    if bufs is not None:
+    return step.finish(layer, out, pages)
+
+
+class StepInputs(NamedTuple):
+    """What a kernel decode step of a layer takes besides its K/V (`of`), and its glue (`finish`)."""
+
+    method: str  #: the selector's scoring mode (``"full"`` for dense)
+    per_head: bool
+    summary: list[torch.Tensor]
+    width: int  #: page-list width
+    active: torch.Tensor | None  #: the budget in use, on the device (``None``: the width)
+    row_start: torch.Tensor
+    n_complete: torch.Tensor
+    bookkeeping: dict  #: a static layer's buffers the launches write (``row_counts``, ``pad``, ``selection``)
+    in_launch: bool  #: whether the launches keep the layer's bookkeeping
+
+    @classmethod
+    def of(cls, layer: PagedLayer) -> StepInputs:
+        declared = selector_class(layer.config.selector)  # what the kernels need: scan mode, per-head lists
+        method = declared.kernel_method
+        assert method is not None  # the kernel backends take only layers whose selector declares one
+        width, active = layer.page_slots()
+        bufs = layer.kernel_buffers()
+        extra: dict = dict(row_counts=None, pad=None, selection=None)
+        if bufs is None or bufs["n_complete"] is None:  # counted here (a static layer's launches keep it)
+            row_start, n_complete = layer.row_tensors()
+        else:
+            row_start, n_complete = bufs["row_start"], bufs["n_complete"]
+        if bufs is not None:
+            extra = dict(
+                row_counts=bufs["row_counts"], pad=bufs["pad"], selection=None if declared.dense else bufs["selection"]
+            )
+        summary = [layer.summary[n] for n in kernels().SUMMARY_NAMES.get(method, ())]
+        return cls(method, declared.per_head, summary, width, active, row_start, n_complete, extra, bufs is not None)
+
+    def finish(self, layer: PagedLayer, out: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+        """The step's output, with the bookkeeping the launches did not keep recorded."""
+        if self.in_launch:
+            return out
+        b, h = out.shape[0], layer.kv_heads
+        if pages.shape[1]:  # dense ("full") selects no list: every page
+            layer.note_selection(pages.view(b, h, -1))
+        layer.record_step(None, layer.real_tokens() * h)
         return out
-    if pages.shape[1]:  # dense ("full") selects no list: every page
-        layer.note_selection(pages.view(b, h, -1))
-    layer.record_step(None, layer.real_tokens() * h)
-    return out
+
+
+def kernels():
+    """`locks_hf.kernels` (imported on first use: Triton loads only where a kernel backend runs)."""
+    from .. import kernels
+
+    return kernels
+
+
+def on_device(device: torch.device):
+    return kernels().on_device(device)
 
 
 def kernel_update_newest_page(layer: PagedLayer) -> None:
     """Kernel twin of `reference.reference_update_newest_page`: one launch that writes the page the
     newest token completed, in place, and does nothing on the other ``B - 1`` steps of a page (and
-    writes the layer's complete-page counts, where `PagedLayer.kernel_buffers` keeps them)."""
+    writes the layer's complete-page counts, where `PagedLayer.kernel_buffers` keeps them). A layer
+    storing packed K/V reads the page's keys from its full-precision ring (`PagedLayer.packed_kv`)."""
     cfg = layer.config
     method = selector_class(cfg.selector).kernel_method
-    assert method is not None  # `choose_backend` picks this backend only then
+    assert method is not None  # `choose_backend` picks a kernel backend only then
     bufs = layer.kernel_buffers()
     row_start = layer.row_tensors()[0] if bufs is None else bufs["row_start"]
+    packed = layer.packed_kv()
+    keys, ring = (layer.key_buffer(), 0) if packed is None else (packed["key_tail"], packed.get("ring", 0))
     torch.ops.locks_hf.update_completed_pages(
         method,
-        layer.key_buffer(),
+        keys,
         layer.slot_valid,
         row_start,
         layer.length_tensor(),
-        _summary_list(layer, method),
+        [layer.summary[n] for n in kernels().SUMMARY_NAMES.get(method, ())],
         cfg.page_size,
         cfg.rank,
         cfg.basis_bits,
         None if bufs is None else bufs["n_complete"],
+        ring,
     )
 
 
 def kernel_summary(layer: PagedLayer, keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
     """Kernel twin of `reference.reference_summary` for ``keys [b, h, n, B, d]``: the batched GPU build
     where the selector keeps the Locks summary (re-ranking keeps it too), else the reference."""
-    from .. import kernels
-
     method = selector_class(layer.config.selector).kernel_method
     if not keys.is_cuda or method != "locks":
         return reference_summary(layer, keys, valid)
     cfg = layer.config
-    with kernels.on_device(keys.device):
+    with on_device(keys.device):
         parts = torch.ops.locks_hf.build_summary(keys, valid, cfg.rank, cfg.basis_bits)
-    return dict(zip(kernels.SUMMARY_NAMES[method], parts))
+    return dict(zip(kernels().SUMMARY_NAMES[method], parts))
 
 
 class TritonBackend(DecodeBackend):

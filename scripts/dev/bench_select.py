@@ -126,6 +126,19 @@ def kernel_config(model: str, ctx: int, batch: int, budget: int, reps: int, swee
     pages = [sel(i) for i in range(nbuf)]
     t = {}
     t["select_chunks"] = timed([functools.partial(sel, i) for i in range(nbuf)], reps)
+    if sweep:  # pages per first-stage program, its warps, the partials it folds per step
+        P = sp[0][0].shape[-1]
+        for chunk in (512, 1024, 2048, 4096):
+            for nw in (4, 8):
+                for nbp in (64, 256):
+                    if chunk > P:
+                        continue
+                    kw = dict(chunk=chunk, num_warps=nw, partial_block=nbp)
+                    same = all(torch.equal(sel(i, **kw), pages[i]) for i in range(nbuf))
+                    key = f"select_ch{chunk}_w{nw}_nbp{nbp}"
+                    t[key] = timed([functools.partial(sel, i, **kw) for i in range(nbuf)], reps)
+                    if not same:
+                        log(f"    {key}: pages differ from the default's")
 
     def att(i, **kw):
         s = sets[i]

@@ -54,6 +54,8 @@ CASES = [
     ("bf16 G=16", BF16, BF16, 4, 32, 16, 128, 16, False, 1, False, 4),
     ("fp32 d=64 G=2", F32, F32, 4, 32, 2, 64, 16, False, 1, True, 4),
     ("bf16 bench B=64 nw=8", BF16, BF16, 4, 32, 4, 128, 64, False, 4, False, 8),
+    ("bf16 Llama-shape G=4 B=16", BF16, BF16, 4, 32, 4, 128, 16, False, 8, True, 4),
+    ("bf16 2-bit G=4 B=16", BF16, BF16, 2, 32, 4, 128, 16, False, 8, True, 4),
 ]
 
 
