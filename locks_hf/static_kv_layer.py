@@ -274,9 +274,7 @@ class QuantizedStaticLayer(LocksStaticLayer):
         if self.selector is not None:  # "post": keys wait for their page's summary (the first incomplete page)
             rs = self.row_start.long()
             bound = int((rs + (length - rs).clamp_min(0) // B * B).min())
-        keys_to, values_to = due_counts(
-            length, (qk, qv), residual=cfg.kv_residual, group=G, first_unsummarized=bound
-        )
+        keys_to, values_to = due_counts(length, (qk, qv), residual=cfg.kv_residual, group=G, first_unsummarized=bound)
         keys, values = full
         valid = self.slot_valid[:, :length]
         if keys_to > qk:
@@ -315,7 +313,11 @@ class QuantizedStaticLayer(LocksStaticLayer):
         full = take(ring, slots % ring.shape[2])
         if values:
             deq = dequantize_values(
-                take(self.value_codes, slots), take(self.value_scale, slots), take(self.value_zero, slots), bits, ring.dtype
+                take(self.value_codes, slots),
+                take(self.value_scale, slots),
+                take(self.value_zero, slots),
+                bits,
+                ring.dtype,
             )
         else:
             group = slots // G
@@ -406,4 +408,3 @@ class QuantizedStaticLayer(LocksStaticLayer):
                 "the prefilled cache for each decode instead"
             )
         super().rewind(length)
-

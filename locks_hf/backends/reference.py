@@ -147,6 +147,7 @@ def reference_append_kv(layer: PagedLayer, keys: torch.Tensor, values: torch.Ten
     value_ring.index_copy_(2, T % ring, values)
     s["quantized"].copy_(torch.stack([keys_to, values_to]).to(torch.int32))
 
+
 class ReferenceBackend(DecodeBackend):
     """PyTorch on any device: the CPU path, and the GPU path for settings the kernels do not implement."""
 
