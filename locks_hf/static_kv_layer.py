@@ -108,18 +108,18 @@ class QuantizedStaticLayer(LocksStaticLayer):
         wrap onto slots it quantizes."""
         cfg, h, d, dv = self.config, self.num_heads, self.k_head_dim, self.v_head_dim
         per, G, ring = 8 // cfg.kv_bits, cfg.kv_group, ring_slots(cfg)
-        new = dict(device=self.device)
+        dev = self.device
         slots = capacity + ring
-        self.key_codes = torch.zeros((b, h, slots, d // per), dtype=torch.uint8, **new)
-        self.key_scale = torch.zeros((b, h, -(-slots // G), d), dtype=self.kv_dtype, **new)
+        self.key_codes = torch.zeros((b, h, slots, d // per), dtype=torch.uint8, device=dev)
+        self.key_scale = torch.zeros((b, h, -(-slots // G), d), dtype=self.kv_dtype, device=dev)
         self.key_zero = torch.zeros_like(self.key_scale)
-        self.value_codes = torch.zeros((b, h, slots, dv // per), dtype=torch.uint8, **new)
-        self.value_scale = torch.zeros((b, h, slots, dv // G), dtype=self.kv_dtype, **new)
+        self.value_codes = torch.zeros((b, h, slots, dv // per), dtype=torch.uint8, device=dev)
+        self.value_scale = torch.zeros((b, h, slots, dv // G), dtype=self.kv_dtype, device=dev)
         self.value_zero = torch.zeros_like(self.value_scale)
-        self.key_ring = torch.zeros((b, h, ring, d), dtype=self.kv_dtype, **new)
-        self.value_ring = torch.zeros((b, h, ring, dv), dtype=self.kv_dtype, **new)
-        self.quantized = torch.zeros(2, dtype=torch.int32, **new)
-        self.counter = torch.zeros(1, dtype=torch.int32, **new)  # the append kernel's arrivals
+        self.key_ring = torch.zeros((b, h, ring, d), dtype=self.kv_dtype, device=dev)
+        self.value_ring = torch.zeros((b, h, ring, dv), dtype=self.kv_dtype, device=dev)
+        self.quantized = torch.zeros(2, dtype=torch.int32, device=dev)
+        self.counter = torch.zeros(1, dtype=torch.int32, device=dev)  # the append kernel's arrivals
         self._placeholders(b, capacity)
 
     def _placeholders(self, b: int, capacity: int) -> None:
@@ -226,7 +226,9 @@ class QuantizedStaticLayer(LocksStaticLayer):
         """The attended K/V at their packed size (codes and their share of scales and zero points); the
         few attended slots still in the ring (at most the residual a step) are counted packed too."""
         key, value = kv_token_bytes(self.config, self.k_head_dim, self.v_head_dim, self.key_ring.element_size())
-        return round(int(self.attended) * (key + value))
+        attended = self.attended
+        assert attended is not None  # asked after decode steps
+        return round(int(attended) * (key + value))
 
     # -- writes ------------------------------------------------------------------------------------
     def update(
@@ -241,6 +243,7 @@ class QuantizedStaticLayer(LocksStaticLayer):
             self.backend.append_kv(self, key_states.to(self.kv_dtype), value_states.to(self.kv_dtype))
             self.cumulative_length.add_(1)
             self.length_t.add_(1)
+            assert self.keys is not None and self.values is not None  # the placeholders
             return self.keys, self.values
         held = int(self.cumulative_length)
         if held + t > self.max_cache_len:

@@ -52,6 +52,14 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
     stored_kv_bits: tuple[int, ...] = (16,)
     static_layout = True
 
+    # Device tensors allocated by `lazy_initialization` (``None`` before it; nothing reads them then).
+    slot_valid: torch.Tensor
+    row_start: torch.Tensor
+    pad: torch.Tensor
+    length_t: torch.Tensor
+    last_selection: torch.Tensor
+    n_complete: torch.Tensor
+
     def __new__(cls, max_cache_len: int = 0, config: LocksConfig | None = None, *args, **kwargs):
         # as `LocksLayer.__new__`: quantized KV settings make the layer the subclass that stores them
         if cls is LocksStaticLayer and config is not None and config.kv_bits not in cls.stored_kv_bits:

@@ -213,7 +213,7 @@ def test_generate_matches_the_reference(as_if_cuda, monkeypatch):
     runs = {}
     for env in ("1", "0"):
         monkeypatch.setenv(KERNELS_ENV, env)
-        cache = LocksCache(model.config, cfg)
+        cache = LocksCache(model.config, cfg, layout="dynamic")  # (on a GPU "auto" would take the static one)
         with torch.no_grad():
             out = model.generate(
                 ids,
@@ -251,16 +251,23 @@ def test_the_static_layout_on_the_kernels_matches_the_reference(as_if_cuda, monk
     ids[1, :16] = 0
     cfg = LocksConfig(selector="locks", budget=48, kv_bits=4, kv_group=32, kv_residual=32)
     runs = {}
-    for env in ("1", "0"):
-        monkeypatch.setenv(KERNELS_ENV, env)
+    # Both eagerly, so that the kernels and the reference see the same K/V (a compiled model's projections
+    # may round differently); on a GPU the compiled generate() on the kernels must give the same tokens too.
+    for run in ("1", "0", "1-compiled") if DEV == "cuda" else ("1", "0"):
+        monkeypatch.setenv(KERNELS_ENV, run[0])
         cache = LocksStaticCache(model.config, max_cache_len=110, locks=cfg)
+        eager = {} if run.endswith("compiled") else {"disable_compile": True}
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12, do_sample=False)
+            out = model.generate(
+                ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12, do_sample=False, **eager
+            )
         layer = cache.locks_layers[0]
-        runs[env] = out, {lay.backend for lay in cache.locks_layers}, layer, cache.row_stats()
+        runs[run] = out, {lay.backend for lay in cache.locks_layers}, layer, cache.row_stats()
     (out, backends, layer, stats), (ref, ref_backends, ref_layer, ref_stats) = runs["1"], runs["0"]
     assert backends == {QUANTIZED_KERNEL} and ref_backends == {REFERENCE}
     assert torch.equal(out, ref)
+    if "1-compiled" in runs:
+        assert torch.equal(runs["1-compiled"][0], ref)
     assert layer.quantized.tolist() == ref_layer.quantized.tolist() == [96, 68]  # (as of the last step's write)
     for mine, theirs in zip(layer._kv_tensors(), ref_layer._kv_tensors()):
         assert torch.equal(mine, theirs)

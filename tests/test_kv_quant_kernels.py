@@ -7,6 +7,7 @@ padding rows and holes, GQA groups of 1, 4 and 16, page lists and dense calls, o
 """
 
 import os
+import re
 import sys
 
 import pytest
@@ -407,7 +408,8 @@ def test_compiles_for_sm90_within_shared_memory():
         timeout=600,
     )
     assert run.returncode == 0, run.stdout + run.stderr[-2000:]
-    assert run.stdout.count("ok  ") == 7, run.stdout
+    launches = int(re.search(r"(\d+) launches", run.stdout).group(1))
+    assert launches >= 9 and run.stdout.count("ok  ") == launches, run.stdout
 
 
 # -- the static layout: the per-step write, rings --------------------------------------------------------------

@@ -79,10 +79,9 @@ class StepInputs(NamedTuple):
         width, active = layer.page_slots()
         bufs = layer.kernel_buffers()
         extra: dict = dict(row_counts=None, pad=None, selection=None)
-        if bufs is None or bufs["n_complete"] is None:  # counted here (a static layer's launches keep it)
+        row_start, n_complete = layer.row_tensors() if bufs is None else (bufs["row_start"], bufs["n_complete"])
+        if row_start is None or n_complete is None:  # counted here (a static layer's launches keep it)
             row_start, n_complete = layer.row_tensors()
-        else:
-            row_start, n_complete = bufs["row_start"], bufs["n_complete"]
         if bufs is not None:
             extra = dict(
                 row_counts=bufs["row_counts"], pad=bufs["pad"], selection=None if declared.dense else bufs["selection"]

@@ -141,7 +141,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=None, help="comma-separated indices into CASES")
     args = ap.parse_args(argv)
     cases = CASES if args.only is None else [CASES[int(i)] for i in args.only.split(",")]
-    print(f"Triton {triton.__version__}, sm_90 AOT, shared memory limit {args.limit} B", flush=True)
+    print(
+        f"Triton {triton.__version__}, sm_90 AOT, shared memory limit {args.limit} B, {len(cases)} launches", flush=True
+    )
     bad = 0
     for label, *case in cases:
         t0 = time.time()
