@@ -7,17 +7,22 @@ from dataclasses import dataclass
 from locks_hf.config import BudgetDoesNotFit, LocksConfig
 from locks_hf.selectors import config_for_family, family_of, parse_family
 
+from .hf_quantized import HFQuantized, parse_hf_quantized
+
 DEFAULT_ARMS = ("full", "oracle", "locks-r8i4", "locks-r4i4", "quest")
 DEFAULT_BUDGETS = (64, 128, 256, 512)
 
 
 @dataclass(frozen=True)
 class Arm:
-    """One configuration of the sweep. ``family`` is the arm without its budget (``locks-r8i4``)."""
+    """One configuration of the sweep. ``family`` is the arm without its budget (``locks-r8i4``). An arm
+    decoded by transformers' own `QuantizedCache` (``hf-quanto4``, `hf_quantized`) has its settings in
+    ``hf_cache`` and a dense ``config``."""
 
     family: str
     budget: int | None
     config: LocksConfig
+    hf_cache: HFQuantized | None = None
 
     @property
     def name(self) -> str:
@@ -36,7 +41,8 @@ def family_config(family: str, budget: int, page_size: int = 16, **extra) -> Loc
 
 
 def parse_arms(families, budgets, page_size: int = 16, not_run: list | None = None) -> list[Arm]:
-    """Expand arm families x budgets (a dense family such as ``full`` once, without a budget).
+    """Expand arm families x budgets (a dense family such as ``full``, or transformers' ``hf-quanto4``,
+    once, without a budget).
 
     An arm whose method does not fit its budget (`BudgetDoesNotFit`, e.g. ShadowKV below 424 tokens)
     raises, or with a ``not_run`` list is left out and appended there as ``(name, reason)``.
@@ -45,6 +51,10 @@ def parse_arms(families, budgets, page_size: int = 16, not_run: list | None = No
     for fam in families:
         fam = fam.strip()
         if not fam:
+            continue
+        hf_cache = parse_hf_quantized(fam)
+        if hf_cache is not None:
+            arms.append(Arm(hf_cache.label, None, LocksConfig(selector="full", page_size=page_size), hf_cache))
             continue
         selector, _ = parse_family(fam)
         if selector.dense:

@@ -525,8 +525,9 @@ def build_parser() -> argparse.ArgumentParser:
             help="comma-separated arm families: full, oracle, quest, locks-r<rank>i<bits> (or r8i4), "
             "locks-r<rank>bf16, locks-r<rank>i<bits>-rr<m> (exact re-ranking of m*k candidate pages), "
             "shared_basis-r<rank>, shared_all-r<rank>, the baselines rocketkv, shadowkv, rkv, "
-            "triattention, lazy_eviction; each but full runs at every budget (an arm whose method does not "
-            "fit its budget is listed as not run)",
+            "triattention, lazy_eviction; any of them on quantized KV with +kv<bits>[-post|-pre]; "
+            "transformers' QuantizedCache as hf-quanto<bits> / hf-hqq<bits>; each but full and hf-* runs at "
+            "every budget (an arm whose method does not fit its budget is listed as not run)",
         )
         sp.add_argument(
             "--budgets",

@@ -175,6 +175,9 @@ def runs_static(config: LocksConfig) -> bool:
 
 
 def check_arms(arms) -> None:
+    hf = [a.name for a in arms if a.hf_cache is not None]
+    if hf:
+        raise ValueError(f"arms {hf} decode with transformers' QuantizedCache, which the static engine does not run")
     bad = [a.name for a in arms if not runs_static(a.config)]
     if bad:
         raise ValueError(

@@ -228,11 +228,11 @@ def run_fidelity(
     """
     from tqdm.auto import tqdm
 
-    quantized = [arm.name for arm in arms if arm.config.kv_bits != 16]
+    quantized = [arm.name for arm in arms if arm.config.kv_bits != 16 or arm.hf_cache is not None]
     if quantized:  # the captured keys are full precision: such arms would be scored as if unquantized
         raise ValueError(
-            f"fidelity scores selection on captured full-precision K/V; arms {quantized} set kv_bits "
-            "(quantized KV): run them with `locks-hf-eval sweep`"
+            f"fidelity scores selection on captured full-precision K/V; arms {quantized} quantize their K/V "
+            "(kv_bits, or transformers' QuantizedCache): run them with `locks-hf-eval sweep`"
         )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -87,12 +87,15 @@ class SweepRunner:
         if engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
         self.engine, self.batch_rows, self.step = engine, batch_rows, step
+        for arm in arms:
+            if arm.hf_cache is not None:
+                arm.hf_cache.check_model(model.config)
         #: arms the static engine decodes; the rest (token-level baselines, shared-basis controls,
         #: ``min_context``) take the eager path, with a dense prefill of their own per record
         self.static_arms: list[Arm] = []
         if engine == "static":
-            self.static_arms = [a for a in arms if runs_static(a.config)]
-            eager = [a.name for a in arms if not runs_static(a.config)]
+            self.static_arms = [a for a in arms if runs_static(a.config) and a.hf_cache is None]
+            eager = [a.name for a in arms if a not in self.static_arms]
             if eager:
                 logger.info(
                     "--engine static: arms %s decode on the eager path (dynamic cache, reference "
@@ -131,6 +134,7 @@ class SweepRunner:
                     "budget": a.budget,
                     "selector": a.selector,
                     "config": {k: getattr(a.config, k) for k in a.config.__dataclass_fields__},
+                    **({"hf_cache": vars(a.hf_cache)} if a.hf_cache is not None else {}),
                 }
                 for a in self.arms
             ],
@@ -338,8 +342,11 @@ class SweepRunner:
 
         for arm, s in work:
             t1 = time.perf_counter()
-            cache = base.fork(arm.config)
-            cache.expect_new_tokens(max_new)
+            if arm.hf_cache is not None:  # transformers' QuantizedCache: a prefill of its own (hf_quantized)
+                cache = arm.hf_cache.prefilled(model, ids[:, :split])
+            else:
+                cache = base.fork(arm.config)
+                cache.expect_new_tokens(max_new)
             crit = []
             gen_kwargs = dict(max_new_tokens=None, do_sample=False, pad_token_id=pad_id(tok, eos))
             if sampled:
@@ -383,8 +390,8 @@ class SweepRunner:
                 s,
                 plan,
                 gen[0, start:].tolist(),
-                cache.attended_fraction(),
-                cache.decode_traffic(),
+                float("nan") if arm.hf_cache is not None else cache.attended_fraction(),
+                {} if arm.hf_cache is not None else cache.decode_traffic(),
                 time.perf_counter() - t1,
                 prefill_s,
             )

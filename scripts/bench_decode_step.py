@@ -72,6 +72,15 @@ SHAPES = {
 }
 
 
+def random_model(shape: str, device: torch.device, **config) -> LlamaForCausalLM:
+    """A random-weight Llama of ``SHAPES[shape]`` on ``device`` with Locks attention: bf16 on CUDA, float32
+    elsewhere (``config``: more config fields)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    full = LlamaConfig(**SHAPES[shape], max_position_embeddings=2**21, **config)
+    with torch.device(device):
+        return LlamaForCausalLM._from_config(full, attn_implementation="locks", dtype=dtype).eval()
+
+
 def parse_tokens(text: str) -> int:
     text = text.strip().upper()
     mult = {"K": 1024, "M": 1024 * 1024}.get(text[-1], 1)
@@ -258,9 +267,8 @@ def main(argv=None) -> None:
     if args.graphs == "cuda" and device.type != "cuda":
         raise SystemExit("--graphs cuda needs a CUDA device")
 
-    config = LlamaConfig(**SHAPES[args.shape], max_position_embeddings=2**21)
-    with torch.device(device):
-        model = LlamaForCausalLM._from_config(config, attn_implementation="locks", dtype=dtype).eval()
+    model = random_model(args.shape, device)
+    config = model.config
     arms = {a: make_arm(a, args.budget) for a in args.arms.split(",")}
 
     rows = []

@@ -29,8 +29,7 @@ import statistics
 import time
 
 import torch
-from bench_decode_step import SHAPES, Stepper, parse_tokens, time_steps  # scripts/ is on sys.path
-from transformers import LlamaConfig, LlamaForCausalLM
+from bench_decode_step import SHAPES, Stepper, parse_tokens, random_model, time_steps  # scripts/ is on sys.path
 
 from locks_hf import LocksConfig, LocksStaticCache
 from locks_hf.selectors import config_for_family
@@ -182,9 +181,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    config = LlamaConfig(**SHAPES[args.shape], max_position_embeddings=2**21)
-    with torch.device(device):
-        model = LlamaForCausalLM._from_config(config, attn_implementation="locks", dtype=dtype).eval()
+    model = random_model(args.shape, device)
     weights = allocated()
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     result = {"shape": args.shape, "budget": args.budget, "device": where, "weights_gib": weights / 2**30, "rows": []}

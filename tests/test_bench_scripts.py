@@ -86,6 +86,18 @@ def test_bench_throughput_runs_on_cpu(tmp_path):
     assert rows["full"]["attended"] == 1.0 and 0 < rows["r4i4+kv4-post"]["attended"] < 0.5
 
 
+def test_bench_quantized_cache_runs_on_cpu(tmp_path, capsys):
+    """scripts/bench_quantized_cache.py: transformers' QuantizedCache beside Locks on quantized KV, one table."""
+    pytest.importorskip("optimum.quanto")
+    out = tmp_path / "qc.json"
+    args = ["--shape", "tiny", "--device", "cpu", "--contexts", "512", "--budget", "64", "--steps", "2"]
+    _load("bench_quantized_cache").main([*args, "--warmup", "1", "--out", str(out)])
+    rows = {r["arm"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"dense", "hf-quanto4", "full+kv4", "r4i4+kv4-post"}
+    assert all(len(r["all_ms"]) == 2 and r["ms_per_step"] > 0 for r in rows.values())
+    assert "| 512 | hf-quanto4 |" in capsys.readouterr().out
+
+
 def test_bench_generate_runs_on_cpu(tmp_path):
     """scripts/bench_generate.py: every kind of arm through a real generate() (tiny model, CPU)."""
     out = tmp_path / "generate.json"

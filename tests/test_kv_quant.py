@@ -602,7 +602,7 @@ def test_fidelity_refuses_quantized_arms():
     from locks_hf.eval.arms import parse_arms
     from locks_hf.eval.fidelity import run_fidelity
 
-    with pytest.raises(ValueError, match=r"arms \['locks-r8i4\+kv4-post-b64'\] set kv_bits"):
+    with pytest.raises(ValueError, match=r"arms \['locks-r8i4\+kv4-post-b64'\] quantize their K/V"):
         run_fidelity(None, [], parse_arms(["locks-r8i4", "locks-r8i4+kv4-post"], [64]), "/nonexistent/out")
 
 
