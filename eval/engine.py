@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from locks_hf import LocksConfig, LocksStaticCache, traffic
+from locks_hf.compat import cache_keyword
 from locks_hf.kv_quant import kv_token_bytes
 from locks_hf.selectors import make_selector, static_selector_names
 
@@ -97,6 +98,7 @@ class StaticEngine:
         if step not in STEP_MODES:
             raise ValueError(f"step must be one of {STEP_MODES}, got {step!r}")
         self.model = model
+        self.cache_keyword = cache_keyword(model)  # asked once, outside the compiled step
         self.device = next(model.parameters()).device
         self.requested_step = step
         if step == "auto":
@@ -147,7 +149,7 @@ class StaticEngine:
             input_ids=token,
             attention_mask=mask,
             position_ids=position,
-            past_key_values=cache,
+            **{self.cache_keyword: cache},
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]
@@ -244,7 +246,7 @@ class PrefilledBatch:
                     input_ids=ids[:, start:end],
                     attention_mask=mask[:, :end],
                     position_ids=positions[:, start:end],
-                    past_key_values=self.cache,
+                    **{self.engine.cache_keyword: self.cache},
                     use_cache=True,
                     logits_to_keep=1,
                 )

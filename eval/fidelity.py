@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from locks_hf.compat import cache_keyword
 from locks_hf.selectors import forced_pages, make_selector
 
 from .jsonl import InputFileError, end_last_line, read_jsonl, resolve
@@ -150,12 +151,12 @@ def capture_decode(model, prompt_ids: torch.Tensor, steps: int = 8, page_size: i
     # dynamic layout: the captures read each step's length off the key tensor (the static layout's is
     # its whole capacity)
     cache = LocksCache(model.config, LocksConfig(selector="full", page_size=page_size), layout="dynamic")
-    out = model(prompt_ids, past_key_values=cache, use_cache=True)
+    out = model(prompt_ids, **{cache_keyword(model): cache}, use_cache=True)
     tok = out.logits[:, -1:].argmax(-1)
     raw: list = []
     with capturing_queries(raw):
         for _ in range(steps):
-            out = model(tok, past_key_values=cache, use_cache=True)
+            out = model(tok, **{cache_keyword(model): cache}, use_cache=True)
             tok = out.logits[:, -1:].argmax(-1)
     caps = [Capture(layer=l, length=L, query=q, scale=s) for l, L, q, s in raw]
     return caps, cache

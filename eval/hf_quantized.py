@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from locks_hf.compat import cache_keyword
+
 __all__ = ["HFQuantized", "parse_hf_quantized"]
 
 _LABEL = re.compile(r"hf-(?P<backend>quanto|hqq)(?P<bits>\d+)(?:g(?P<group>\d+))?(?:r(?P<residual>\d+))?")
@@ -78,7 +80,7 @@ class HFQuantized:
     def prefilled(self, model, prompt_ids: torch.Tensor):
         """A new cache holding ``prompt_ids [1, n]`` (one dense forward, quantized at its end)."""
         cache = self.new_cache(model.config)
-        model(prompt_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(prompt_ids, **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=1)
         return cache
 
 

@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from locks_hf.compat import cache_keyword
+
 from .arms import Arm
 from .batched import plan_batches, run_batches
 from .benchmarks import STOP_NEWLINE, STOP_SENTENCE, Benchmark
@@ -333,7 +335,7 @@ class SweepRunner:
         base = LocksCache(model.config, LocksConfig(selector="full"), layout="dynamic")
         # only the last position's logits (the first answer token): the LM head over every prompt
         # position would be most of a prefill's work and memory (Gemma 3: 262K-token vocabulary)
-        out = model(ids[:, :split], past_key_values=base, use_cache=True, logits_to_keep=1)
+        out = model(ids[:, :split], **{cache_keyword(model): base}, use_cache=True, logits_to_keep=1)
         first = out.logits[:, -1].argmax(-1, keepdim=True)
         del out
         self._score_context(rec, ids[:, :split], base, [arm for arm, _ in work])
@@ -357,7 +359,7 @@ class SweepRunner:
                 start = T
             elif self.protocol == "sparse-question" and split < T:
                 for t in range(split, T - 1):  # question tokens, one sparse decode step each
-                    model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+                    model(ids[:, t : t + 1], **{cache_keyword(model): cache}, use_cache=True)
                 inputs = ids
                 gen_kwargs["max_new_tokens"] = max_new
                 start = T
@@ -380,7 +382,7 @@ class SweepRunner:
                 gen = model.generate(
                     inputs,
                     attention_mask=torch.ones_like(inputs),
-                    past_key_values=cache,
+                    **{cache_keyword(model): cache},
                     stopping_criteria=StoppingCriteriaList(crit),
                     **gen_kwargs,
                 )

@@ -7,6 +7,8 @@ version number, so a release that back-ports a name takes the same path as the n
 
 from __future__ import annotations
 
+import inspect
+
 from transformers.cache_utils import get_layer_types_and_kwargs as _hf_layer_types_and_kwargs
 
 try:  # transformers >= 5.23
@@ -30,4 +32,11 @@ def get_layer_types_and_kwargs(config) -> tuple[list[str], list[dict]]:
     return layer_types, layer_kwargs
 
 
-__all__ = ["find_first_full_attention_index", "get_layer_types_and_kwargs"]
+def cache_keyword(model) -> str:
+    """The keyword ``model(...)`` and ``model.generate(...)`` take a cache by: ``cache`` where the model's
+    forward names it so (transformers >= 5.24, which deprecates ``past_key_values``), else
+    ``past_key_values``. Ask it outside a compiled region and pass ``**{keyword: cache}``."""
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+
+__all__ = ["cache_keyword", "find_first_full_attention_index", "get_layer_types_and_kwargs"]

@@ -21,6 +21,7 @@ import time
 import torch
 
 from .cache import LocksCache
+from .compat import cache_keyword
 from .config import LocksConfig
 from .models import DEFAULT_MODEL, MODELS
 from .selectors import config_for_family, family_help
@@ -45,7 +46,7 @@ def prefill(
     with tqdm(total=total, unit="tok", desc="prefill", disable=not progress, file=sys.stderr) as bar:
         for start in range(0, total, chunk_size):
             chunk = input_ids[:, start : start + chunk_size]
-            logits = model(chunk, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            logits = model(chunk, **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=1).logits
             bar.update(chunk.shape[1])
     assert logits is not None, "prefill: the prompt has no tokens"
     return logits[:, -1].argmax(-1, keepdim=True)
@@ -83,7 +84,7 @@ def decode_from(
     criteria = StoppingCriteriaList([StopOnNewline(tokenizer, start)]) if stop_at_newline else None
     out = model.generate(
         torch.cat([input_ids, first_token], dim=-1),
-        past_key_values=cache,
+        **{cache_keyword(model): cache},
         max_new_tokens=max_new_tokens - 1,
         do_sample=False,
         stopping_criteria=criteria,

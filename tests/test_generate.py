@@ -286,3 +286,25 @@ def test_continuing_with_an_input_that_does_not_extend_the_cache_behaves_as_a_dy
         want = dense.generate(ids, max_new_tokens=4, do_sample=False, past_key_values=dynamic)
         assert torch.equal(got, want)
     assert locks.get_seq_length() == dynamic.get_seq_length()
+
+
+def test_the_library_passes_its_caches_by_the_keyword_the_release_names():
+    """transformers >= 5.24 takes the cache as ``cache=`` and deprecates ``past_key_values=``: the demo's
+    prefill and decode and the sweep runner pass it by the keyword the installed release names, so they
+    warn on none (older releases name only ``past_key_values``)."""
+    import warnings
+
+    from locks_hf.compat import cache_keyword
+    from locks_hf.demo import decode_from, prefill
+
+    model = tiny("llama")
+    assert cache_keyword(model) in ("cache", "past_key_values")
+    ids = torch.randint(3, 100, (1, 40), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cache = LocksCache(model.config, LocksConfig(selector="full"))
+        first = prefill(model, ids, cache, chunk_size=16, progress=False)
+        new = decode_from(model, ids, first, cache, max_new_tokens=4)
+    assert new.shape == (1, 4)
+    deprecated = [str(w.message) for w in caught if "past_key_values" in str(w.message)]
+    assert not deprecated, deprecated

@@ -247,7 +247,8 @@ def test_decode_step_benchmark_takes_rerank_arms(tmp_path):
     )
     rows = {r["arm"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["r4i4"]["attended"] == rows["r4i4-rr2"]["attended"] < 0.5
-    layers, heads, d = 2, 2, 16  # the tiny shape, float32 on the CPU
+    tiny_shape = _load().SHAPES["tiny"]  # float32 on the CPU
+    layers, heads, d = tiny_shape["num_hidden_layers"], tiny_shape["num_key_value_heads"], tiny_shape["head_dim"]
     assert rows["r4i4-rr2"]["read_bytes"] - rows["r4i4"]["read_bytes"] == layers * heads * 2 * 4 * B * d * 4
     per_head = 512 // B * summary_bytes(d, B, 4) + 4 * B * 2 * d * 4
     assert rows["r4i4"]["read_bytes"] == layers * heads * per_head

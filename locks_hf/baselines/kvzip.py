@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ..compat import cache_keyword
 from ..errors import LocksConfigError
 from ..token_policy import TokenPolicy
 
@@ -103,7 +104,14 @@ def score_context(model, tokenizer, cache, context_ids: torch.Tensor) -> None:
         mask = torch.cat([cached, cached.new_ones((1, t))], 1)
         positions = torch.arange(cached.shape[1] - pad, cached.shape[1] - pad + t, device=device)[None]
         # only the attention is used
-        model(ids, attention_mask=mask, position_ids=positions, past_key_values=fork, use_cache=True, logits_to_keep=1)
+        model(
+            ids,
+            attention_mask=mask,
+            position_ids=positions,
+            **{cache_keyword(model): fork},
+            use_cache=True,
+            logits_to_keep=1,
+        )
         del fork
     for layer, store in zip(layers, stores):
         store[:, :, :pad] = float("-inf")  # padding: never among the kept context tokens
