@@ -46,6 +46,7 @@ def test_the_published_runs_are_there():
         "ruler-baselines-8k",
         "ruler-gemma3-4k",
         "ruler-gemma3-8k",
+        "ruler-hf-quantized-4k",
         "ruler-kivi-4k",
         "ruler-tight-4k",
         "ruler-tight-8k",
