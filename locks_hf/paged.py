@@ -93,7 +93,10 @@ class PagedLayer(ABC):
     def append_buffers(self) -> dict:
         """What a decode step's write into quantized storage reads and updates (`DecodeBackend.append_kv`):
         only a static layer storing its K/V quantized writes its decode tokens through the backend."""
-        raise NotImplementedError(f"{type(self).__name__} writes its decode tokens itself (no backend append)")
+        raise TypeError(
+            f"{type(self).__name__} writes its decode tokens itself: only a static layer storing quantized K/V "
+            "has append buffers"
+        )
 
     def refresh_backend(self) -> None:
         """(Re)choose where this layer's decode runs (`locks_hf.backends.choose_backend`): called when
