@@ -324,6 +324,13 @@ def chunk_size(n_pages: int, kp: int, chunks: int = 16) -> int:
     return max(256, kp, 1 << (per.bit_length() - 1))
 
 
+def default_partial_block(GG: int) -> int:
+    """Scoring partials a selection program folds per step: ``[NBP, GG]`` tiles of about 4096 entries.
+    The fold is a dependent loop that every first-stage program runs over all of a row's partials, so
+    its step count, not its bytes, sets its time (at GLM-4-9B 512K, 512 partials a row: 8 steps of 64)."""
+    return max(64, 4096 // max(GG, 1))
+
+
 def page_list_width(per_head: bool, slots: int, group: int) -> int:
     """Width ``W`` of `select_pages`' lists: ``k``, or ``G*(k-2) + 2`` for a per-head union."""
     return group * max(slots - 2, 0) + 2 if per_head else slots
@@ -343,7 +350,7 @@ def select_pages(
     chunk: int | None = None,
     active_slots: torch.Tensor | None = None,
     num_warps: int | None = None,
-    partial_block: int = 64,
+    partial_block: int | None = None,
 ) -> torch.Tensor:
     """Page lists ``[b*h, W]`` int32 (``SENTINEL``-padded) from ``score_pages``' outputs.
 
@@ -356,7 +363,7 @@ def select_pages(
     every budget up to ``slots``.
 
     ``chunk``: pages per first-stage program; ``num_warps`` of that launch; ``partial_block``: scoring
-    partials each of its programs folds per step (a power of two).
+    partials each of its programs folds per step (a power of two; default `default_partial_block`).
     """
     if scores.dim() != 3 or scores.dtype != torch.float32 or partials.dtype != torch.float32 or partials.dim() != 4:
         raise ValueError(
@@ -405,7 +412,7 @@ def select_pages(
         B=page_size,
         CH=CH,
         KP=KP,
-        NBP=partial_block,
+        NBP=partial_block or default_partial_block(GG),
         num_warps=num_warps or (4 if CH <= 1024 else 8),
     )
     _select_merge_kernel[(vrows,)](

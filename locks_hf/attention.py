@@ -109,12 +109,15 @@ def locks_attention_forward(
         if attention_mask is not None and attention_mask.shape[-1] > key.shape[-2]:
             # a static mask spans the capacity; a quantized static layer hands a prefill only its written slots
             attention_mask = attention_mask[..., : key.shape[-2]]
-        return sdpa_attention_forward(
+        out = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    # Sparse decode (score the pages from their summaries, select, attend the selection) or a token
-    # policy's step, on the backend the layer chose when its buffers were allocated.
-    return layer.backend.decode(layer, query, scaling), None
+    else:
+        # Sparse decode (score the pages from their summaries, select, attend the selection) or a token
+        # policy's step, on the backend the layer chose when its buffers were allocated.
+        out = layer.backend.decode(layer, query, scaling), None
+    layer.release_forward_kv()
+    return out
 
 
 def locks_mask(*args, config=None, **kwargs):

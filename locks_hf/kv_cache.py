@@ -189,18 +189,24 @@ class QuantizedLocksLayer(LocksLayer):
         self.slot_valid[:, T : T + t] = True
         self.length = T + t
         self._query_len = t
-        self._refresh_views()
+        if t != 1 or self.attends_densely(1) or self.selector.token_level:
+            # attention reads every slot: a full-precision copy, held until `release_forward_kv`
+            self.keys, self.values = self._dequantized(values=False), self._dequantized(values=True)
+        else:  # a page-selected decode step: attention reads the selected pages only (`page_keys`)
+            self._refresh_views()
         return self.keys, self.values
 
     def _refresh_views(self) -> None:
+        # Between forwards the layer holds no full-precision copy: zeros expanded over the written
+        # slots (no memory), so that the K/V's shape is known but a dequantized cache is never kept.
         if self._kres is None:
             return
-        if self._query_len != 1 or self.attends_densely(1) or self.selector.token_level:
-            self.keys, self.values = self._dequantized(values=False), self._dequantized(values=True)
-        else:  # a page-selected decode step: attention reads the selected pages only (`page_keys`)
-            b, h, d, dv = self._dims
-            self.keys = self._kres.new_zeros((b, h, 1, d)).expand(b, h, self.length, d)
-            self.values = self._vres.new_zeros((b, h, 1, dv)).expand(b, h, self.length, dv)
+        b, h, d, dv = self._dims
+        self.keys = self._kres.new_zeros((b, h, 1, d)).expand(b, h, self.length, d)
+        self.values = self._vres.new_zeros((b, h, 1, dv)).expand(b, h, self.length, dv)
+
+    def release_forward_kv(self) -> None:
+        self._refresh_views()
 
     def _dequantized(self, values: bool) -> torch.Tensor:
         """Every written slot's key (or value): the quantized ones dequantized, then the full-precision tail."""

@@ -127,15 +127,6 @@ def same_kv(a, b) -> bool:
     return all(getattr(a, n) == getattr(b, n) for n in KV_FIELDS)
 
 
-def refuse_quantized(config, where: str) -> None:
-    """Raise `LocksConfigError` when ``config`` asks for quantized KV in ``where``, which stores none."""
-    if config.kv_bits != 16:
-        raise _error(
-            f"kv_bits={config.kv_bits}: {where} does not store quantized KV (the static layout keeps "
-            "full-precision buffers); use LocksCache(..., layout='dynamic')"
-        )
-
-
 # -- arm labels: "<family>+kv4", "<family>+kv2g64r256-pre" --------------------------------------------------
 _SUFFIX = re.compile(
     r"^(?P<family>.+?)\+kv(?P<bits>\d+)(?:g(?P<group>\d+))?(?:r(?P<res>\d+))?"

@@ -211,6 +211,10 @@ class PagedLayer(ABC):
         assert attended is not None and keys is not None and values is not None  # asked after decode steps
         return int(attended) * (keys.shape[-1] + values.shape[-1]) * keys.element_size()
 
+    def release_forward_kv(self) -> None:
+        """After attention: drop what `update` built for this forward only (a quantized layer's
+        dequantized K/V), so that it is not held until the next forward. Storage layers keep views."""
+
     def observe_prompt_queries(self, query: torch.Tensor, scale: float) -> None:
         """Prefill hook (``query [b, Hq, t, d]``, t > 1): layers that keep prompt queries override it."""
 

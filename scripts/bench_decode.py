@@ -610,6 +610,67 @@ def sweep_score(model: str, length: int, label: str, log, reps: int, variants=("
     return {"best": best, "best_ms": best_ms, "all": [(c, m) for c, m in res]}
 
 
+def sweep_select_attend(model: str, length: int, label: str, log, reps: int, batch: int = 1) -> dict:
+    """Time page selection over the partials folded per step, chunk sizes and warps, and sparse attention
+    over split counts, tiles and warps, on one label's scores at one size (each against its current
+    default in the same run)."""
+    hq, h, d, _, _ = MODELS[model]
+    r, bits = int(label[1]), int(label[3])
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    nbuf = max(2, min(8, math.ceil(L2_TARGET / (batch * h * (length // B) * 490))))
+    sets = [CacheSet(batch, hq, h, d, length, gen) for _ in range(nbuf)]
+    for s in sets:
+        s.build([(r, bits)])
+    slots, scale = math.ceil(2048 / B), d**-0.5
+    steps = [Step(s, "locks", s.summaries[label], bits, slots, scale) for s in sets]
+    where = dict(per_head=False, heads=h, page_size=B)
+    out = {"select": [], "attend": []}
+    # the defaults; partials folded per step; chunk sizes x warps
+    settings = [{}] + [{"partial_block": nbp} for nbp in (64, 128, 256, 512, 1024)]
+    settings += [{"chunk": c, "num_warps": w} for c in (1024, 2048, 4096) for w in (4, 8, 16) if c <= length // B]
+    for tiles in settings:
+        fns = [
+            lambda st=st, tiles=tiles: select_pages(
+                st.scores, st.partials, slots=slots, row_start=st.c.row_start, length=st.c.length, **tiles, **where
+            )
+            for st in steps
+        ]
+        ms = time_graph(fns, reps=reps)["ms"]
+        out["select"].append({**tiles, "partials": steps[0].partials.shape[1], "ms": ms})
+        log(f"  sweep select {model} {fmt_ctx(length)} b{batch} {tiles or 'default'}: {ms * 1e3:.1f} us")
+    for splits in (None, 16, 32, 64):
+        for tp in (None, 4, 8):
+            for warps in (4, 8):
+                if (splits is None) != (tp is None) or splits is None and warps != 4:
+                    continue
+                tiles = {} if splits is None else dict(splits=splits, tile_pages=tp, num_warps=warps)
+                fns = [
+                    lambda st=st, tiles=tiles: sparse_attention(
+                        st.c.query,
+                        st.c.keys,
+                        st.c.values,
+                        st.pages,
+                        slot_valid=st.c.slot_valid,
+                        row_start=st.c.row_start,
+                        length=st.c.length,
+                        scale=scale,
+                        page_size=B,
+                        **tiles,
+                    )
+                    for st in steps
+                ]
+                try:
+                    ms = time_graph(fns, reps=reps)["ms"]
+                except Exception as e:  # a tile the kernel refuses
+                    log(f"  sweep attend {tiles}: {type(e).__name__} {str(e)[:100]}")
+                    continue
+                out["attend"].append({**tiles, "ms": ms})
+                log(f"  sweep attend {model} {fmt_ctx(length)} b{batch} {tiles or 'default'}: {ms * 1e3:.1f} us")
+    del steps, sets
+    torch.cuda.empty_cache()
+    return out
+
+
 def markdown(rows: list[dict], bw: float, extra: dict) -> str:
     out = [
         f"Device bandwidth used for floors: {bw:.2f} TB/s (measured; see json).",
@@ -641,6 +702,11 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true", help="try scoring tile shapes at 512K first")
     ap.add_argument("--sweep-labels", default="r4i4", help="summary labels the sweep tunes (each its own best)")
     ap.add_argument("--sweep-variants", default="dot,fma", help="scoring variants the sweep tries")
+    ap.add_argument(
+        "--sweep-select-attend",
+        action="store_true",
+        help="time selection chunks and attention splits/tiles at the first context, for --sweep-labels",
+    )
     ap.add_argument("--build", action="store_true", help="summary build vs one prefill layer at --build-context")
     ap.add_argument("--build-context", default="128K")
     ap.add_argument(
@@ -702,6 +768,18 @@ def main(argv=None):
                 if sw["best"]:  # tiles and register caps depend on the rank: each label keeps its own
                     score_cfgs[(m, label)] = sw["best"]
                 save()
+    if args.sweep_select_attend:
+        for m in models:
+            for label in args.sweep_labels.split(","):
+                for batch in [int(x) for x in args.batch.split(",")]:
+                    ctx = parse_ctx(args.contexts.split(",")[0])
+                    try:
+                        sw = sweep_select_attend(m, ctx, label, log, reps=10, batch=batch)
+                    except Exception as e:
+                        log(f"SELECT/ATTEND SWEEP FAILED {m} {label}: {type(e).__name__}: {str(e)[-300:]}")
+                        continue
+                    result["sweep"][f"select-attend {m} {label} {fmt_ctx(ctx)} b{batch}"] = sw
+                    save()
     if args.build:
         T = parse_ctx(args.build_context)
         for m in models:

@@ -11,8 +11,10 @@ Arms (default ``dense,hf-quanto4,full+kv4,r4i4+kv4-post``):
   full-precision tokens), which dequantizes the whole cache at every step;
 * any Locks arm label (``full+kv4``, ``r4i4+kv4-post``, ``r4i4``): `LocksCache` in its dynamic layout.
 
-Per arm: the median step over ``--steps`` timed steps after ``--warmup``, and the memory the cache holds
-after the prefill (allocated with the cache minus without). Prints a markdown table, writes JSON::
+Per arm: the median step over ``--steps`` timed steps after ``--warmup``; the memory the cache holds
+after the prefill and after the timed steps (allocated with the cache minus without: KIVI quantizes
+the prompt once the prefill has attended it), and the peak allocated during the steps beyond that
+baseline (what a step builds: a dequantized copy for the arms that dequantize the whole cache). Prints a markdown table, writes JSON::
 
     python scripts/bench_quantized_cache.py --contexts 32K,64K --out quantized_cache.json
     python scripts/bench_quantized_cache.py --device cpu --shape tiny --contexts 512 --steps 2   # smoke test
@@ -81,7 +83,11 @@ def run_arm(model, arm: str, context: int, args, device: torch.device) -> dict:
     step = lambda: model(token, past_key_values=cache, use_cache=True)  # noqa: E731
     for _ in range(args.warmup):
         step()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     times = [timed(step, device) for _ in range(args.steps)]
+    steady = allocated(device) - before
+    peak = torch.cuda.max_memory_allocated() - before if device.type == "cuda" else 0
     layers, h, d = model.config.num_hidden_layers, model.config.num_key_value_heads, model.config.head_dim
     bf16_kv = 2 * layers * h * d * 2 * context
     row = {
@@ -90,8 +96,10 @@ def run_arm(model, arm: str, context: int, args, device: torch.device) -> dict:
         "prefill_ms": prefill_ms,
         "ms_per_step": statistics.median(times),
         "all_ms": times,
-        "cache_gib": held / 2**30,
-        "cache_vs_bf16_kv": held / bf16_kv if device.type == "cuda" else None,
+        "prefill_cache_gib": held / 2**30,
+        "cache_gib": steady / 2**30,
+        "cache_vs_bf16_kv": steady / bf16_kv if device.type == "cuda" else None,
+        "step_peak_gib": peak / 2**30,
     }
     return row  # the cache goes with this frame: the next arm's `allocated` collects it
 
@@ -124,8 +132,8 @@ def main(argv=None) -> None:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
     print(f"\nEager decode step, {args.shape} random weights, {dtype}, batch 1, b={args.budget} ({where})\n")
-    print("| context | arm | ms/step | vs hf | cache GiB | cache vs bf16 K/V | prefill ms |")
-    print("|---|---|---|---|---|---|---|")
+    print("| context | arm | ms/step | vs hf | cache GiB | cache vs bf16 K/V | step peak GiB | prefill ms |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in result["rows"]:
         hf = next(
             (x for x in result["rows"] if x["context"] == r["context"] and x["arm"].startswith("hf-")),
@@ -135,7 +143,7 @@ def main(argv=None) -> None:
         share = "-" if r["cache_vs_bf16_kv"] is None else f"{r['cache_vs_bf16_kv']:.3f}"
         print(
             f"| {tokens_label(r['context'])} | {r['arm']} | {r['ms_per_step']:.2f} | {vs} | {r['cache_gib']:.2f} | "
-            f"{share} | {r['prefill_ms']:.0f} |"
+            f"{share} | {r['step_peak_gib']:.2f} | {r['prefill_ms']:.0f} |"
         )
 
 

@@ -240,6 +240,35 @@ def test_packed_bytes_per_token(bits, limit):
     assert held / held_full < ratio + 0.05, (held, held_full)  # residual, slot flags, headroom
 
 
+@pytest.mark.parametrize("family", ["full", "locks-r4i4"])
+def test_between_forwards_a_quantized_cache_holds_no_full_precision_copy(family):
+    """Through the model: after the prefill and after decode steps (dense ones for "full") each layer
+    holds its packed K/V, the residual and a few prompt queries, not the dequantized K/V attention was
+    handed nor the prompt's queries (a slice of them kept the whole prompt's alive)."""
+    model = tiny("llama", dtype=torch.bfloat16, head_dim=32)
+    ids, T = _ids(1024, b=1), 1024
+    held = {}
+    for kv in ("", "+kv4"):
+        quant = dict(kv_group=32, kv_residual=32) if kv else {}
+        cache = LocksCache(model.config, config_for_family(family + kv, budget=128, **quant))
+        with torch.no_grad():
+            model(ids, past_key_values=cache, use_cache=True)
+            after_prefill = sum(_held_bytes(layer) for layer in cache.locks_layers)
+            for _ in range(3):
+                model(ids[:, :1], past_key_values=cache, use_cache=True)
+        after_steps = sum(_held_bytes(layer) for layer in cache.locks_layers)
+        held[kv] = (after_prefill, after_steps)
+    layers, h, d = model.config.num_hidden_layers, model.config.num_key_value_heads, 32
+    bf16_kv = layers * 2 * h * d * 2 * T
+    prompt_queries = layers * model.config.num_attention_heads * d * 2 * T
+    assert prompt_queries >= bf16_kv  # so that keeping them would show below
+    for when in (0, 1):
+        assert held[""][when] < 1.5 * bf16_kv, (when, held, bf16_kv)  # K/V headroom, summaries, 32 queries
+    for when in (0, 1):  # prefill, steps
+        ratio = held["+kv4"][when] / held[""][when]
+        assert ratio < 0.55, (when, held)
+
+
 # -- kv_bits=16 is today's cache; the sparse path over quantized KV ----------------------------------------
 def _ids(n=200, b=1, seed=0):
     return torch.randint(3, 256, (b, n), generator=torch.Generator().manual_seed(seed))

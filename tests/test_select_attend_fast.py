@@ -135,6 +135,20 @@ def test_selection_short_rows_and_device_budget():
         assert torch.equal(page_lists_as_mask(pages, c.b, c.h, c.P), c.want(scores, k, False))
 
 
+@pytest.mark.parametrize("G", [4, 16])
+def test_selection_folds_the_partials_in_steps_of_any_width(G):
+    """Many scoring partials a row (one per 2 pages): folded a few per step (a long dependent loop), in
+    one step (the default tile), or wider than there are: the reference's pages every time."""
+    c = Rows(9, G=G, B=4, pages=150, pad=(0, 13))
+    scores = c.scores()
+    want = c.want(scores, 12, False)
+    n_blk = -(-c.P // 2)
+    assert kernels.select.default_partial_block(G) >= n_blk > 64  # the default folds them in one step
+    for nbp in (16, 64, None, 1024):
+        pages = _select(c, scores, 12, span=2, partial_block=nbp)
+        assert torch.equal(page_lists_as_mask(pages, c.b, c.h, c.P), want), nbp
+
+
 def test_selection_rejects_bad_input():
     c = Rows(1, pages=4)
     scores = c.scores()
