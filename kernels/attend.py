@@ -281,10 +281,12 @@ def _combine_row(
 def _combine_kernel(
     part_o_ptr, part_l_ptr, out_ptr, out_sb, out_sh, H, n_split, G: tl.constexpr, D: tl.constexpr, SBLK: tl.constexpr
 ):
-    """The separate merge: one program per (row, query head), ``SBLK`` splits per load (the LSEs'
-    max and sum, then the weighted partials as ``[SBLK, D]`` tiles). Per head, not per row: the
-    per-row merge (`_combine_row`) walks its few programs through every split serially and took
-    28-41 us a layer at 32 splits on the H200."""
+    """The separate merge: one program per (row, query head), ``SBLK`` splits per load (the LSEs and
+    the partials as ``[SBLK, D]`` tiles), folded in one pass with a running max. Per head, not per row:
+    the per-row merge (`_combine_row`) walks its few programs through every split serially and took
+    28-41 us a layer at 32 splits on the H200. One pass, not a max-and-sum pass then a weighted pass:
+    the loads are a dependent chain, and a dense merge at GLM-4-9B 512K (264 splits) took 20 us in 18
+    of them (H200, 2026-12-03)."""
     pid = tl.program_id(0)
     row = pid // G
     g = pid % G
@@ -292,28 +294,24 @@ def _combine_kernel(
     base = row * n_split
     m = tl.full([], float("-inf"), tl.float32)
     l = tl.zeros([], dtype=tl.float32)
-    for s0 in range(0, n_split, SBLK):
-        sb = s0 + tl.arange(0, SBLK)
-        lse = tl.load(part_l_ptr + (base + sb) * G + g, mask=sb < n_split, other=float("-inf"), cache_modifier=".cg")
-        m_new = tl.maximum(m, tl.max(lse, axis=0))
-        safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l = l * tl.exp2(m - safe) + tl.sum(tl.exp2(lse - safe), axis=0)
-        m = m_new
-    safe = tl.where(m == float("-inf"), 0.0, m)
     acc = tl.zeros([D], dtype=tl.float32)
     for s0 in range(0, n_split, SBLK):
         sb = s0 + tl.arange(0, SBLK)
         ok = sb < n_split
-        w = tl.exp2(
-            tl.load(part_l_ptr + (base + sb) * G + g, mask=ok, other=float("-inf"), cache_modifier=".cg") - safe
-        )
+        lse = tl.load(part_l_ptr + (base + sb) * G + g, mask=ok, other=float("-inf"), cache_modifier=".cg")
         o = tl.load(
             part_o_ptr + ((base + sb) * G + g)[:, None] * D + c[None, :],
             mask=ok[:, None],
             other=0.0,
             cache_modifier=".cg",
         )
-        acc += tl.sum(w[:, None] * o, axis=0)
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
+        safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - safe)  # 0 while nothing was folded (m = -inf)
+        w = tl.exp2(lse - safe)
+        l = l * alpha + tl.sum(w, axis=0)
+        acc = acc * alpha + tl.sum(w[:, None] * o, axis=0)
+        m = m_new
     o = acc / tl.where(l > 0, l, 1.0)
     tl.store(out_ptr + (row // H) * out_sb + ((row % H) * G + g) * out_sh + c, o.to(out_ptr.dtype.element_ty))
 

@@ -504,6 +504,8 @@ def bench_config(
     arms = [(f"r{r}i{bits}", "locks", bits) for r, bits in labels] + [("quest", "quest", 16)]
     for label, method, bits in arms:
         cfg = score_cfgs.get((model, label), {}) if method == "locks" else {}
+        # a profiler can keep to the sparse arms (ncu --nvtx --nvtx-include "sparse/")
+        torch.cuda.nvtx.range_push("sparse")
         try:
             steps = [Step(s, method, s.summaries[label], bits, slots, scale, cfg) for s in sets]
             t = {}
@@ -512,6 +514,8 @@ def bench_config(
         except Exception as e:
             log(f"  {label}: FAILED {type(e).__name__}: {str(e)[-300:]}")
             continue
+        finally:
+            torch.cuda.nvtx.range_pop()
         width = steps[0].pages.shape[1]
         attended = (steps[0].pages >= 0).sum().item() / (batch * h)  # pages per (row, KV head)
         sb = summary_bytes(d, B, int(label[1]), bits) if method == "locks" else 2 * d * 2

@@ -237,9 +237,13 @@ def test_attention_over_the_selected_tokens(G, B, splits, fused):
     assert counts.cpu().tolist() == [5 + sum(real), 5 + sum(cached)]
 
 
-def test_dense_attention_with_the_fused_merge():
-    c = Rows(2, G=4, B=16, pages=10)
+@pytest.mark.parametrize("splits", [3, 45])
+def test_dense_attention_with_the_fused_merge(splits):
+    """A few splits, and more than the separate merge folds per load (32): its running max crosses
+    tiles, some splits past the rows' tokens are empty."""
+    c = Rows(2, G=4, B=4, pages=120)
     every = torch.arange(c.P, dtype=torch.int32).expand(c.b * c.h, -1)
+    assert splits < 32 or -(-c.P // -(-c.P // splits)) > 32  # the splits that run
     for fused in (True, False):
         out = kernels.sparse_attention(
             c.query.to(DEV),
@@ -252,7 +256,8 @@ def test_dense_attention_with_the_fused_merge():
             row_start=c.row_start.to(DEV),
             length=c.length,
             page_size=c.B,
-            splits=3,
+            splits=splits,
+            tile_pages=1,
             fused_combine=fused,
         )
         ref, _ = _ref_attention(c, every, 0.3)

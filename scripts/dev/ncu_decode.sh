@@ -19,7 +19,9 @@ for shape in "${shapes[@]}"; do
     for label in "${labels[@]}"; do
         csv="$OUT/ncu_${shape}_${label}.csv"
         # one timed repetition: the first launches of each kernel are the warm-up's, the rest the step's
+        # the sparse arms only: bench_decode.py times dense first, on the same kernels (pages=None)
         timeout "${NCU_TIMEOUT:-240}" ncu --clock-control none --csv --print-units base --kernel-name "$KERNELS" \
+            --nvtx --nvtx-include "sparse/" \
             --launch-count "${LAUNCHES:-24}" --metrics "$METRICS" \
             python3 scripts/bench_decode.py --models "$shape" --contexts "${CONTEXT:-512K}" --labels "$label" \
             --reps 1 --out "$OUT/ncu_bench_${shape}_${label}.json" > "$csv" 2> "$OUT/ncu_${shape}_${label}.err" \
