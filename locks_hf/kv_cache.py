@@ -66,7 +66,9 @@ class QuantizedLocksLayer(LocksLayer):
 
     def reset_stats(self) -> None:
         super().reset_stats()
-        self._tail = [0, 0]  # attended tokens whose key / value was read from the full-precision tail
+        # attended tokens whose key / value was read from the full-precision tail: kept on the device
+        # (created at the first step), so that a decode step's accounting never waits for the GPU
+        self._tail: torch.Tensor | None = None
 
     # -- storage ---------------------------------------------------------------------------------
     def kv_buffers(self) -> tuple[None, None]:
@@ -86,7 +88,11 @@ class QuantizedLocksLayer(LocksLayer):
             return None
         cfg = self.config
         if getattr(self, "_quantized_cache", (None,))[0] != (self._qk, self._qv):
-            counts = torch.tensor([self._qk, self._qv], dtype=torch.int32).to(self.device)
+            # two fills, not a copy from the host: a pageable host-to-device copy waits for the stream,
+            # and values are quantized one token a step
+            counts = torch.empty(2, dtype=torch.int32, device=self.device)
+            counts[0].fill_(self._qk)
+            counts[1].fill_(self._qv)
             self._quantized_cache = ((self._qk, self._qv), counts)
         return dict(
             key_codes=self._kcodes,
@@ -371,14 +377,15 @@ class QuantizedLocksLayer(LocksLayer):
             # its own mask) is counted as reading as many of them as it attended tokens, at most.
             h = self._dims[1]
             real = self.slot_valid[:, : self.length]
-            read = int(self.length * h * len(self.row_start) if attended is None else attended)
-            tail = [min(int(real[:, self._qk :].sum()) * h, read), min(int(real[:, self._qv :].sum()) * h, read)]
+            tail = torch.stack([real[:, self._qk :].sum(), real[:, self._qv :].sum()]) * h
+            if attended is not None:
+                tail = tail.clamp(max=attended)
         else:
             chosen = pages.clamp(min=0)
             ok = self.page_validity_of(chosen) & (pages >= 0).unsqueeze(-1)
             slots = self._page_slots(chosen)
-            tail = [int((ok & (slots >= self._qk)).sum()), int((ok & (slots >= self._qv)).sum())]
-        self._tail = [self._tail[0] + tail[0], self._tail[1] + tail[1]]
+            tail = torch.stack([(ok & (slots >= self._qk)).sum(), (ok & (slots >= self._qv)).sum()])
+        self._tail = tail if self._tail is None else self._tail + tail
 
     def attended_kv_bytes(self) -> int:
         """The attended K/V at their stored size: packed codes plus their share of the scales and zero
@@ -386,7 +393,8 @@ class QuantizedLocksLayer(LocksLayer):
         b, h, d, dv = self._dims
         key, value, size = self._token_bytes()
         tokens = int(self.attended)
-        return round(tokens * (key + value) + self._tail[0] * (d * size - key) + self._tail[1] * (dv * size - value))
+        tail = [0, 0] if self._tail is None else self._tail.tolist()
+        return round(tokens * (key + value) + tail[0] * (d * size - key) + tail[1] * (dv * size - value))
 
 
 def to_quantized(layer: LocksLayer, config) -> QuantizedLocksLayer:
