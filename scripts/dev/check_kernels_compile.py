@@ -110,6 +110,29 @@ def cases():
             ("scale",),
             4,
         )
+    sel = {
+        "score_ptr": F32,
+        "part_ptr": F32,
+        "row_start_ptr": I32,
+        "len_ptr": I32,
+        "k_ptr": I32,
+        "key_ptr": I32,
+        "page_ptr": I32,
+        "sink_ptr": I32,
+    }
+    # The first selection stage at 512K with its default chunk (2048 pages, 8 warps) and partials tile.
+    # Reported, not checked: it sits at the register cap for every partials tile from 64 to 512 (the
+    # threshold search's [2048, 16] count tile), and spills for G = 4, as it did before the tiles widened.
+    for G, GG in ((16, 16), (4, 4)):
+        yield (
+            f"selection chunks G={G} partials tile {select.default_partial_block(GG)}",
+            select._select_chunk_kernel,
+            sel,
+            dict(PER_HEAD=False, G=G, GG=GG, B=16, CH=2048, KP=128, NBP=select.default_partial_block(GG)),
+            (),
+            8,
+            False,
+        )
     yield (
         "page mask from lists",
         select._list_mask_kernel,
@@ -130,7 +153,7 @@ def cases():
 
 def main() -> int:
     bad = 0
-    for label, fn, pointers, constants, floats, warps in cases():
+    for label, fn, pointers, constants, floats, warps, *checked in cases():
         try:
             regs = compile_sm90(fn, pointers, constants, floats, warps)
         except Exception as e:
@@ -138,6 +161,9 @@ def main() -> int:
             bad += 1
             continue
         spills = regs is not None and regs >= 255
+        if checked and not checked[0]:
+            print(f"{'spill' if spills else 'ok   '} {label}: {regs} registers (reported, not checked)", flush=True)
+            continue
         bad += spills
         print(f"{'SPILL' if spills else 'ok   '} {label}: {regs} registers", flush=True)
     return 1 if bad else 0
