@@ -81,9 +81,15 @@ def load_cells(run_dir: Path, complete_only: bool = True) -> list[dict]:
     return out
 
 
+def _budget_head(b) -> str:
+    """A budget column's heading; ``None``: a run of dense arms only (full attention, on bf16 or quantized
+    KV, or transformers' caches), whose scores do not depend on a budget."""
+    return "any budget" if b is None else f"b={b}"
+
+
 def _arm_budget_table(rows: list[str], budgets: list, value) -> list[str]:
     """Markdown lines of an arm x budget table: one row per arm, ``value(arm, budget)`` a string."""
-    lines = ["| arm | " + " | ".join(f"b={b}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
+    lines = ["| arm | " + " | ".join(map(_budget_head, budgets)) + " |", "|---|" + "---|" * len(budgets)]
     return lines + [f"| {r} | " + " | ".join(value(r, b) for b in budgets) + " |" for r in rows]
 
 
@@ -101,7 +107,7 @@ def tables_markdown(cells: list[dict]) -> tuple[str, dict]:
         cs = by_len[L]
         tasks = list(dict.fromkeys(c["task"] for c in cs))
         fams = sorted({c["family"] for c in cs}, key=_fam_key)
-        budgets = sorted({c["budget"] for c in cs if c["budget"] is not None})
+        budgets = sorted({c["budget"] for c in cs if c["budget"] is not None}) or [None]
         # dense families (full attention, on bf16 or quantized KV) have one cell per task, shown at every budget
         dense = [f for f in fams if all(c["budget"] is None for c in cs if c["family"] == f)]
         cell = {(c["task"], c["family"], c["budget"]): c for c in cs}
@@ -135,7 +141,11 @@ def tables_markdown(cells: list[dict]) -> tuple[str, dict]:
         md.append("")
         md += kv_quant_tables(averages, L, shown, budgets, title)
         for b in budgets:
-            md.append(f"#### {title}, budget b={b} (tokens per layer and KV head)\n")
+            md.append(
+                f"#### {title}, per task\n"
+                if b is None
+                else f"#### {title}, budget b={b} (tokens per layer and KV head)\n"
+            )
             md.append("| task | n | " + " | ".join(fams) + " |")
             md.append("|---|---|" + "---|" * len(fams))
             for t in tasks:
@@ -170,7 +180,7 @@ def kv_quant_tables(averages: dict, length, fams: list[str], budgets: list, titl
             rows, key=lambda r: (r != "KV bf16", -int(r.split("-")[0]) if r[0].isdigit() else 0, r.endswith("pre"), r)
         )
         md.append(f"#### {title}: {base} on quantized KV (KIVI), score x100\n")
-        md.append("| KV | " + " | ".join(f"b={b}" for b in budgets) + " |")
+        md.append("| KV | " + " | ".join(map(_budget_head, budgets)) + " |")
         md.append("|---|" + "---|" * len(budgets))
         md += [
             f"| {r} | " + " | ".join(_fmt(averages.get((length, rows[r], b), (None,))[0]) for b in budgets) + " |"
@@ -223,6 +233,7 @@ def plot_scores(cells: list[dict], path: Path, title: str) -> Path | None:
     except ImportError:  # pragma: no cover
         return None
     _, averages = tables_markdown(cells)
+    averages = {k: v for k, v in averages.items() if k[2] is not None}  # a dense-only run has no budget axis
     lengths = sorted({k[0] for k in averages}, key=lambda x: (x is None, x))
     if not lengths:
         return None
@@ -392,7 +403,8 @@ def agreement_markdown(run_dir: Path) -> str:
         return ""
     lengths = sorted({k[2] for k in done}, key=lambda x: (x is None, x))
     fams = sorted({meta[a][0] for a in arms if a != "full"}, key=_fam_key)
-    budgets = sorted({meta[a][1] for a in arms if meta[a][1] is not None})  # dense arms (full+kv4) at every one
+    # dense arms (full+kv4) at every one; a run of dense arms only has one column
+    budgets = sorted({meta[a][1] for a in arms if meta[a][1] is not None}) or [None]
     md = []
     for L in lengths:
         recs = [v for k, v in done.items() if k[2] == L]

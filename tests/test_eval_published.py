@@ -47,6 +47,7 @@ def test_the_published_runs_are_there():
         "ruler-gemma3-4k",
         "ruler-gemma3-8k",
         "ruler-hf-quantized-4k",
+        "ruler-hf-quantized-4k-12",
         "ruler-kivi-4k",
         "ruler-kivi-8k",
         "ruler-tight-4k",

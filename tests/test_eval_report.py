@@ -13,17 +13,17 @@ ARMS = [
 ]
 
 
-def _run(tmp_path, skip=(), length=1024, name="run"):
+def _run(tmp_path, skip=(), length=1024, name="run", arms=ARMS):
     """A published-style run folder (config.json + results.jsonl): tasks t1, t2 of one record each
     at ``length``; ``skip`` lists (task, arm) rows left out."""
     run = tmp_path / name
     run.mkdir()
     (run / "config.json").write_text(
-        json.dumps({"model": "m", "benchmark": {"name": "ruler"}, "arms": [{"name": a} for a, _, _ in ARMS]})
+        json.dumps({"model": "m", "benchmark": {"name": "ruler"}, "arms": [{"name": a} for a, _, _ in arms]})
     )
     rows = []
     for t, task in enumerate(["t1", "t2"]):
-        for i, (arm, family, budget) in enumerate(ARMS):
+        for i, (arm, family, budget) in enumerate(arms):
             if (task, arm) in skip:
                 continue
             tokens = 1000 if budget is None else budget
@@ -53,6 +53,18 @@ def test_averages_cover_the_arms_the_run_has(tmp_path):
     assert averages[(1024, "shadowkv", 512)] == (50.0, 2) and averages[(1024, "quest", 64)] == (50.0, 2)
     assert (1024, "shadowkv", 64) not in averages
     assert "| shadowkv |  | 50.0 |" in md  # no b=64 cell: blank, not a task left out
+
+
+def test_a_run_of_dense_arms_only_has_one_score_column(tmp_path):
+    """Full attention on bf16 and on quantized KV, and transformers' own cache: no arm has a budget, so
+    the tables have one column rather than none, and no budget plot is drawn."""
+    arms = [("full", "full", None), ("full+kv4", "full+kv4", None), ("hf-quanto4", "hf-quanto4", None)]
+    md, averages = tables_markdown(load_cells(_run(tmp_path, arms=arms)))
+    assert "| arm | any budget |" in md and "| full+kv4 | 50.0 |" in md and "| hf-quanto4 | 50.0 |" in md
+    assert "| KV | any budget |" in md and "| 4-bit | 50.0 |" in md
+    assert averages[(1024, "full", None)] == (50.0, 2)
+    path = write_report([tmp_path / "run"], tmp_path / "docs", name="r")
+    assert "any budget" in path.read_text() and not (tmp_path / "docs" / "r-run.png").exists()
 
 
 def test_a_task_missing_an_arm_leaves_the_averages(tmp_path):
