@@ -61,7 +61,6 @@ class QuantizedLocksLayer(LocksLayer):
         super()._clear()
         self._qk = self._qv = 0  # keys of slots < _qk and values of slots < _qv are quantized
         self._cap = 0
-        self._query_len = 0  # query tokens of the last update (what attention will do with its K/V)
         self._step_pages = None  # pages noted by this decode step's selection (traffic accounting)
 
     def reset_stats(self) -> None:
@@ -194,7 +193,6 @@ class QuantizedLocksLayer(LocksLayer):
         self._vres = torch.cat([self._vres, value_states.to(self._vres.dtype)], dim=2)
         self.slot_valid[:, T : T + t] = True
         self.length = T + t
-        self._query_len = t
         if t != 1 or self.attends_densely(1) or self.selector.token_level:
             # attention reads every slot: a full-precision copy, held until `release_forward_kv`
             self.keys, self.values = self._dequantized(values=False), self._dequantized(values=True)
@@ -422,7 +420,6 @@ def to_quantized(layer: LocksLayer, config) -> QuantizedLocksLayer:
     new._flush(T)
     if config.summary_from == "pre" and new._summaries_from_keys():
         new.summary, new.shared, new.n_summarized = {}, {}, [0] * len(new.row_start)
-    new._query_len = 1  # about to decode
     new._refresh_views()
     return new
 

@@ -614,7 +614,9 @@ def sweep_score(model: str, length: int, label: str, log, reps: int, variants=("
     return {"best": best, "best_ms": best_ms, "all": [(c, m) for c, m in res]}
 
 
-def sweep_select_attend(model: str, length: int, label: str, log, reps: int, batch: int = 1) -> dict:
+def sweep_select_attend(
+    model: str, length: int, label: str, log, reps: int, batch: int = 1, budget: int = 2048
+) -> dict:
     """Time page selection over the partials folded per step, chunk sizes and warps, and sparse attention
     over split counts, tiles and warps, on one label's scores at one size (each against its current
     default in the same run)."""
@@ -625,7 +627,7 @@ def sweep_select_attend(model: str, length: int, label: str, log, reps: int, bat
     sets = [CacheSet(batch, hq, h, d, length, gen) for _ in range(nbuf)]
     for s in sets:
         s.build([(r, bits)])
-    slots, scale = math.ceil(2048 / B), d**-0.5
+    slots, scale = math.ceil(budget / B), d**-0.5
     steps = [Step(s, "locks", s.summaries[label], bits, slots, scale) for s in sets]
     where = dict(per_head=False, heads=h, page_size=B)
     out = {"select": [], "attend": []}
@@ -778,7 +780,7 @@ def main(argv=None):
                 for batch in [int(x) for x in args.batch.split(",")]:
                     ctx = parse_ctx(args.contexts.split(",")[0])
                     try:
-                        sw = sweep_select_attend(m, ctx, label, log, reps=10, batch=batch)
+                        sw = sweep_select_attend(m, ctx, label, log, reps=10, batch=batch, budget=args.budget)
                     except Exception as e:
                         log(f"SELECT/ATTEND SWEEP FAILED {m} {label}: {type(e).__name__}: {str(e)[-300:]}")
                         continue
