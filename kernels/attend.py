@@ -330,6 +330,25 @@ def default_splits(rows: int, width: int, tile_pages: int, dense: bool, sms: int
     return max(1, min(triton.cdiv(2 * sms, rows), triton.cdiv(width, tile_pages), 32))
 
 
+def tile_pages_for(page_size: int, tile_pages: int | None, who: str) -> int:
+    """Pages per attention tile: ``tile_pages`` when given (checked), else 64 slots for pages of up to
+    16 (4 pages) and one or more pages of 64+ slots; never under the 16 slots that are the K side of a
+    tensor-core product (a 4-slot page gets 4 pages a tile)."""
+    if page_size < 1 or page_size & (page_size - 1):
+        raise ValueError(f"{who}: page_size must be a power of two, got {page_size}")
+    if tile_pages is None:
+        tp = 4 if page_size <= 16 else max(1, 64 // page_size)
+        return max(tp, 16 // page_size)
+    if tile_pages < 1 or tile_pages & (tile_pages - 1):
+        raise ValueError(f"{who}: tile_pages must be a power of two, got {tile_pages}")
+    if tile_pages * page_size < 16:
+        raise ValueError(
+            f"{who}: a tile of tile_pages={tile_pages} pages of {page_size} slots is under the 16 slots "
+            f"of a product: pass tile_pages >= {16 // page_size}"
+        )
+    return tile_pages
+
+
 def sparse_attention(
     query: torch.Tensor,
     key_buf: torch.Tensor,
@@ -389,7 +408,7 @@ def sparse_attention(
         assert n_pages is not None  # checked above
         rows, W = b * h, n_pages
     B = page_size
-    TP = tile_pages or (4 if B <= 16 else max(1, 64 // B))
+    TP = tile_pages_for(B, tile_pages, "sparse_attention")
     if out is None:
         out = torch.empty((b, 1, hq, d), dtype=query.dtype, device=query.device)
     o3 = out.view(b, hq, d)

@@ -39,6 +39,7 @@ from .attend import (
     _store_heads,
     default_splits,
     record_attended,
+    tile_pages_for,
 )
 
 #: Code widths and group sizes the kernel reads (those of `locks_hf.kv_quant`).
@@ -272,14 +273,6 @@ def _quant_attn_kernel(
 STAGED_ELEMS = {(2, 2): 16384, (4, 2): 8192, (2, 4): 4096, (4, 4): 4096}
 
 
-def _tile_pages(page_size: int, tile_pages: int | None) -> int:
-    """Pages per tile: as `attend.sparse_attention`, and at least 16 slots (the products' K side)."""
-    if tile_pages:
-        return tile_pages
-    tp = 4 if page_size <= 16 else max(1, 64 // page_size)
-    return max(tp, 16 // page_size)
-
-
 def launch_tiles(
     page_size: int,
     head_dim: int,
@@ -295,7 +288,7 @@ def launch_tiles(
         (torch.empty((), dtype=query_dtype).element_size(), torch.empty((), dtype=storage_dtype).element_size()),
         min(STAGED_ELEMS.values()),
     )
-    tp = _tile_pages(page_size, tile_pages)
+    tp = tile_pages_for(page_size, tile_pages, "quantized_attention")
     if not tile_pages:
         while tp > 1 and tp * page_size * head_dim > limit and tp * page_size > 16:
             tp //= 2
@@ -407,13 +400,6 @@ def quantized_attention(
         rows, W = pages.shape
     dev = query.device
     B = page_size
-    if B < 1 or B & (B - 1) or (tile_pages is not None and (tile_pages < 1 or tile_pages & (tile_pages - 1))):
-        raise ValueError(f"quantized_attention: page_size ({B}) and tile_pages ({tile_pages}) must be powers of two")
-    if tile_pages is not None and tile_pages * B < 16:
-        raise ValueError(
-            f"quantized_attention: a tile of tile_pages={tile_pages} pages of {B} slots is under the "
-            f"16 slots of a product: pass tile_pages >= {16 // B}"
-        )
     if num_stages is not None and num_stages < 1:
         raise ValueError(f"quantized_attention: num_stages must be >= 1, got {num_stages}")
     storage = max((key_scale, value_scale, key_tail, value_tail), key=lambda t: t.element_size()).dtype

@@ -21,6 +21,7 @@ from transformers.utils import is_torchdynamo_compiling
 from . import arguments
 from .cache_mixin import EMPTY_INPUT, LocksCacheMixin
 from .compat import find_first_full_attention_index, get_layer_types_and_kwargs
+from .compile_cache import keep_compiled_steps
 from .config import LocksConfig, LocksConfigError
 from .dynamic_layer import LocksLayer
 from .fork import copied_layer, dynamic_layers
@@ -103,6 +104,8 @@ class LocksCache(LocksCacheMixin, DynamicCache):
                 self.layers[i].text_config = text_config
         if choose_layout(layout, locks, self._layer_types):
             self._plan = CapacityPlan(max_cache_len, locks.page_size, self._growable)
+            if torch.cuda.is_available():  # where generate() compiles this layout's decode step
+                keep_compiled_steps()
             # every forward updates this layer first: where an eager forward is counted
             self._first_kv_layer = next(i for i, kind in enumerate(self._layer_types) if kind != "dummy")
             if max_cache_len is not None:

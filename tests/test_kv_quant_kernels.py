@@ -365,7 +365,7 @@ def test_launches_it_cannot_run_are_refused(monkeypatch):
 
     c = QuantCache(4, 32, "empty", b=1, h=1, d=64)
     q, kw = c.query(1).to(DEV), dict(c.kwargs(), n_pages=2, scale=0.3)
-    with pytest.raises(ValueError, match="powers of two"):
+    with pytest.raises(ValueError, match="power of two"):
         kernels.quantized_attention(q, None, tile_pages=3, **kw)
     with pytest.raises(ValueError, match="tile_pages >= 2"):
         kernels.quantized_attention(q, None, **dict(kw, page_size=8), tile_pages=1)

@@ -6,6 +6,7 @@ Synthetic score tensors with the scoring kernels' partials computed here, so eac
 launches; on a machine without CUDA the kernels run in Triton's interpreter (small shapes).
 """
 
+import math
 import os
 import sys
 
@@ -18,10 +19,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from conftest import page_lists_as_mask  # noqa: E402
 from selector_lists import selectors
 
 from locks_hf import kernels  # noqa: E402
+from locks_hf.kernels._common import top_keys  # noqa: E402
 from locks_hf.selectors import select_pages as ref_select  # noqa: E402
 
 pytestmark = pytest.mark.interpret
@@ -135,6 +139,44 @@ def test_selection_short_rows_and_device_budget():
         assert torch.equal(page_lists_as_mask(pages, c.b, c.h, c.P), c.want(scores, k, False))
 
 
+@triton.jit
+def _top_keys_rows(key_ptr, k_ptr, out_ptr, N: tl.constexpr):
+    i = tl.program_id(0)
+    e = tl.arange(0, N)
+    keep = top_keys(tl.load(key_ptr + i * N + e), tl.load(k_ptr + i))
+    tl.store(out_ptr + i * N + e, keep.to(tl.int8))
+
+
+@pytest.mark.parametrize("kind", ["distinct", "ties", "narrow", "few"])
+def test_top_keys_is_a_stable_top_k(kind):
+    """The threshold search (with its exact-count exit) against a stable descending sort: keys over the
+    whole int32 range, runs of ties, a narrow range, and rows with fewer candidates than K."""
+    no_key = -(2**31)
+    g = torch.Generator().manual_seed(7)
+    rows, N = 64, 256
+    if kind == "distinct":
+        key = torch.randperm(2**20, generator=g)[: rows * N].view(rows, N).to(torch.int64) * 4093 - 2**31 + 1
+    elif kind == "ties":
+        key = torch.randint(-5, 5, (rows, N), generator=g)
+    elif kind == "narrow":
+        key = torch.randint(1000, 1040, (rows, N), generator=g)
+    else:
+        key = torch.randint(-(2**30), 2**30, (rows, N), generator=g)
+    key = key.to(torch.int32)
+    drop = torch.rand(rows, N, generator=g) < (0.9 if kind == "few" else 0.1)
+    key = key.masked_fill(drop, no_key)
+    k = torch.randint(0, N + 1, (rows,), generator=g, dtype=torch.int32)
+    k[:4] = torch.tensor([0, 1, N, int((key[4] != no_key).sum())])
+    out = torch.empty(rows, N, dtype=torch.int8)
+    _top_keys_rows[(rows,)](key.to(DEV), k.to(DEV), out_ := out.to(DEV), N=N)
+    want = torch.zeros(rows, N, dtype=torch.bool)
+    for r in range(rows):
+        cand = (key[r] != no_key).nonzero().flatten().tolist()
+        order = sorted(cand, key=lambda i: (-int(key[r, i]), i))  # ties: the earlier position first
+        want[r, order[: int(k[r])]] = True
+    assert torch.equal(out_.cpu().bool(), want)
+
+
 @pytest.mark.parametrize("G", [4, 16])
 def test_selection_folds_the_partials_in_steps_of_any_width(G):
     """Many scoring partials a row (one per 2 pages): folded a few per step (a long dependent loop), in
@@ -241,9 +283,11 @@ def test_attention_over_the_selected_tokens(G, B, splits, fused):
 def test_dense_attention_with_the_fused_merge(splits):
     """A few splits, and more than the separate merge folds per load (32): its running max crosses
     tiles, some splits past the rows' tokens are empty."""
-    c = Rows(2, G=4, B=4, pages=120)
+    c = Rows(2, G=4, B=4, pages=480)
     every = torch.arange(c.P, dtype=torch.int32).expand(c.b * c.h, -1)
-    assert splits < 32 or -(-c.P // -(-c.P // splits)) > 32  # the splits that run
+    tp = 4  # 16 slots a tile: the products' least K
+    per_split = math.ceil(math.ceil(c.P / splits) / tp) * tp
+    assert splits < 32 or math.ceil(c.P / per_split) > 32  # the splits that run
     for fused in (True, False):
         out = kernels.sparse_attention(
             c.query.to(DEV),
@@ -257,7 +301,7 @@ def test_dense_attention_with_the_fused_merge(splits):
             length=c.length,
             page_size=c.B,
             splits=splits,
-            tile_pages=1,
+            tile_pages=tp,
             fused_combine=fused,
         )
         ref, _ = _ref_attention(c, every, 0.3)
@@ -275,6 +319,10 @@ def test_attention_rejects_bad_input():
         kernels.sparse_attention(q, k, v, pages, pad=c.row_start.to(DEV), **kw)
     with pytest.raises(ValueError, match="semaphore"):
         kernels.sparse_attention(q, k, v, pages, splits=2, semaphore=torch.zeros(1, dtype=torch.int32), **kw)
+    with pytest.raises(ValueError, match="power of two"):
+        kernels.sparse_attention(q, k, v, pages, tile_pages=3, **kw)
+    with pytest.raises(ValueError, match="tile_pages >= 4"):  # 8 slots: under a product's 16
+        kernels.sparse_attention(q, k, v, pages, tile_pages=2, **dict(kw, page_size=4))
 
 
 @pytest.mark.parametrize("rows, P, W", [(3, 1000, 7), (2, 1100, 130), (1, 17, 40)])

@@ -1,0 +1,47 @@
+"""Where compiled decode steps are kept between processes.
+
+A static-layout cache makes ``generate()`` compile its decode step. Triton keeps its kernels in
+``~/.triton/cache`` by default, but inductor keeps its FX graphs and generated code in
+``/tmp/torchinductor_<user>``, which a reboot (or a container's fresh ``/tmp``) clears, so every new
+machine session paid the cold compile again. The first static-layout cache of a process points inductor
+at ``<locks_hf cache root>/inductor`` (``$LOCKS_HF_CACHE`` or ``~/.cache/locks_hf``) unless the user
+named a folder with ``TORCHINDUCTOR_CACHE_DIR``, and logs where.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+#: inductor's own variable: a folder the user named wins over the library's default.
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def default_inductor_cache() -> Path:
+    """``<cache root>/inductor``: beside the converted models, under the user's cache folder."""
+    from .models import cache_root
+
+    return cache_root() / "inductor"
+
+
+def keep_compiled_steps() -> str:
+    """Make inductor's cache folder persistent for this process (idempotent); returns the folder used.
+
+    Leaves a folder already set (by the user, or by inductor itself after a compile in this process)
+    as it is. Inductor reads the variable when it compiles, so setting it before the first compiled
+    step is enough."""
+    named = os.environ.get(INDUCTOR_CACHE_ENV)
+    if named:
+        return named
+    folder = default_inductor_cache()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a read-only home: keep torch's default rather than fail the cache
+        logger.warning("LocksCache: cannot create %s (%s); inductor keeps its default cache folder", folder, e)
+        return ""
+    os.environ[INDUCTOR_CACHE_ENV] = str(folder)
+    logger.info("LocksCache: compiled decode steps are cached in %s (set %s to change)", folder, INDUCTOR_CACHE_ENV)
+    return str(folder)
