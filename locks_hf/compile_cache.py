@@ -14,6 +14,8 @@ import logging
 import os
 from pathlib import Path
 
+from .user_cache import cache_root
+
 logger = logging.getLogger(__name__)
 
 #: inductor's own variable: a folder the user named wins over the library's default.
@@ -22,8 +24,6 @@ INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 def default_inductor_cache() -> Path:
     """``<cache root>/inductor``: beside the converted models, under the user's cache folder."""
-    from .models import cache_root
-
     return cache_root() / "inductor"
 
 

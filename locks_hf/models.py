@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .user_cache import cache_root
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
@@ -108,12 +110,6 @@ def _info(name: str) -> ModelInfo:
         return MODELS[name]
     except KeyError:
         raise ValueError(f"unknown model {name!r}; supported: {', '.join(MODELS)}") from None
-
-
-def cache_root() -> Path:
-    """``$LOCKS_HF_CACHE`` or ``~/.cache/locks_hf``."""
-    env = os.environ.get("LOCKS_HF_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "locks_hf"
 
 
 def model_cache_dir(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
