@@ -2,8 +2,8 @@
 
 A static-layout cache makes ``generate()`` compile its decode step. Triton keeps its kernels in
 ``~/.triton/cache`` by default, but inductor keeps its FX graphs and generated code in
-``/tmp/torchinductor_<user>``, which a reboot (or a container's fresh ``/tmp``) clears, so every new
-machine session paid the cold compile again. The first static-layout cache of a process points inductor
+``/tmp/torchinductor_<user>``, which a reboot (or a container's fresh ``/tmp``) clears, so each of them
+cost the cold compile again. The first static-layout cache of a process points inductor
 at ``<locks_hf cache root>/inductor`` (``$LOCKS_HF_CACHE`` or ``~/.cache/locks_hf``) unless the user
 named a folder with ``TORCHINDUCTOR_CACHE_DIR``, and logs where.
 """
