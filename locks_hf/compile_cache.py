@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 
 from .user_cache import cache_root
 
@@ -20,11 +19,6 @@ logger = logging.getLogger(__name__)
 
 #: inductor's own variable: a folder the user named wins over the library's default.
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
-
-
-def default_inductor_cache() -> Path:
-    """``<cache root>/inductor``: beside the converted models, under the user's cache folder."""
-    return cache_root() / "inductor"
 
 
 def keep_compiled_steps() -> str:
@@ -36,7 +30,7 @@ def keep_compiled_steps() -> str:
     named = os.environ.get(INDUCTOR_CACHE_ENV)
     if named:
         return named
-    folder = default_inductor_cache()
+    folder = cache_root() / "inductor"  # beside the converted models
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a read-only home: keep torch's default rather than fail the cache

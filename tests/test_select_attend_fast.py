@@ -167,14 +167,14 @@ def test_top_keys_is_a_stable_top_k(kind):
     key = key.masked_fill(drop, no_key)
     k = torch.randint(0, N + 1, (rows,), generator=g, dtype=torch.int32)
     k[:4] = torch.tensor([0, 1, N, int((key[4] != no_key).sum())])
-    out = torch.empty(rows, N, dtype=torch.int8)
-    _top_keys_rows[(rows,)](key.to(DEV), k.to(DEV), out_ := out.to(DEV), N=N)
+    out = torch.empty(rows, N, dtype=torch.int8, device=DEV)
+    _top_keys_rows[(rows,)](key.to(DEV), k.to(DEV), out, N=N)
     want = torch.zeros(rows, N, dtype=torch.bool)
     for r in range(rows):
         cand = (key[r] != no_key).nonzero().flatten().tolist()
         order = sorted(cand, key=lambda i: (-int(key[r, i]), i))  # ties: the earlier position first
         want[r, order[: int(k[r])]] = True
-    assert torch.equal(out_.cpu().bool(), want)
+    assert torch.equal(out.cpu().bool(), want)
 
 
 @pytest.mark.parametrize("G", [4, 16])
