@@ -19,7 +19,8 @@ arm's rule (summaries, re-ranked keys, attended K/V), so that time and traffic c
               (what `generate()` does with a static cache: inductor + CUDA graphs).
 
 With graphs, the script also checks that a replayed step gives the logits of the same step run
-eagerly (the cache rewound by one token in between). CUDA-event medians after warm-up.
+eagerly (the cache rewound by one token in between). CUDA-event medians after warm-up; on a GPU each row
+also gives the host's median time to queue a step (``host ms/step``): near the step's time, the host bounds it.
 
     python scripts/bench_decode_step.py --graphs cuda --contexts 128K,512K --out results/h200/decode_step_h200_graphs.json
 """
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import time
 
@@ -201,14 +203,20 @@ def check_replay(stepper: Stepper) -> float:
     return float((replayed - eager).abs().max())
 
 
-def time_steps(stepper: Stepper, steps: int) -> list[float]:
+def time_steps(stepper: Stepper, steps: int, host: list[float] | None = None) -> list[float]:
+    """Device time of each step in ms. On a GPU, ``host`` (if given) gets each step's host time in ms:
+    from the call until its last launch is queued. A step whose host time is near its device time is
+    bound by the host (launch latency, guards, Python), not by its kernels."""
     times = []
     for _ in range(steps):
         if stepper.model.device.type == "cuda":
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            t0 = time.perf_counter()
             stepper.step()
             stop.record()
+            if host is not None:
+                host.append(1e3 * (time.perf_counter() - t0))
             torch.cuda.synchronize()
             times.append(start.elapsed_time(stop))
         else:
@@ -243,6 +251,39 @@ def profile_step(stepper: Stepper, steps: int, top: int = 12) -> dict:
     return {"kernels_per_step": kernels, "device_ms_per_step": total, "top": rows}
 
 
+def host_profile(stepper: Stepper, steps: int, top: int = 15) -> list[dict]:
+    """Where the host's time goes over ``steps`` timed-path steps (cProfile, which slows Python down, so read
+    the shares rather than the absolute times): the functions with the most time of their own per step."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    for _ in range(steps):
+        prof.enable()
+        stepper.step()
+        prof.disable()
+        rewind(stepper.cache)  # a static cache stays within its capacity
+    if stepper.model.device.type == "cuda":
+        torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (calls, prim calls, own s, cumulative s, callers)}
+    rows = sorted(
+        (
+            {
+                "function": f"{name} ({os.path.basename(file)}:{line})",
+                "own_ms_per_step": 1e3 * own / steps,
+                "calls_per_step": calls / steps,
+            }
+            for (file, line, name), (_, calls, own, _, _) in stats.items()
+        ),
+        key=lambda r: -r["own_ms_per_step"],
+    )[:top]
+    total = sum(1e3 * st[2] for st in stats.values()) / steps
+    print(f"  host profile: {total:.2f} ms of Python per step under cProfile")
+    for r in rows:
+        print(f"    {r['own_ms_per_step']:7.3f} ms  x{r['calls_per_step']:6.0f}  {r['function']}")
+    return rows
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="llama3.1-8b", choices=list(SHAPES))
@@ -260,12 +301,17 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", default="decode_step.json")
     ap.add_argument("--profile", type=int, default=0, help="also profile this many eager steps per arm")
+    ap.add_argument(
+        "--host-profile", type=int, default=0, help="with graphs: cProfile this many steps per arm (host time)"
+    )
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (use --shape tiny)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.graphs == "cuda" and device.type != "cuda":
         raise SystemExit("--graphs cuda needs a CUDA device")
+    if args.host_profile and args.graphs == "none":
+        raise SystemExit("--host-profile needs --graphs cuda or compile (it rewinds a static cache between steps)")
 
     model = random_model(args.shape, device)
     config = model.config
@@ -297,7 +343,8 @@ def main(argv=None) -> None:
                 diff = check_replay(stepper) if args.graphs != "none" else None
                 if hasattr(cache, "reset_stats"):
                     cache.reset_stats()
-                times = time_steps(stepper, args.steps)
+                host: list[float] = []
+                times = time_steps(stepper, args.steps, host)
                 med = statistics.median(times)
                 attended = cache.attended_fraction() if hasattr(cache, "attended_fraction") else 1.0
                 rows.append(
@@ -310,11 +357,15 @@ def main(argv=None) -> None:
                         "read_bytes": read_bytes_per_step(locks, config, ctx, dtype),
                         "replay_vs_eager_max_abs": diff,
                         "all_ms": times,
+                        "host_ms": statistics.median(host) if host else None,
                     }
                 )
-                print(rows[-1]["context"], name, f"{med:.2f} ms", f"replay diff {diff}", flush=True)
+                host_note = f", host {rows[-1]['host_ms']:.2f} ms" if host else ""
+                print(rows[-1]["context"], name, f"{med:.2f} ms{host_note}", f"replay diff {diff}", flush=True)
                 if args.profile and device.type == "cuda":
                     rows[-1]["profile"] = profile_step(stepper, args.profile)
+                if args.host_profile:
+                    rows[-1]["host_profile"] = host_profile(stepper, args.host_profile)
                 if args.graphs == "none" and cache is shared:
                     cache.reset_stats()
                     cache.crop(
@@ -333,10 +384,10 @@ def main(argv=None) -> None:
         f"median of {args.steps} steps ({where})\n"
     )
     print(
-        f"| context | arm | ms/step | tokens/s | vs dense (full) | vs {HF_STATIC} | tokens attended | MB read/step "
-        "| replay vs eager |"
+        f"| context | arm | ms/step | host ms/step | tokens/s | vs dense (full) | vs {HF_STATIC} | tokens attended "
+        "| MB read/step | replay vs eager |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratios = []
         for base in ("full", HF_STATIC):
@@ -344,8 +395,9 @@ def main(argv=None) -> None:
             ratios.append(f"{ms / r['median_ms']:.2f}x" if ms else "-")
         diff = "-" if r["replay_vs_eager_max_abs"] is None else f"{r['replay_vs_eager_max_abs']:.2g}"
         mb = "-" if r["read_bytes"] is None else f"{r['read_bytes'] / 2**20:.1f}"
+        host = "-" if r["host_ms"] is None else f"{r['host_ms']:.2f}"
         print(
-            f"| {r['context'] // 1024}K | {r['arm']} | {r['median_ms']:.2f} | {r['tokens_per_s']:.1f} | "
+            f"| {r['context'] // 1024}K | {r['arm']} | {r['median_ms']:.2f} | {host} | {r['tokens_per_s']:.1f} | "
             f"{ratios[0]} | {ratios[1]} | {r['attended']:.4f} | {mb} | {diff} |"
         )
     with open(args.out, "w") as f:

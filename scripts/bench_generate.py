@@ -21,7 +21,9 @@ cache rather than one long forward's activations.
 
 Per arm: the prefill time, the median decode step (wall clock between steps, device synchronised,
 after the first ``--warm-steps`` steps), the warm-up (the first steps' time beyond the median: the
-compile and the CUDA-graph capture), peak memory, and the new tokens. Prints a markdown table and
+compile and the CUDA-graph capture) and how much of it torch.compile took (dynamo and inductor; the
+rest is mostly the library's Triton kernels compiling at their first launch), peak memory, and the
+new tokens. Prints a markdown table and
 writes JSON (after every arm, so a run cut short keeps what it measured)::
 
     python scripts/bench_generate.py --runs 128K:1,32K:8 --out generate.json
@@ -87,6 +89,13 @@ def kv_bf16_token_bytes(config) -> int:
     return 2 * config.num_key_value_heads * head_dim * 2
 
 
+def torch_compile_seconds() -> float:
+    """Seconds torch.compile has spent so far in this process: dynamo's tracing and inductor's lowering,
+    code generation and the Triton compiles of its own kernels (not the library's Triton kernels, which
+    compile at their first launch)."""
+    return torch._dynamo.utils.calculate_time_spent().get("entire_frame_compile", 0.0)
+
+
 def run_arm(
     model, ids: torch.Tensor, name: str, budget: int, new_tokens: int, warm_steps: int, prefill_chunk: int = 0
 ) -> dict:
@@ -96,6 +105,7 @@ def run_arm(
     if model.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     chunked = {"prefill_chunk_size": prefill_chunk} if prefill_chunk else {}
+    compiled_before = torch_compile_seconds()
     t0 = time.perf_counter()
     out = model.generate(
         ids,
@@ -118,6 +128,7 @@ def run_arm(
         "ms_per_step": median,
         "tokens_per_s": 1e3 * ids.shape[0] / median,
         "warmup_s": max(0.0, sum(steps[:warm_steps]) - warm_steps * median) / 1e3,
+        "torch_compile_s": torch_compile_seconds() - compiled_before,
         "step_ms": steps,
         "tokens": out[0, ids.shape[1] :].tolist(),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if model.device.type == "cuda" else None,
@@ -205,10 +216,10 @@ def main(argv=None) -> None:
         f"median ms per step after {args.warm_steps} warm-up steps ({where})\n"
     )
     print(
-        "| context | batch | arm | ms/step | vs hf-dynamic | vs hf-static | warm-up s | prefill s | peak GiB | "
-        "cache GiB | KV vs bf16 | attended | tokens = first Locks arm |"
+        "| context | batch | arm | ms/step | vs hf-dynamic | vs hf-static | warm-up s | of which torch.compile s | "
+        "prefill s | peak GiB | cache GiB | KV vs bf16 | attended | tokens = first Locks arm |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in result["rows"]:
         same_run = [x for x in result["rows"] if (x["context"], x["batch"]) == (r["context"], r["batch"])]
         base = {x["arm"]: x["ms_per_step"] for x in same_run}
@@ -220,7 +231,7 @@ def main(argv=None) -> None:
         ratio = "-" if r["kv_ratio"] is None else f"{r['kv_ratio']:.3f}"
         print(
             f"| {tokens_label(r['context'])} | {r['batch']} | {r['arm']} | {r['ms_per_step']:.2f} | {ratios[0]} | "
-            f"{ratios[1]} | {r['warmup_s']:.1f} | {r['prefill_s']:.1f} | {peak} | {held} | "
+            f"{ratios[1]} | {r['warmup_s']:.1f} | {r['torch_compile_s']:.1f} | {r['prefill_s']:.1f} | {peak} | {held} | "
             f"{ratio} | {r['attended']:.4f} | {same} |"
         )
 

@@ -55,6 +55,35 @@ def test_bench_decode_step_runs_on_cpu(tmp_path):
     assert kv < 0
 
 
+def test_host_profile_times_the_timed_path_and_rewinds(capsys):
+    """``--host-profile``: cProfile over the steps the timer runs, the static cache rewound after each."""
+    import torch
+
+    bench = _load()
+
+    class Layer:
+        cumulative_length = torch.tensor([100])
+
+    class FakeStepper:
+        model = type("Model", (), {"device": torch.device("cpu")})()
+        cache = type("Cache", (), {"layers": [Layer()]})()
+        calls = 0
+
+        def step(self):
+            type(self).calls += 1
+            Layer.cumulative_length += 1
+            return sum(range(20_000))  # host work the profile must attribute to this method
+
+    stepper = FakeStepper()
+    rows = bench.host_profile(stepper, 3)
+    assert stepper.calls == 3 and int(Layer.cumulative_length) == 100
+    step = next(r for r in rows if r["function"].startswith("step (test_bench_scripts.py"))
+    assert step["calls_per_step"] == 1 and step["own_ms_per_step"] > 0
+    assert "host profile" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--host-profile needs --graphs"):
+        bench.main(["--device", "cpu", "--shape", "tiny", "--host-profile", "2"])
+
+
 def test_bench_throughput_runs_on_cpu(tmp_path):
     """scripts/bench_throughput.py: the synthetic fill, the batch, the step and the table (tiny model, CPU)."""
     out = tmp_path / "throughput.json"
@@ -129,6 +158,8 @@ def test_bench_generate_runs_on_cpu(tmp_path):
     by_arm = {(r["context"], r["arm"]): r for r in rows}
     assert by_arm[(400, "r4i4")]["tokens"] == by_arm[(400, "static-r4i4")]["tokens"]
     assert by_arm[(400, "hf-dynamic")]["tokens"] == by_arm[(400, "hf-static")]["tokens"]
+    assert by_arm[(400, "hf-dynamic")]["torch_compile_s"] == 0.0  # eager: nothing compiled
+    assert all(r["torch_compile_s"] >= 0.0 for r in rows)
 
 
 @pytest.mark.slow  # an ahead-of-time Triton compile: tens of seconds of CPU
