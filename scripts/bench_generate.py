@@ -23,8 +23,8 @@ Per arm: the prefill time, the median decode step (wall clock between steps, dev
 after the first ``--warm-steps`` steps), the warm-up (the first steps' time beyond the median: the
 compile and the CUDA-graph capture) and how much of it torch.compile took (dynamo and inductor; the
 rest is mostly the library's Triton kernels compiling at their first launch), peak memory, and the
-new tokens. Prints a markdown table and
-writes JSON (after every arm, so a run cut short keeps what it measured)::
+new tokens. Prints a markdown table and writes JSON (after every arm, so a run cut short keeps what
+it measured)::
 
     python scripts/bench_generate.py --runs 128K:1,32K:8 --out generate.json
 
