@@ -280,8 +280,8 @@ class LocksLayer(DynamicLayer, PolicyInputs, PagedLayer):
 
     def summarize_completed(self) -> None:
         """Summarize every complete page not summarized yet, in one batched pass over the rows."""
-        if self.selector is None or self.selector.token_level:
-            return
+        if self.selector is None or self.selector.token_level or not self.n_summarized:
+            return  # (no rows yet: a layer before its first forward has nothing to summarize)
         B = self.config.page_size
         target = [max(self.length - s, 0) // B for s in self.row_start]
         lo = min(self.n_summarized)

@@ -417,6 +417,22 @@ def test_a_fork_of_a_full_precision_prefill_equals_a_quantized_prefill(order):
             assert torch.equal(a.summary[name][:, :, :n], c.summary[name][:, :, :n])
 
 
+@pytest.mark.parametrize("order", ["post", "pre"])
+def test_a_fork_before_the_first_forward_decodes_as_a_quantized_cache(order):
+    """Forking a cache that holds nothing yet into quantized KV gives an empty quantized cache."""
+    model = tiny("llama", head_dim=32)
+    ids = _ids(170, b=1)
+    cfg = LocksConfig(rank=4, budget=64, kv_bits=4, kv_residual=64, summary_from=order)
+    fork = LocksCache(model.config, LocksConfig(budget=64)).fork(cfg)
+    assert all(isinstance(layer, QuantizedLocksLayer) for layer in fork.locks_layers)
+    with torch.no_grad():
+        out_fork = model.generate(ids, max_new_tokens=8, do_sample=False, past_key_values=fork)
+        out_native = model.generate(
+            ids, max_new_tokens=8, do_sample=False, past_key_values=LocksCache(model.config, cfg)
+        )
+    assert torch.equal(out_fork, out_native)
+
+
 # -- generate() for every registered selector ------------------------------------------------------------
 def _kv4_config(name: str) -> LocksConfig:
     """``name`` at the smallest of a few budgets its method fits in, on 4-bit KV."""
