@@ -155,6 +155,11 @@ def make_cache(graphs: str, config, name: str, locks: LocksConfig, capacity: int
     return LocksStaticCache(config, max_cache_len=capacity, locks=locks)
 
 
+def tokens_label(n: int) -> str:
+    """``131072`` -> ``"128K"``; a count that is not a multiple of 1024 as it is."""
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
 def rewind(cache, n: int = 1) -> None:
     """Move a static cache's length back by ``n`` tokens (the next step rewrites those slots)."""
     for layer in cache.layers:
@@ -304,6 +309,12 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--host-profile", type=int, default=0, help="with graphs: cProfile this many steps per arm (host time)"
     )
+    ap.add_argument(
+        "--isolate",
+        action="store_true",
+        help="run each arm in a process of its own (the same options), so that no arm runs after another "
+        "arm's compiled graphs; the table and the JSON gather them",
+    )
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (use --shape tiny)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -313,6 +324,36 @@ def main(argv=None) -> None:
     if args.host_profile and args.graphs == "none":
         raise SystemExit("--host-profile needs --graphs cuda or compile (it rewinds a static cache between steps)")
 
+    rows = run_isolated(args) if args.isolate else run_arms(args, device, dtype)
+    report(rows, args, dtype, torch.cuda.get_device_name() if device.type == "cuda" else "CPU")
+
+
+def run_isolated(args) -> list[dict]:
+    """Each arm in a child process running this script with the same options; rows in the order one
+    process would give (context, then arm)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    arms = args.arms.split(",")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, arm in enumerate(arms):
+            out = os.path.join(tmp, f"{i}.json")
+            cmd = [sys.executable, __file__, "--arms", arm, "--out", out, "--shape", args.shape]
+            cmd += ["--contexts", args.contexts, "--budget", str(args.budget), "--graphs", args.graphs]
+            cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--profile", str(args.profile)]
+            cmd += ["--host-profile", str(args.host_profile), "--device", args.device]
+            print(f"--isolate: arm {arm} in a process of its own", flush=True)
+            subprocess.run(cmd, check=True)
+            with open(out) as f:
+                rows += json.load(f)["rows"]
+    contexts = list(map(parse_tokens, args.contexts.split(",")))
+    return sorted(rows, key=lambda r: (contexts.index(r["context"]), arms.index(r["arm"])))
+
+
+def run_arms(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """Every arm at every context in this process."""
     model = random_model(args.shape, device)
     config = model.config
     arms = {a: make_arm(a, args.budget) for a in args.arms.split(",")}
@@ -358,6 +399,7 @@ def main(argv=None) -> None:
                         "replay_vs_eager_max_abs": diff,
                         "all_ms": times,
                         "host_ms": statistics.median(host) if host else None,
+                        "pid": os.getpid(),
                     }
                 )
                 host_note = f", host {rows[-1]['host_ms']:.2f} ms" if host else ""
@@ -376,8 +418,11 @@ def main(argv=None) -> None:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             del shared
+    return rows
 
-    where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+
+def report(rows: list[dict], args, dtype: torch.dtype, where: str) -> None:
+    """The markdown table on stdout and the rows as JSON in ``args.out``."""
     mode = {"none": "eager", "cuda": "CUDA graph", "compile": "torch.compile reduce-overhead"}[args.graphs]
     print(
         f"\nComplete decode step, {args.shape} random weights, {dtype}, batch 1, b={args.budget}, {mode}, "
@@ -397,11 +442,15 @@ def main(argv=None) -> None:
         mb = "-" if r["read_bytes"] is None else f"{r['read_bytes'] / 2**20:.1f}"
         host = "-" if r["host_ms"] is None else f"{r['host_ms']:.2f}"
         print(
-            f"| {r['context'] // 1024}K | {r['arm']} | {r['median_ms']:.2f} | {host} | {r['tokens_per_s']:.1f} | "
+            f"| {tokens_label(r['context'])} | {r['arm']} | {r['median_ms']:.2f} | {host} | {r['tokens_per_s']:.1f} | "
             f"{ratios[0]} | {ratios[1]} | {r['attended']:.4f} | {mb} | {diff} |"
         )
     with open(args.out, "w") as f:
-        json.dump({"shape": args.shape, "budget": args.budget, "graphs": args.graphs, "rows": rows}, f, indent=1)
+        json.dump(
+            {"shape": args.shape, "budget": args.budget, "graphs": args.graphs, "isolated": args.isolate, "rows": rows},
+            f,
+            indent=1,
+        )
 
 
 if __name__ == "__main__":

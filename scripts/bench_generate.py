@@ -41,7 +41,7 @@ import statistics
 import time
 
 import torch
-from bench_decode_step import SHAPES, parse_tokens  # scripts/ is on sys.path when run as a script
+from bench_decode_step import SHAPES, parse_tokens, tokens_label  # scripts/ is on sys.path when run as a script
 from multi_gpu_generate import StepClock
 from transformers import LlamaConfig, LlamaForCausalLM, StaticCache, StoppingCriteriaList
 
@@ -50,10 +50,6 @@ from locks_hf import LocksCache, LocksConfig, LocksStaticCache
 HF_ARMS = ("hf-dynamic", "hf-static")
 STATIC_PREFIX = "static-"
 DYNAMIC_PREFIX = "dynamic-"
-
-
-def tokens_label(n: int) -> str:
-    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 
 def locks_config(name: str, budget: int) -> LocksConfig:

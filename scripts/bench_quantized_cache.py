@@ -29,16 +29,12 @@ import statistics
 import time
 
 import torch
-from bench_decode_step import SHAPES, parse_tokens, random_model  # scripts/ is on sys.path
+from bench_decode_step import SHAPES, parse_tokens, random_model, tokens_label  # scripts/ is on sys.path
 from transformers import DynamicCache
 
 from locks_hf import LocksCache
 from locks_hf.eval.hf_quantized import parse_hf_quantized
 from locks_hf.selectors import config_for_family
-
-
-def tokens_label(n: int) -> str:
-    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 
 def new_cache(model, arm: str, budget: int):

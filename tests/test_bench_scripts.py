@@ -55,6 +55,33 @@ def test_bench_decode_step_runs_on_cpu(tmp_path):
     assert kv < 0
 
 
+def test_isolate_runs_each_arm_in_a_process_of_its_own(tmp_path):
+    """``--isolate``: one child process per arm, rows gathered in the order one process gives."""
+    import os
+
+    out = tmp_path / "step.json"
+    common = ["--shape", "tiny", "--device", "cpu", "--contexts", "512,1K", "--budget", "64"]
+    common += ["--arms", "full,r4i4", "--steps", "2", "--warmup", "1"]
+    _load().main([*common, "--isolate", "--out", str(out)])
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert result["isolated"] and [(r["context"], r["arm"]) for r in rows] == [
+        (512, "full"),
+        (512, "r4i4"),
+        (1024, "full"),
+        (1024, "r4i4"),
+    ]
+    pids = {r["arm"]: r["pid"] for r in rows}
+    assert len(set(pids.values())) == 2 and os.getpid() not in pids.values()
+    assert all(r["pid"] == pids[r["arm"]] for r in rows)  # an arm's contexts share its process
+    _load().main([*common, "--out", str(tmp_path / "one.json")])  # without: the same rows, one process
+    same = json.loads((tmp_path / "one.json").read_text())["rows"]
+    assert [(r["context"], r["arm"], r["attended"]) for r in same] == [
+        (r["context"], r["arm"], r["attended"]) for r in rows
+    ]
+    assert {r["pid"] for r in same} == {os.getpid()}
+
+
 def test_host_profile_times_the_timed_path_and_rewinds(capsys):
     """``--host-profile``: cProfile over the steps the timer runs, the static cache rewound after each."""
     import torch
