@@ -7,6 +7,7 @@ import csv
 import json
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 from locks_hf.selectors import family_sort_key
@@ -53,8 +54,10 @@ def load_cells(run_dir: Path, complete_only: bool = True) -> list[dict]:
                 values[(r["task"], r["length"], r["arm"])].append(r[name])
         meta[r["arm"]] = (r["family"], r["budget"], r["selector"])
     cells = defaultdict(list)
-    for (task, length, arm, _), sc in per_rec.items():
+    records: defaultdict[tuple, dict[str, float]] = defaultdict(dict)
+    for (task, length, arm, rec), sc in per_rec.items():
         cells[(task, length, arm)].append(sum(sc) / len(sc))
+        records[(task, length, arm)][rec] = 100 * sum(sc) / len(sc)
     order = {a: i for i, a in enumerate(arms)}
     out = []
     for (task, length, arm), v in sorted(
@@ -75,6 +78,7 @@ def load_cells(run_dir: Path, complete_only: bool = True) -> list[dict]:
                 "selector": sel,
                 "n": len(v),
                 "score": 100 * sum(v) / len(v),
+                "records": records[(task, length, arm)],  # record id -> score x100 (avg@k)
                 **means,
             }
         )
@@ -139,7 +143,15 @@ def tables_markdown(cells: list[dict]) -> tuple[str, dict]:
         shown = (dense if complete_tasks else []) + sparse
         md += _arm_budget_table(shown, budgets, lambda f, b: _fmt(averages.get((L, f, b), (None,))[0]))
         md.append("")
-        md += kv_quant_tables(averages, L, shown, budgets, title)
+        md += kv_quant_tables(
+            averages,
+            L,
+            shown,
+            budgets,
+            title,
+            lambda t, f, b: cell.get((t, f, None if f in dense else b)),
+            complete_tasks,
+        )
         for b in budgets:
             md.append(
                 f"#### {title}, per task\n"
@@ -160,9 +172,14 @@ def tables_markdown(cells: list[dict]) -> tuple[str, dict]:
     return "\n".join(md), averages
 
 
-def kv_quant_tables(averages: dict, length, fams: list[str], budgets: list, title: str) -> list[str]:
+def kv_quant_tables(
+    averages: dict, length, fams: list[str], budgets: list, title: str, cell_at=None, tasks: Sequence[str] = ()
+) -> list[str]:
     """The paper's Table 4 shape, one table per family run on quantized KV (``locks-r8i4+kv4-post`` ...):
-    rows KV bf16 / 4-bit post / 4-bit pre / 2-bit post / 2-bit pre (those run), columns the budgets."""
+    rows KV bf16 / 4-bit post / 4-bit pre / 2-bit post / 2-bit pre (those run), columns the budgets.
+    With ``cell_at(task, family, budget)`` (a cell of `load_cells` or ``None``) and the averaged
+    ``tasks``, a second table gives each quantized row's difference to KV bf16 with its
+    `paired_difference` interval."""
     from locks_hf.kv_quant import split_kv_label
 
     variants: defaultdict[str, dict[str, str]] = defaultdict(dict)  # base family -> {row label: family}
@@ -173,6 +190,7 @@ def kv_quant_tables(averages: dict, length, fams: list[str], budgets: list, titl
             order = f" {kv['summary_from']}" if "summary_from" in kv else ""
             variants[base][f"{kv['kv_bits']}-bit{extra}{order}"] = f
     md = []
+    explained = False
     for base, rows in variants.items():
         if base in fams:
             rows = {"KV bf16": base, **rows}
@@ -187,7 +205,54 @@ def kv_quant_tables(averages: dict, length, fams: list[str], budgets: list, titl
             for r in shown
         ]
         md.append("")
+        if cell_at is None or "KV bf16" not in rows or not tasks:
+            continue
+        diffs = {r: [paired_difference(cell_at, tasks, rows[r], base, b) for b in budgets] for r in shown[1:]}
+        if not any(g for got in diffs.values() for g in got):
+            continue  # cells without their records (built by hand): no pairing
+        md.append(f"#### {title}: {base} on quantized KV, difference to KV bf16 (points, 95% interval)\n")
+        if not explained:
+            md.append(
+                "Paired by record: the mean over tasks of each task's mean difference, and the 2.5-97.5 "
+                f"percentiles of that mean over {BOOTSTRAP_RESAMPLES:,} resamples of each task's records "
+                "(percentile bootstrap). The interval shows how far a few records a task move the difference; "
+                "it is not a test.\n"
+            )
+            explained = True
+        md.append("| KV | " + " | ".join(map(_budget_head, budgets)) + " |")
+        md.append("|---|" + "---|" * len(budgets))
+        for r, got in diffs.items():
+            shown_cells = ("" if g is None else f"{g[0]:+.1f} [{g[1]:+.1f}, {g[2]:+.1f}]" for g in got)
+            md.append(f"| {r} | " + " | ".join(shown_cells) + " |")
+        md.append("")
     return md
+
+
+#: Resamples of `paired_difference`'s interval (seeded: a report is reproducible).
+BOOTSTRAP_RESAMPLES = 2000
+
+
+def paired_difference(
+    cell_at, tasks: Sequence[str], family: str, base: str, budget
+) -> tuple[float, float, float] | None:
+    """``family`` minus ``base`` at ``budget``, in points: (mean over ``tasks`` of each task's mean
+    difference over the records both arms finished, 2.5th and 97.5th percentile of that mean when each
+    task's records are resampled with replacement). ``None`` where a task lacks either cell."""
+    import numpy as np
+
+    diffs = []
+    for t in tasks:
+        a, b = cell_at(t, family, budget), cell_at(t, base, budget)
+        if a is None or b is None or "records" not in a or "records" not in b:
+            return None
+        both = sorted(set(a["records"]) & set(b["records"]))
+        if not both:
+            return None
+        diffs.append(np.array([a["records"][i] - b["records"][i] for i in both]))
+    rng = np.random.default_rng(0)
+    resampled = np.mean([d[rng.integers(0, len(d), (BOOTSTRAP_RESAMPLES, len(d)))].mean(1) for d in diffs], axis=0)
+    lo, hi = np.percentile(resampled, [2.5, 97.5])
+    return float(np.mean([d.mean() for d in diffs])), float(lo), float(hi)
 
 
 #: The decode-traffic tables: (cell key, heading, formatter, full attention shown).

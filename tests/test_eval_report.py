@@ -93,3 +93,37 @@ def test_runs_of_two_lengths_get_one_summary_table_and_plot(tmp_path):
     assert "| quest | 50.0 | 50.0 | 100.0 | 0.0 |" in summary and "| shadowkv |  | 50.0 |  | 100.0 |" in summary
     assert "![score vs budget](r.png)" in summary and (tmp_path / "docs" / "r.png").stat().st_size > 1000
     assert "## Summary" not in write_report(runs[:1], tmp_path / "one", name="r").read_text()
+
+
+def test_quantized_kv_differences_are_paired_by_record_with_a_bootstrap_interval(tmp_path):
+    """The Table 4-shaped report gives each quantized row minus KV bf16, paired by record: the mean over
+    tasks and the percentile interval of that mean, against the exact resampling distribution."""
+    run = tmp_path / "kv"
+    run.mkdir()
+    arms = [("locks-r4i4-b64", "locks-r4i4"), ("r4i4+kv4-post", "locks-r4i4+kv4-post")]
+    arms += [("r4i4+kv4-pre", "locks-r4i4+kv4-pre")]
+    (run / "config.json").write_text(json.dumps({"model": "m", "arms": [{"name": a} for a, _ in arms]}))
+    # bf16 gets every record; post misses one of t1's three (and none of t2's); pre equals bf16
+    score = {("t1", "locks-r4i4+kv4-post", 1): 0}
+    rows = [
+        {
+            "id": f"{task}-{i}",
+            "task": task,
+            "length": 1024,
+            "arm": arm,
+            "family": family,
+            "budget": 64,
+            "selector": "locks",
+            "score": score.get((task, family, i), 1),
+        }
+        for task in ("t1", "t2")
+        for i in range(3)
+        for arm, family in arms
+    ]
+    (run / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    md, _ = tables_markdown(load_cells(run))
+    table = md.split("locks-r4i4 on quantized KV, difference to KV bf16 (points, 95% interval)\n")[1]
+    lines = [line for line in table.split("\n\n")[1].splitlines() if line.startswith("| 4-bit")]
+    # t1's resampled mean is -100 * (misses drawn)/3: P(3 misses) = 1/27 = 3.7% > 2.5%, P(none) = 29.6%;
+    # halved over two tasks, the 2.5th percentile is -50 and the 97.5th 0; the mean is -100/3/2
+    assert lines == ["| 4-bit post | -16.7 [-50.0, +0.0] |", "| 4-bit pre | +0.0 [+0.0, +0.0] |"]
