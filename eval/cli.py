@@ -375,6 +375,7 @@ def cmd_report(args):
         name=args.name,
         fidelity_dirs=[Path(f) for f in (args.fidelity or [])],
         notes=read_text(args.notes) if args.notes else None,
+        pool=args.pool,
     )
     print(path)
 
@@ -672,6 +673,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         type=ExistingPath("file"),
         help="markdown file inserted under the title (default: none)",
+    )
+    r.add_argument(
+        "--pool",
+        action="store_true",
+        help="also report the records of all --run folders together (independent draws of one benchmark, "
+        "e.g. two --seed values), for the arms they share",
     )
     r.set_defaults(func=cmd_report)
 

@@ -24,20 +24,51 @@ RUN_FIX = (
 _fam_key = family_sort_key
 
 
-def load_cells(run_dir: Path, complete_only: bool = True) -> list[dict]:
-    """(task, length, arm) cells: mean score x100 over records (avg@k over samples first).
-
-    ``complete_only``: only records that every arm of the run has finished enter (a partial or
-    in-progress run then compares all arms on the same records).
-    """
-    from .merge import TRAFFIC, merge
+def _run_rows(run_dir: Path) -> tuple[list[str], list[dict]]:
+    """A run folder's arms (in its config's order) and merged rows (merging a sweep's predictions first)."""
+    from .merge import merge
     from .rundir import PREDICTION_KEYS
 
     if (run_dir / "predictions").is_dir():  # a sweep's folder; a published one holds only the merged files
         merge(run_dir)
     cfg = read_json(run_dir / "config.json", fix=RUN_FIX)
     arms = [a["name"] for a in cfg.get("arms", [])]
-    rows = read_jsonl(run_dir / "results.jsonl", required=PREDICTION_KEYS, fix=RUN_FIX)  # or results.jsonl.gz
+    return arms, read_jsonl(run_dir / "results.jsonl", required=PREDICTION_KEYS, fix=RUN_FIX)  # or .jsonl.gz
+
+
+def load_cells(run_dir: Path, complete_only: bool = True) -> list[dict]:
+    """(task, length, arm) cells: mean score x100 over records (avg@k over samples first).
+
+    ``complete_only``: only records that every arm of the run has finished enter (a partial or
+    in-progress run then compares all arms on the same records).
+    """
+    return _cells(*_run_rows(run_dir), complete_only)
+
+
+def load_pooled_cells(run_dirs: list[Path]) -> list[dict]:
+    """`load_cells` over the records of several runs of one benchmark (independent draws of records,
+    e.g. two seeds): the arms every run has, each record keyed by its run (``<folder>/<id>``)."""
+    configs = [read_json(run / "config.json", fix=RUN_FIX) for run in run_dirs]
+    for run, cfg in zip(run_dirs[1:], configs[1:]):
+        for key in ("model", "protocol"):
+            if cfg.get(key) != configs[0].get(key):
+                raise ValueError(
+                    f"--pool: {run} has {key}={cfg.get(key)!r} and {run_dirs[0]} {configs[0].get(key)!r}; "
+                    "pool runs of one model and protocol only"
+                )
+        if cfg.get("benchmark", {}).get("name") != configs[0].get("benchmark", {}).get("name"):
+            raise ValueError(f"--pool: {run} and {run_dirs[0]} are runs of different benchmarks; pool one benchmark")
+    runs = [_run_rows(run) for run in run_dirs]
+    arms = [a for a in runs[0][0] if all(a in other for other, _ in runs[1:])]
+    rows = [
+        {**r, "id": f"{run.name}/{r['id']}"} for run, (_, got) in zip(run_dirs, runs) for r in got if r["arm"] in arms
+    ]
+    return _cells(arms, rows, True)
+
+
+def _cells(arms: list[str], rows: list[dict], complete_only: bool) -> list[dict]:
+    from .merge import TRAFFIC
+
     by_id = defaultdict(set)
     for r in rows:
         by_id[r["id"]].add(r["arm"])
@@ -520,6 +551,7 @@ def write_report(
     name: str = "report",
     fidelity_dirs: list[Path] | None = None,
     notes: str | None = None,
+    pool: bool = False,
 ) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     parts = [f"# {title}\n"]
@@ -529,6 +561,14 @@ def write_report(
     first = read_json(run_dirs[0] / "config.json", fix=RUN_FIX) if run_dirs else {}
     label = f"{first.get('benchmark', {}).get('name', '')} {first.get('model', '')}".strip()
     parts.append(summary_markdown(list(run_cells.values()), out_dir / f"{name}.png", label))
+    if pool and len(run_dirs) > 1:
+        names = " + ".join(run.name for run in run_dirs)
+        parts.append(f"## Pooled: {names}\n")
+        parts.append(
+            "The records of every run together (independent draws of one benchmark), for the arms every run has; "
+            "each record keeps its run's prediction.\n"
+        )
+        parts.append(tables_markdown(load_pooled_cells(run_dirs))[0])
     for run in run_dirs:
         cfg = read_json(run / "config.json", fix=RUN_FIX)
         cells = run_cells[run]

@@ -49,6 +49,7 @@ def test_the_published_runs_are_there():
         "ruler-hf-quantized-4k",
         "ruler-hf-quantized-4k-12",
         "ruler-kivi-4k",
+        "ruler-kivi-4k-seed43",
         "ruler-kivi-8k",
         "ruler-tight-4k",
         "ruler-tight-8k",

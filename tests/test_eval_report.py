@@ -127,3 +127,26 @@ def test_quantized_kv_differences_are_paired_by_record_with_a_bootstrap_interval
     # t1's resampled mean is -100 * (misses drawn)/3: P(3 misses) = 1/27 = 3.7% > 2.5%, P(none) = 29.6%;
     # halved over two tasks, the 2.5th percentile is -50 and the 97.5th 0; the mean is -100/3/2
     assert lines == ["| 4-bit post | -16.7 [-50.0, +0.0] |", "| 4-bit pre | +0.0 [+0.0, +0.0] |"]
+
+
+def test_pooled_cells_join_the_records_of_several_runs(tmp_path):
+    """`report --pool`: two draws of one benchmark (the same record ids) are pooled record by record, for
+    the arms both have; runs of another model are refused."""
+    import pytest
+
+    from locks_hf.eval.report import load_pooled_cells
+
+    first = _run(tmp_path, name="seed42")
+    second = _run(tmp_path, name="seed43", arms=ARMS[:3])  # no ShadowKV arm
+    pooled = {(c["task"], c["arm"]): c for c in load_pooled_cells([first, second])}
+    assert {arm for _, arm in pooled} == {"full", "quest-b64", "quest-b512"}
+    one = {(c["task"], c["arm"]): c for c in load_cells(first)}
+    for key, cell in pooled.items():
+        assert cell["n"] == 2 and cell["score"] == one[key]["score"]  # the same scores drawn twice
+        assert set(cell["records"]) == {f"seed42/{key[0]}-0", f"seed43/{key[0]}-0"}
+    md = write_report([first, second], tmp_path / "out", pool=True).read_text()
+    assert "## Pooled: seed42 + seed43" in md
+    config = json.loads((second / "config.json").read_text())
+    (second / "config.json").write_text(json.dumps({**config, "model": "other"}))
+    with pytest.raises(ValueError, match="--pool: .* has model='other'"):
+        load_pooled_cells([first, second])
