@@ -47,7 +47,9 @@ def load_cells(run_dir: Path, complete_only: bool = True) -> list[dict]:
 
 def load_pooled_cells(run_dirs: list[Path]) -> list[dict]:
     """`load_cells` over the records of several runs of one benchmark (independent draws of records,
-    e.g. two seeds): the arms every run has, each record keyed by its run (``<folder>/<id>``)."""
+    e.g. two seeds): the arms every run has, each record keyed by its run (``<i>:<folder>/<id>``)."""
+    if len(run_dirs) < 2:
+        raise ValueError("--pool joins the records of several runs: give at least two --run folders")
     configs = [read_json(run / "config.json", fix=RUN_FIX) for run in run_dirs]
     for run, cfg in zip(run_dirs[1:], configs[1:]):
         for key in ("model", "protocol"):
@@ -61,7 +63,10 @@ def load_pooled_cells(run_dirs: list[Path]) -> list[dict]:
     runs = [_run_rows(run) for run in run_dirs]
     arms = [a for a in runs[0][0] if all(a in other for other, _ in runs[1:])]
     rows = [
-        {**r, "id": f"{run.name}/{r['id']}"} for run, (_, got) in zip(run_dirs, runs) for r in got if r["arm"] in arms
+        {**r, "id": f"{i}:{run.name}/{r['id']}"}
+        for i, (run, (_, got)) in enumerate(zip(run_dirs, runs))
+        for r in got
+        if r["arm"] in arms
     ]
     return _cells(arms, rows, True)
 
@@ -561,7 +566,7 @@ def write_report(
     first = read_json(run_dirs[0] / "config.json", fix=RUN_FIX) if run_dirs else {}
     label = f"{first.get('benchmark', {}).get('name', '')} {first.get('model', '')}".strip()
     parts.append(summary_markdown(list(run_cells.values()), out_dir / f"{name}.png", label))
-    if pool and len(run_dirs) > 1:
+    if pool:
         names = " + ".join(run.name for run in run_dirs)
         parts.append(f"## Pooled: {names}\n")
         parts.append(

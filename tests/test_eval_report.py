@@ -143,10 +143,12 @@ def test_pooled_cells_join_the_records_of_several_runs(tmp_path):
     one = {(c["task"], c["arm"]): c for c in load_cells(first)}
     for key, cell in pooled.items():
         assert cell["n"] == 2 and cell["score"] == one[key]["score"]  # the same scores drawn twice
-        assert set(cell["records"]) == {f"seed42/{key[0]}-0", f"seed43/{key[0]}-0"}
+        assert set(cell["records"]) == {f"0:seed42/{key[0]}-0", f"1:seed43/{key[0]}-0"}
     md = write_report([first, second], tmp_path / "out", pool=True).read_text()
     assert "## Pooled: seed42 + seed43" in md
     config = json.loads((second / "config.json").read_text())
     (second / "config.json").write_text(json.dumps({**config, "model": "other"}))
     with pytest.raises(ValueError, match="--pool: .* has model='other'"):
         load_pooled_cells([first, second])
+    with pytest.raises(ValueError, match="at least two --run folders"):
+        write_report([first], tmp_path / "one", pool=True)
