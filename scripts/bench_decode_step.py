@@ -209,9 +209,10 @@ def check_replay(stepper: Stepper) -> float:
 
 
 def time_steps(stepper: Stepper, steps: int, host: list[float] | None = None) -> list[float]:
-    """Device time of each step in ms. On a GPU, ``host`` (if given) gets each step's host time in ms:
-    from the call until its last launch is queued. A step whose host time is near its device time is
-    bound by the host (launch latency, guards, Python), not by its kernels."""
+    """Each step's time in ms (CUDA events on a GPU, wall clock on a CPU). On a GPU, ``host`` (if given)
+    gets each step's host time in ms: from the call until its last launch is queued. A step whose host
+    time is near its measured time is bound by the host (launch latency, guards, Python), not by its
+    kernels."""
     times = []
     for _ in range(steps):
         if stepper.model.device.type == "cuda":
