@@ -5,6 +5,7 @@ Importing this package registers ``attn_implementation="locks"`` with transforme
 
 from .attention import locks_attention_forward, register
 from .cache import LocksCache, LocksLayer
+from .captured_step import captured_backend, decode_compile_config
 from .concurrency import CacheInUseError
 from .config import LocksConfig, LocksConfigError
 from .models_support import UnsupportedModelError, check_model
@@ -21,7 +22,9 @@ __all__ = [
     "LocksLayer",
     "LocksStaticCache",
     "UnsupportedModelError",
+    "captured_backend",
     "check_model",
+    "decode_compile_config",
     "locks_attention_forward",
     "summary_bytes",
 ]

@@ -16,7 +16,13 @@ arm's rule (summaries, re-ranked keys, attended K/V), so that time and traffic c
               SDPA reads the whole capacity through a mask), the whole step captured once in a CUDA graph
               and replayed (gpt-fast style);
 * ``compile`` static caches, ``torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)``
-              (what `generate()` does with a static cache: inductor + CUDA graphs).
+              (what `generate()` does with a static cache: inductor + CUDA graphs);
+* ``compile-cuda`` static caches, the step compiled by inductor without CUDA graphs
+              (``torch.compile(model.forward, fullgraph=True)``) and captured by hand in one CUDA graph, as in
+              ``cuda``: inductor's fusion with nothing left on the host per step (the floor of ``captured``);
+* ``captured`` static caches, ``torch.compile(model.forward, backend=captured_backend, fullgraph=True)``
+              (what ``generate(..., compile_config=decode_compile_config())`` does: inductor's kernels
+              captured in one CUDA graph by the library, without CUDA-graph trees' per-step checks).
 
 With graphs, the script also checks that a replayed step gives the logits of the same step run
 eagerly (the cache rewound by one token in between). CUDA-event medians after warm-up; on a GPU each row
@@ -38,6 +44,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
 from locks_hf import LocksCache, LocksConfig, LocksStaticCache, traffic
+from locks_hf.captured_step import captured_backend, step_stats
 from locks_hf.kv_quant import kv_token_bytes
 from locks_hf.selectors import config_for_family, make_selector
 
@@ -178,12 +185,18 @@ class Stepper:
         if graphs == "compile":
             compiled = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
             self.fn = lambda: compiled(self.token, past_key_values=cache, logits_to_keep=1).logits.clone()
+        elif graphs == "compile-cuda":
+            compiled = torch.compile(model.forward, fullgraph=True)
+            self.fn = lambda: compiled(self.token, past_key_values=cache, logits_to_keep=1).logits
+        elif graphs == "captured":
+            compiled = torch.compile(model.forward, backend=captured_backend, fullgraph=True)
+            self.fn = lambda: compiled(self.token, past_key_values=cache, logits_to_keep=1).logits.clone()
         self.graph = None
 
     def warm_up(self, n: int) -> None:
         for _ in range(n):
             self.fn()
-        if self.graphs == "cuda":
+        if self.graphs in ("cuda", "compile-cuda"):
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -302,7 +315,7 @@ def main(argv=None) -> None:
         "oracle, Locks labels (r4i4, ...), the baselines (rocketkv, shadowkv, kvzip, rkv, triattention, "
         "lazy_eviction; eager only)",
     )
-    ap.add_argument("--graphs", default="none", choices=["none", "cuda", "compile"])
+    ap.add_argument("--graphs", default="none", choices=["none", "cuda", "compile", "compile-cuda", "captured"])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", default="decode_step.json")
@@ -320,10 +333,10 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if args.graphs == "cuda" and device.type != "cuda":
-        raise SystemExit("--graphs cuda needs a CUDA device")
+    if args.graphs in ("cuda", "compile-cuda", "captured") and device.type != "cuda":
+        raise SystemExit(f"--graphs {args.graphs} needs a CUDA device")
     if args.host_profile and args.graphs == "none":
-        raise SystemExit("--host-profile needs --graphs cuda or compile (it rewinds a static cache between steps)")
+        raise SystemExit("--host-profile needs --graphs (it rewinds a static cache between steps)")
 
     rows = run_isolated(args) if args.isolate else run_arms(args, device, dtype)
     report(rows, args, dtype, torch.cuda.get_device_name() if device.type == "cuda" else "CPU")
@@ -401,8 +414,11 @@ def run_arms(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
                         "all_ms": times,
                         "host_ms": statistics.median(host) if host else None,
                         "pid": os.getpid(),
+                        "captured_steps": step_stats() if args.graphs == "captured" else None,
                     }
                 )
+                if args.graphs == "captured":  # whether the timed steps replayed the graph, and what they copied in
+                    print("  captured steps:", rows[-1]["captured_steps"], flush=True)
                 host_note = f", host {rows[-1]['host_ms']:.2f} ms" if host else ""
                 print(rows[-1]["context"], name, f"{med:.2f} ms{host_note}", f"replay diff {diff}", flush=True)
                 if args.profile and device.type == "cuda":
@@ -424,7 +440,13 @@ def run_arms(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
 
 def report(rows: list[dict], args, dtype: torch.dtype, where: str) -> None:
     """The markdown table on stdout and the rows as JSON in ``args.out``."""
-    mode = {"none": "eager", "cuda": "CUDA graph", "compile": "torch.compile reduce-overhead"}[args.graphs]
+    mode = {
+        "none": "eager",
+        "cuda": "CUDA graph",
+        "compile": "torch.compile reduce-overhead",
+        "compile-cuda": "torch.compile captured by hand in one CUDA graph",
+        "captured": "torch.compile, captured_backend",
+    }[args.graphs]
     print(
         f"\nComplete decode step, {args.shape} random weights, {dtype}, batch 1, b={args.budget}, {mode}, "
         f"median of {args.steps} steps ({where})\n"

@@ -9,6 +9,8 @@ on random prompts (a real prefill, then ``--new-tokens`` decode steps) for each 
 * ``r4i4``, ``r8i4``, ``quest``, ``full`` ... the README one-liner,
   ``LocksCache(model.config, locks)`` with nothing else (on a GPU it picks the static layout and
   generate() compiles its decode step);
+* ``captured-r4i4`` ... the one-liner with ``compile_config=decode_compile_config()``: the decode step
+  compiled by inductor and captured in one CUDA graph by the library (no per-step checks of CUDA-graph trees);
 * ``static-r4i4`` ... ``LocksStaticCache`` with ``max_cache_len`` = prompt + new tokens;
 * ``dynamic-r4i4`` ... ``LocksCache(..., layout="dynamic")`` (eager, no compiled step): the layout that
   stores quantized KV, so ``dynamic-r4i4`` beside ``r4i4+kv4-post`` compares the storage alone.
@@ -45,15 +47,16 @@ from bench_decode_step import SHAPES, parse_tokens, tokens_label  # scripts/ is 
 from multi_gpu_generate import StepClock
 from transformers import LlamaConfig, LlamaForCausalLM, StaticCache, StoppingCriteriaList
 
-from locks_hf import LocksCache, LocksConfig, LocksStaticCache
+from locks_hf import LocksCache, LocksConfig, LocksStaticCache, decode_compile_config
 
 HF_ARMS = ("hf-dynamic", "hf-static")
 STATIC_PREFIX = "static-"
 DYNAMIC_PREFIX = "dynamic-"
+CAPTURED_PREFIX = "captured-"
 
 
 def locks_config(name: str, budget: int) -> LocksConfig:
-    name = name.removeprefix(STATIC_PREFIX).removeprefix(DYNAMIC_PREFIX)
+    name = name.removeprefix(STATIC_PREFIX).removeprefix(DYNAMIC_PREFIX).removeprefix(CAPTURED_PREFIX)
     if name in ("full", "quest", "oracle"):
         return LocksConfig(selector=name, budget=budget)
     return LocksConfig.from_label(name, budget=budget)
@@ -100,7 +103,9 @@ def run_arm(
     before = allocated()
     if model.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    chunked = {"prefill_chunk_size": prefill_chunk} if prefill_chunk else {}
+    options = {"prefill_chunk_size": prefill_chunk} if prefill_chunk else {}
+    if name.startswith(CAPTURED_PREFIX):
+        options["compile_config"] = decode_compile_config()
     compiled_before = torch_compile_seconds()
     t0 = time.perf_counter()
     out = model.generate(
@@ -111,7 +116,7 @@ def run_arm(
         do_sample=False,
         stopping_criteria=StoppingCriteriaList([clock]),
         pad_token_id=0,
-        **chunked,
+        **options,
     )
     steps = [1e3 * (b - a) for a, b in zip(clock.stamps, clock.stamps[1:])]
     timed = steps[warm_steps:] or steps

@@ -170,20 +170,23 @@ def test_bench_generate_runs_on_cpu(tmp_path):
             "--new-tokens",
             "6",
             "--arms",
-            "hf-dynamic,hf-static,r4i4,static-r4i4",
+            "hf-dynamic,hf-static,r4i4,static-r4i4,captured-r4i4",
             "--out",
             str(out),
         ]
     )
     rows = json.loads(out.read_text())["rows"]
     assert [(r["context"], r["batch"], r["arm"]) for r in rows] == [
-        (n, b, a) for n, b in ((400, 1), (300, 2)) for a in ("hf-dynamic", "hf-static", "r4i4", "static-r4i4")
+        (n, b, a)
+        for n, b in ((400, 1), (300, 2))
+        for a in ("hf-dynamic", "hf-static", "r4i4", "static-r4i4", "captured-r4i4")
     ]
     for r in rows:
         assert r["ms_per_step"] > 0 and len(r["step_ms"]) == 5 and len(r["tokens"]) == 6
         assert (r["attended"] == 1.0) == r["arm"].startswith("hf-")
     by_arm = {(r["context"], r["arm"]): r for r in rows}
     assert by_arm[(400, "r4i4")]["tokens"] == by_arm[(400, "static-r4i4")]["tokens"]
+    assert by_arm[(400, "r4i4")]["tokens"] == by_arm[(400, "captured-r4i4")]["tokens"]
     assert by_arm[(400, "hf-dynamic")]["tokens"] == by_arm[(400, "hf-static")]["tokens"]
     assert by_arm[(400, "hf-dynamic")]["torch_compile_s"] == 0.0  # eager: nothing compiled
     assert all(r["torch_compile_s"] >= 0.0 for r in rows)

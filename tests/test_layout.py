@@ -318,3 +318,32 @@ def test_one_liner_grows_during_compiled_decode_on_cuda():
     assert torch.equal(got, want)
     assert cache.capacity >= 660
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2, torch._dynamo.utils.counters
+
+
+@pytest.mark.gpu  # the compiled kernels and CUDA graphs
+def test_captured_decode_step_gives_the_compiled_tokens_on_cuda(caplog):
+    """``compile_config=decode_compile_config()``: inductor's step captured by the library in one CUDA
+    graph gives the tokens of the same step uncompiled, on a fresh cache and then on a second cache of
+    the same shapes (new buffers: captured again, not replayed on the first cache's)."""
+    import torch._dynamo
+
+    from locks_hf import captured_step, decode_compile_config
+
+    model = _cuda_model()
+    ids = _ids(600).cuda()
+    torch._dynamo.reset()
+    for budget in (64, 64):
+        eager = LocksCache(model.config, budget=budget, max_cache_len=700)
+        want = model.generate(ids, max_new_tokens=40, do_sample=False, disable_compile=True, past_key_values=eager)
+        cache = LocksCache(model.config, budget=budget, max_cache_len=700)
+        assert cache.is_static and cache.is_compileable
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger=captured_step.__name__):
+            got = model.generate(
+                ids, max_new_tokens=40, do_sample=False, past_key_values=cache, compile_config=decode_compile_config()
+            )
+        assert torch.equal(got, want)
+        assert "captured step:" in caplog.text and "copied in each step" in caplog.text, (
+            caplog.text,
+            dict(torch._dynamo.utils.counters["stats"]),
+        )
