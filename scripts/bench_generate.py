@@ -23,8 +23,9 @@ cache rather than one long forward's activations.
 
 Per arm: the prefill time, the median decode step (wall clock between steps, device synchronised,
 after the first ``--warm-steps`` steps), the warm-up (the first steps' time beyond the median: the
-compile and the CUDA-graph capture) and how much of it torch.compile took (dynamo and inductor; the
-rest is mostly the library's Triton kernels compiling at their first launch), peak memory, and the
+compile and the CUDA-graph capture), how much of it torch.compile took (dynamo and inductor) and how
+much the library's Triton kernels took to compile at their first launch (``triton_compiles``: by kernel,
+with Triton's compilation listener), peak memory, and the
 new tokens. Prints a markdown table and writes JSON (after every arm, so a run cut short keeps what
 it measured)::
 
@@ -44,8 +45,8 @@ import time
 
 import torch
 from bench_decode_step import SHAPES, parse_tokens, tokens_label  # scripts/ is on sys.path when run as a script
-from multi_gpu_generate import StepClock
-from transformers import LlamaConfig, LlamaForCausalLM, StaticCache, StoppingCriteriaList
+from multi_gpu_generate import timed_generate
+from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
 from locks_hf import LocksCache, LocksConfig, LocksStaticCache, decode_compile_config
 
@@ -95,11 +96,53 @@ def torch_compile_seconds() -> float:
     return torch._dynamo.utils.calculate_time_spent().get("entire_frame_compile", 0.0)
 
 
+class TritonCompiles:
+    """Triton compiles in this process while it is entered (Triton's compilation listener, 3.4+): the
+    library's kernels at their first launch, by kernel name, with their seconds; cache hits counted apart.
+    Inductor compiles most of its own kernels in worker processes (they count in `torch_compile_seconds`);
+    any it compiles here show under their ``triton_`` names. Empty where this Triton has no listener."""
+
+    def __enter__(self) -> TritonCompiles:
+        self.by_kernel: dict[str, dict] = {}
+        self.hits = 0
+        try:
+            from triton import knobs
+
+            self._knobs, self._previous = knobs.compilation, knobs.compilation.listener
+            knobs.compilation.listener = self._listen
+        except (ImportError, AttributeError):
+            self._knobs = None
+        return self
+
+    def _listen(self, *, src, metadata, metadata_group, times, cache_hit) -> None:
+        if self._previous is not None:
+            self._previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
+        if cache_hit:
+            self.hits += 1
+            return
+        seconds = (times.ir_initialization + sum(us for _, us in times.lowering_stages) + times.store_results) / 1e6
+        entry = self.by_kernel.setdefault(str(metadata.get("name", "?")), {"compiles": 0, "seconds": 0.0})
+        entry["compiles"] += 1
+        entry["seconds"] += seconds
+
+    def __exit__(self, *exc) -> None:
+        if self._knobs is not None:
+            self._knobs.listener = self._previous
+
+    def summary(self) -> dict:
+        kernels = sorted(self.by_kernel.items(), key=lambda kv: -kv[1]["seconds"])
+        return {
+            "seconds": sum(e["seconds"] for e in self.by_kernel.values()),
+            "compiles": sum(e["compiles"] for e in self.by_kernel.values()),
+            "cache_hits": self.hits,
+            "kernels": dict(kernels),
+        }
+
+
 def run_arm(
     model, ids: torch.Tensor, name: str, budget: int, new_tokens: int, warm_steps: int, prefill_chunk: int = 0
 ) -> dict:
     cache = make_cache(name, model.config, budget, ids.shape[1] + new_tokens)
-    clock = StepClock()
     before = allocated()
     if model.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -107,17 +150,10 @@ def run_arm(
     if name.startswith(CAPTURED_PREFIX):
         options["compile_config"] = decode_compile_config()
     compiled_before = torch_compile_seconds()
+    triton_compiles = TritonCompiles()
     t0 = time.perf_counter()
-    out = model.generate(
-        ids,
-        past_key_values=cache,
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        stopping_criteria=StoppingCriteriaList([clock]),
-        pad_token_id=0,
-        **options,
-    )
+    with triton_compiles:
+        out, clock = timed_generate(model, ids, cache, new_tokens, **options)
     steps = [1e3 * (b - a) for a, b in zip(clock.stamps, clock.stamps[1:])]
     timed = steps[warm_steps:] or steps
     median = statistics.median(timed)
@@ -130,6 +166,7 @@ def run_arm(
         "tokens_per_s": 1e3 * ids.shape[0] / median,
         "warmup_s": max(0.0, sum(steps[:warm_steps]) - warm_steps * median) / 1e3,
         "torch_compile_s": torch_compile_seconds() - compiled_before,
+        "triton_compiles": triton_compiles.summary(),
         "step_ms": steps,
         "tokens": out[0, ids.shape[1] :].tolist(),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if model.device.type == "cuda" else None,
@@ -202,7 +239,9 @@ def main(argv=None) -> None:
                 result["rows"].append(row)
                 print(
                     f"{tokens_label(n)} x{b} {name}: {row['ms_per_step']:.2f} ms/step, warm-up {row['warmup_s']:.1f} s, "
-                    f"prefill {row['prefill_s']:.1f} s, peak {row['peak_gib'] or 0:.1f} GiB",
+                    f"prefill {row['prefill_s']:.1f} s, peak {row['peak_gib'] or 0:.1f} GiB, "
+                    f"library Triton compiles {row['triton_compiles']['compiles']} "
+                    f"({row['triton_compiles']['seconds']:.1f} s)",
                     flush=True,
                 )
                 with open(args.out, "w") as f:
@@ -218,9 +257,9 @@ def main(argv=None) -> None:
     )
     print(
         "| context | batch | arm | ms/step | vs hf-dynamic | vs hf-static | warm-up s | of which torch.compile s | "
-        "prefill s | peak GiB | cache GiB | KV vs bf16 | attended | tokens = first Locks arm |"
+        "Triton compiles s | prefill s | peak GiB | cache GiB | KV vs bf16 | attended | tokens = first Locks arm |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in result["rows"]:
         same_run = [x for x in result["rows"] if (x["context"], x["batch"]) == (r["context"], r["batch"])]
         base = {x["arm"]: x["ms_per_step"] for x in same_run}
@@ -232,7 +271,8 @@ def main(argv=None) -> None:
         ratio = "-" if r["kv_ratio"] is None else f"{r['kv_ratio']:.3f}"
         print(
             f"| {tokens_label(r['context'])} | {r['batch']} | {r['arm']} | {r['ms_per_step']:.2f} | {ratios[0]} | "
-            f"{ratios[1]} | {r['warmup_s']:.1f} | {r['torch_compile_s']:.1f} | {r['prefill_s']:.1f} | {peak} | {held} | "
+            f"{ratios[1]} | {r['warmup_s']:.1f} | {r['torch_compile_s']:.1f} | {r['triton_compiles']['seconds']:.1f} | "
+            f"{r['prefill_s']:.1f} | {peak} | {held} | "
             f"{ratio} | {r['attended']:.4f} | {same} |"
         )
 

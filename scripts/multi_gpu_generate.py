@@ -39,10 +39,9 @@ class StepClock(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def run_arm(model, config, ids: torch.Tensor, locks: LocksConfig, new_tokens: int) -> dict:
-    cache = LocksCache(config, locks, layout="dynamic")  # the eager path (what this script has always measured)
+def timed_generate(model, ids: torch.Tensor, cache, new_tokens: int, **options) -> tuple[torch.Tensor, StepClock]:
+    """Greedy ``generate()`` of exactly ``new_tokens`` tokens on ``cache``, each step's end stamped."""
     clock = StepClock()
-    t0 = time.perf_counter()
     out = model.generate(
         ids,
         past_key_values=cache,
@@ -51,7 +50,15 @@ def run_arm(model, config, ids: torch.Tensor, locks: LocksConfig, new_tokens: in
         do_sample=False,
         stopping_criteria=StoppingCriteriaList([clock]),
         pad_token_id=0,
+        **options,
     )
+    return out, clock
+
+
+def run_arm(model, config, ids: torch.Tensor, locks: LocksConfig, new_tokens: int) -> dict:
+    cache = LocksCache(config, locks, layout="dynamic")  # the eager path (what this script has always measured)
+    t0 = time.perf_counter()
+    out, clock = timed_generate(model, ids, cache, new_tokens)
     steps = [1e3 * (b - a) for a, b in zip(clock.stamps, clock.stamps[1:])]
     placement = sorted({str(layer.keys.device) for layer in cache.locks_layers})
     return {

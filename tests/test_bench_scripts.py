@@ -190,6 +190,37 @@ def test_bench_generate_runs_on_cpu(tmp_path):
     assert by_arm[(400, "hf-dynamic")]["tokens"] == by_arm[(400, "hf-static")]["tokens"]
     assert by_arm[(400, "hf-dynamic")]["torch_compile_s"] == 0.0  # eager: nothing compiled
     assert all(r["torch_compile_s"] >= 0.0 for r in rows)
+    assert all(r["triton_compiles"]["seconds"] >= 0.0 for r in rows)
+
+
+def test_bench_generate_sums_triton_compiles_by_kernel():
+    """The listener's compile times (microseconds, by stage) summed per kernel; cache hits only counted,
+    and a listener set before is still called and put back."""
+    from types import SimpleNamespace
+
+    triton = pytest.importorskip("triton")
+    knobs = pytest.importorskip("triton.knobs")
+    seen, before = [], knobs.compilation.listener
+    knobs.compilation.listener = lambda **kw: seen.append(kw["cache_hit"])
+    try:
+        with _load("bench_generate").TritonCompiles() as log:
+            for name, hit, stages in (("a", False, [2, 3]), ("b", False, [1]), ("a", False, [4]), ("a", True, [9])):
+                times = SimpleNamespace(
+                    ir_initialization=1_000_000, lowering_stages=[("s", 1_000_000 * x) for x in stages], store_results=0
+                )
+                triton.knobs.compilation.listener(
+                    src=None, metadata={"name": name}, metadata_group={}, times=times, cache_hit=hit
+                )
+        assert log.summary() == {
+            "seconds": 6.0 + 2.0 + 5.0,
+            "compiles": 3,
+            "cache_hits": 1,
+            "kernels": {"a": {"compiles": 2, "seconds": 11.0}, "b": {"compiles": 1, "seconds": 2.0}},
+        }
+        assert seen == [False, False, False, True]
+        assert knobs.compilation.listener is not None and knobs.compilation.listener.__name__ == "<lambda>"
+    finally:
+        knobs.compilation.listener = before
 
 
 @pytest.mark.slow  # an ahead-of-time Triton compile: tens of seconds of CPU

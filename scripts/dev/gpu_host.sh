@@ -4,8 +4,11 @@
 #    steps replayed: `captured_steps`), then `--graphs compile-cuda` (captured by hand) for r8i4 and the
 #    Llama-3.1-8B shape;
 # 2. the "fma" scoring kernel at rank 4 unrolled (today's form) and rolled, each from a fresh Triton cache:
-#    attention-only times and the wall time of the cold run (scripts/dev/fma_roll.py).
-# Tables on stdout, JSON and logs under ${OUT:-out}. About 9 minutes; skip parts with SKIP_STEP=1, SKIP_ROLL=1.
+#    attention-only times and the wall time of the cold run (scripts/dev/fma_roll.py);
+# 3. the one-liner's first generate() at 128K from cold caches: torch.compile's share and the library's Triton
+#    compiles by kernel (`triton_compiles` in the JSON).
+# Tables on stdout, JSON and logs under ${OUT:-out}. About 12 minutes, more than one device call: skip parts
+# with SKIP_STEP=1, SKIP_ROLL=1, SKIP_GENERATE=1 (e.g. SKIP_ROLL=1 SKIP_GENERATE=1, then SKIP_STEP=1).
 source scripts/dev/gpu_env.sh || exit 1
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -28,4 +31,12 @@ if [ -z "$SKIP_ROLL" ]; then
         > "$OUT/fma_roll$rank.log" 2>&1
     echo "fma rolled from rank $rank: exit $?"; grep -v -i "warn" "$OUT/fma_roll$rank.log" | tail -6 | cut -c1-220
   done
+fi
+if [ -z "$SKIP_GENERATE" ]; then
+  rm -rf /tmp/tc_generate
+  TRITON_CACHE_DIR=/tmp/tc_generate timeout 220 python3 scripts/bench_generate.py --runs 128K:1 --arms r4i4 \
+      --out "$OUT/generate_128k_cold.json" > "$OUT/generate_128k_cold.log" 2>&1
+  echo "generate 128K cold: exit $?"; grep -v -i "warn" "$OUT/generate_128k_cold.log" | tail -4 | cut -c1-260
+  python3 -c "import json, sys; r = json.load(open(sys.argv[1]))['rows'][0]; print(json.dumps(r['triton_compiles'], indent=1))" \
+      "$OUT/generate_128k_cold.json" | head -40
 fi
