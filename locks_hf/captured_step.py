@@ -115,9 +115,7 @@ class CapturedStep:
                 args[i] == value for i, value in self.fixed_values
             ):
                 return self._replay(args)
-            moved = [
-                i for i in self.fixed_tensors if args[i].data_ptr() != self.fixed_pointers[self.fixed_tensors.index(i)]
-            ]
+            moved = [i for i, ptr in zip(self.fixed_tensors, self.fixed_pointers) if args[i].data_ptr() != ptr]
             logger.info(
                 "captured step: inputs %s of %d, in place until now, moved (a new cache?); capturing again",
                 moved[:8],

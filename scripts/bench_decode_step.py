@@ -182,15 +182,17 @@ class Stepper:
         self.model, self.cache, self.graphs = model, cache, graphs
         self.token = torch.ones(1, 1, dtype=torch.long, device=model.device)
         self.fn = lambda: model(self.token, past_key_values=cache, logits_to_keep=1).logits
-        if graphs == "compile":
-            compiled = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-            self.fn = lambda: compiled(self.token, past_key_values=cache, logits_to_keep=1).logits.clone()
-        elif graphs == "compile-cuda":
-            compiled = torch.compile(model.forward, fullgraph=True)
-            self.fn = lambda: compiled(self.token, past_key_values=cache, logits_to_keep=1).logits
-        elif graphs == "captured":
-            compiled = torch.compile(model.forward, backend=captured_backend, fullgraph=True)
-            self.fn = lambda: compiled(self.token, past_key_values=cache, logits_to_keep=1).logits.clone()
+        compile_options = {
+            "compile": {"mode": "reduce-overhead"},
+            "compile-cuda": {},
+            "captured": {"backend": captured_backend},
+        }
+        if graphs in compile_options:
+            compiled = torch.compile(model.forward, fullgraph=True, **compile_options[graphs])
+            # the replayed graphs of "compile" and "captured" overwrite their logits at the next step (as generate()
+            # does, keep a copy); "compile-cuda" is captured below, where the logits are the graph's own output
+            keep = (lambda t: t) if graphs == "compile-cuda" else torch.clone
+            self.fn = lambda: keep(compiled(self.token, past_key_values=cache, logits_to_keep=1).logits)
         self.graph = None
 
     def warm_up(self, n: int) -> None:

@@ -102,9 +102,11 @@ class TritonCompiles:
     Inductor compiles most of its own kernels in worker processes (they count in `torch_compile_seconds`);
     any it compiles here show under their ``triton_`` names. Empty where this Triton has no listener."""
 
-    def __enter__(self) -> TritonCompiles:
+    def __init__(self) -> None:
         self.by_kernel: dict[str, dict] = {}
         self.hits = 0
+
+    def __enter__(self) -> TritonCompiles:
         try:
             from triton import knobs
 
