@@ -32,7 +32,7 @@ import triton
 
 from ._common import as_length, dot_precision, next_pow2
 from .score_dot import LOCKS, ORACLE, QUEST, _score_kernel
-from .score_fma import ROLL_CHUNKS_FROM_RANK, _locks_fma_kernel
+from .score_fma import _locks_fma_kernel
 from .score_mma import PAIR_BASE, _locks_mma_kernel
 from .score_tiles import (
     BY_TOKEN_MIN_PAGE_ROWS,
@@ -51,7 +51,6 @@ __all__ = [
     "METHODS",
     "ORACLE",
     "QUEST",
-    "ROLL_CHUNKS_FROM_RANK",
     "VARIANTS",
     "fma_supported",
     "mma_supported",

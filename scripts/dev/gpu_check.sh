@@ -7,9 +7,8 @@ source scripts/dev/gpu_env.sh || exit 1
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 rm -rf /tmp/pk/tests && cp -r tests /tmp/pk/tests
-# Compiling every kernel variant cold is most of the run (the unrolled "fma" scoring kernel alone takes
-# ~20 s per specialization on one core, docs/compile_time.md, and the tests need dozens): spread the
-# tests over the host's cores (on the H200, 2026-11-29: 114 tests in 227 s on 14 workers; one process: 58 in 320 s).
+# Compiling every kernel variant cold is most of the run: spread the tests over the host's cores (on the H200,
+# 2026-12-04: 264 tests in 182 s on 16 workers).
 (cd /tmp/pk && timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -m gpu -n "${WORKERS:-16}" -v --durations=25 -rfE \
     tests -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} > "$OUT/pytest.txt" 2>&1; tail -40 "$OUT/pytest.txt" | cut -c1-200)
 [ -n "$SKIP_EIGH" ] || timeout 120 python3 scripts/dev/check_eigh_gpu.py 2>&1 | tail -30
