@@ -41,6 +41,7 @@ from .score_tiles import (
     dot_tiles,
     fma_supported,
     fma_tiles,
+    mma_registers,
     mma_supported,
     mma_tiles,
 )
@@ -131,6 +132,7 @@ def score_pages(
     maxnreg: int | None = None,
     head_split: int | None = None,
     words_per_chunk: int | None = None,
+    prefetch: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Score every page of every row and KV head for one decode query.
 
@@ -150,7 +152,9 @@ def score_pages(
     `score_tiles.mma_tiles`, `mma_supported`); default (``None``): `score_tiles.default_variant`.
     Tiles (``block_pages``, ``sub_blocks``, ``num_warps``, ``num_stages``) default per method/variant
     (`score_tiles`);
-    ``maxnreg`` caps the registers per thread (more programs per SM; ``"fma"`` and ``"mma"``).
+    ``maxnreg`` caps the registers per thread (more programs per SM; ``"fma"`` and ``"mma"``; ``"mma"``
+    defaults to `score_tiles.mma_registers`). ``prefetch`` (``"mma"``): each product loads its next chunk
+    of codes ahead; ``False`` is the plain loop, kept to time one against the other.
 
     Returns ``(scores [b*h, G, P] float32, partials [b*h, n_blk, 4, GG] float32)``, ``GG`` the
     group size rounded up to a power of two.
@@ -202,6 +206,8 @@ def score_pages(
                 f"page_size={B}, rank={R}, bits={bits}, words_per_chunk={words_per_chunk})"
             )
         sub_blocks = 1 if sub_blocks is None else sub_blocks
+        if maxnreg is None:
+            maxnreg = mma_registers(GG, head_split, rank=R, basis_bits=bits, query_bytes=q.element_size())
     rows = b * h
     if fma:
         block_pages, sub_blocks, num_warps, num_stages = fma_tiles(block_pages, sub_blocks, num_warps, num_stages)
@@ -304,6 +310,7 @@ def score_pages(
             HS=head_split,
             KCW=words_per_chunk,
             DOT_PREC=dot_precision(q.dtype),
+            PREFETCH=prefetch,
             num_warps=num_warps,
             num_stages=num_stages,
             **({} if maxnreg is None else {"maxnreg": maxnreg}),

@@ -131,15 +131,32 @@ def _mma_project(
     BITS: tl.constexpr,
     DOT_PREC: tl.constexpr,
     magic,
+    PREFETCH: tl.constexpr,
 ):
     """``sum_d code[row, d] * q[g, d]`` ``[M, GG]`` for the packed rows ``rows [M]`` of ``RW`` int32 words
-    each, ``KCW`` words at a time."""
+    each, ``KCW`` words at a time.
+
+    ``PREFETCH``: the next chunk's words are loaded before this one's product (into registers, not
+    through shared memory as Triton's pipelining does): the kernel runs few warps per SM (its registers),
+    so otherwise every chunk waits out a whole global-load latency (H200, GLM-4-9B shape at 512K: a
+    third of the warps' stall samples are such waits, ncu).
+    """
     M: tl.constexpr = rows.shape[0]
+    NCH: tl.constexpr = RW // KCW
     acc = tl.zeros([M, GG], dtype=tl.float32)
     kw = tl.arange(0, KCW)
     F16: tl.constexpr = q_base.dtype.element_ty == tl.float16
-    for ch in tl.range(RW // KCW):
-        w = tl.load(ptr + rows[:, None] * RW + ch * KCW + kw[None, :], mask=rmask[:, None], other=0)
+    at = ptr + rows[:, None] * RW + kw[None, :]
+    if PREFETCH:
+        w_next = tl.load(at, mask=rmask[:, None], other=0)
+    else:
+        w_next = tl.zeros([M, KCW], dtype=tl.int32)
+    for ch in tl.range(NCH):
+        if PREFETCH:
+            w = w_next
+            w_next = tl.load(at + (ch + 1) * KCW, mask=rmask[:, None] & (ch + 1 < NCH), other=0)
+        else:
+            w = tl.load(at + ch * KCW, mask=rmask[:, None], other=0)
         qs = _perm_query(q_base, q_sh, ch * KCW, KCW, G, GG, BITS)
         acc = tl.dot(_word_codes(w, BITS, magic, F16).to(qs.dtype), qs, acc, input_precision=DOT_PREC)
     return acc
@@ -192,6 +209,7 @@ def _locks_mma_kernel(
     HS: tl.constexpr,
     KCW: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Locks scores, variant ``"mma"``: the contract of `score_dot._score_kernel` (METHOD = LOCKS).
 
@@ -199,7 +217,8 @@ def _locks_mma_kernel(
     ``R*D*BITS/32``, ``D/4``, ``B*R/4`` words); ``nsub`` blocks of ``BP`` pages per program (run time);
     ``magic`` is ``0x4B000000`` (float32 code trick of the epilogue), ``bmagic`` the `PAIR_BASE` of the
     query's 16-bit type (bf16 for a float32 query).
-    ``HS`` threads share a page, each with ``GG/HS`` of its heads; ``KCW`` words per row per product.
+    ``HS`` threads share a page, each with ``GG/HS`` of its heads; ``KCW`` words per row per product;
+    ``PREFETCH``: each product loads its next chunk ahead (`_mma_project`).
     """
     blk, row, bb, hh, rs, n_done, length, last_page = program_row(row_start_ptr, n_complete_ptr, len_ptr, H, B)
     vrow = valid_ptr + bb * valid_sb
@@ -239,8 +258,8 @@ def _locks_mma_kernel(
         pmask = p < n_done
         rows = tl.reshape(p[:, None] * R + i[None, :], [BP * R])
         rmask = tl.reshape(pmask[:, None] & (i < R)[None, :], [BP * R])
-        acc = _mma_project(bas, q_base, q_sh, rows, rmask, D * BITS // 32, KCW, G, GG, BITS, DOT_PREC, bmagic)
-        accm = _mma_project(mu, q_base, q_sh, p, pmask, D // 4, KCW, G, GG, 8, DOT_PREC, bmagic)
+        acc = _mma_project(bas, q_base, q_sh, rows, rmask, D * BITS // 32, KCW, G, GG, BITS, DOT_PREC, bmagic, PREFETCH)
+        accm = _mma_project(mu, q_base, q_sh, p, pmask, D // 4, KCW, G, GG, 8, DOT_PREC, bmagic, PREFETCH)
         bs = tl.load(bsc + rows, mask=rmask, other=0.0).to(tl.float32) * qk2
         ms = tl.load(msc + p, mask=pmask, other=0.0).to(tl.float32) * qk2
         # (page, head group) pairs: [BV, R, GT] and [BV, GT]

@@ -125,6 +125,16 @@ def mma_tiles(
     return block_pages, head_split, words_per_chunk, num_warps, 1 if num_stages is None else num_stages
 
 
+def mma_registers(GG: int, head_split: int, *, rank: int, basis_bits: int, query_bytes: int) -> int | None:
+    """Default register cap (``maxnreg``) of variant ``"mma"``, where one was measured to pay: a group of 16
+    heads, 8 a thread, a 16-bit query on an int4 basis of rank <= 4 (H200, GLM-4-9B shape, 512K, batch
+    1: 168 registers leave 3 programs of 4 warps an SM; capped at 128, 4 fit and r4i4 scores in 0.043 ms
+    against 0.047). ``None`` elsewhere: the compiler's own choice."""
+    if GG == 16 and head_split == 2 and rank <= 4 and basis_bits == 4 and query_bytes == 2:
+        return 128
+    return None
+
+
 # Page-rows (batch x KV heads x pages) from which a group of 16+ heads scores faster per token.
 BY_TOKEN_MIN_PAGE_ROWS = 1 << 16
 

@@ -19,7 +19,13 @@ import test_kernels  # noqa: E402,F401  (chooses the interpreter before Triton i
 import torch
 
 from locks_hf import kernels  # noqa: E402
-from locks_hf.kernels.score_tiles import MMA_CODE_TILE_BYTES, fma_supported, mma_supported, mma_tiles  # noqa: E402
+from locks_hf.kernels.score_tiles import (  # noqa: E402
+    MMA_CODE_TILE_BYTES,
+    fma_supported,
+    mma_registers,
+    mma_supported,
+    mma_tiles,
+)
 
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 INTERPRETED = DEV == "cpu"
@@ -206,6 +212,8 @@ def test_mma_16_bit_queries(dtype, G):
         dict(words_per_chunk=2),
         dict(words_per_chunk=8, sub_blocks=3, block_pages=32, head_split=4),
         dict(num_warps=2, block_pages=16, head_split=4),
+        dict(prefetch=False),
+        dict(prefetch=False, words_per_chunk=8, maxnreg=128),
     ],
 )
 def test_mma_tiles_give_the_same_scores(tiles):
@@ -245,6 +253,21 @@ def test_mma_default_tiles_keep_the_code_tile_within_shared_memory():
     for GG, rank in [(4, 4), (4, 8), (16, 4), (16, 8)]:
         want = (128, 1, 4, 4, 1) if GG == 4 else (64, 2, 4, 4, 1)
         assert mma_tiles(GG, None, None, None, None, None, rank=rank, basis_bits=4, query_bytes=2) == want
+
+
+def test_mma_register_cap_only_where_measured():
+    """The default register cap applies to the measured configuration alone (16 heads, 8 a thread, int4
+    basis of rank <= 4, 16-bit query) and leaves every other one to the compiler."""
+    assert mma_registers(16, 2, rank=4, basis_bits=4, query_bytes=2) == 128
+    assert mma_registers(16, 2, rank=2, basis_bits=4, query_bytes=2) == 128
+    for args, kw in [
+        ((16, 2), dict(rank=8, basis_bits=4, query_bytes=2)),
+        ((16, 4), dict(rank=4, basis_bits=4, query_bytes=2)),
+        ((16, 2), dict(rank=4, basis_bits=4, query_bytes=4)),
+        ((16, 2), dict(rank=4, basis_bits=2, query_bytes=2)),
+        ((4, 1), dict(rank=4, basis_bits=4, query_bytes=2)),
+    ]:
+        assert mma_registers(*args, **kw) is None, (args, kw)
 
 
 def test_mma_compiles_for_sm90_within_shared_memory():

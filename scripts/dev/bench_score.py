@@ -115,6 +115,7 @@ def cfg_name(cfg: dict) -> str:
         "num_warps": "nw",
         "num_stages": "ns",
         "sub_blocks": "sb",
+        "prefetch": "pf",
         "by_token": "tok",
         "maxnreg": "reg",
     }
@@ -446,6 +447,12 @@ def main(argv=None):
     ap.add_argument("--out", default="score_bench.json")
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--ncu-one", default=None, help="MODEL:LABEL: launch each setting twice and exit")
+    ap.add_argument(
+        "--cfgs",
+        default=None,
+        help="JSON list of settings tried instead of the built-in grid, each with the defaults first, e.g. "
+        '\'[{"variant": "mma", "maxnreg": 128}, {"variant": "mma", "num_stages": 2}]\'',
+    )
     args = ap.parse_args(argv)
     t_start = time.time()
     models, labels = args.models.split(","), args.labels.split(",")
@@ -456,6 +463,9 @@ def main(argv=None):
     import bench_decode  # noqa: F401  (imports locks_hf with or without transformers)
 
     plan = {(m, lab): candidates(MODELS[m][0] // MODELS[m][1], *label_of(lab)) for m in models for lab in labels}
+    if args.cfgs:
+        extra = json.loads(args.cfgs)
+        plan = {key: [c for c in cfgs if len(c) == 1] + extra for key, cfgs in plan.items()}
     if args.dry_run:
         for (m, lab), cfgs in plan.items():
             print(m, lab, len(cfgs), [cfg_name(c) for c in cfgs])

@@ -150,6 +150,7 @@ def compile_mma(
         HS=hs,
         KCW=kcw,
         DOT_PREC="tf32",
+        PREFETCH=True,
         num_warps=nw,
         num_stages=ns,
         debug=False,
