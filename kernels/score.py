@@ -182,6 +182,14 @@ def score_pages(
         variant = default_variant(m, G, d, B, R, bits)
     fma = m == LOCKS and variant == "fma"
     mma = m == LOCKS and variant == "mma"
+    if not mma:
+        given = [n for n, v in (("head_split", head_split), ("words_per_chunk", words_per_chunk)) if v is not None]
+        given += [] if prefetch else ["prefetch=False"]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)}: settings of Locks variant 'mma' only; this call scores with "
+                f"{'variant ' + repr(variant) if m == LOCKS else repr(method)}: pass variant='mma' or drop them"
+            )
     if fma and not fma_supported(d, B, R, bits):
         raise ValueError(
             f"variant 'fma' needs d*bits % 128 == 0, page_size*rank % 16 == 0 and a power-of-two "

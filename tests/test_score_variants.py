@@ -255,6 +255,13 @@ def test_mma_default_tiles_keep_the_code_tile_within_shared_memory():
         assert mma_tiles(GG, None, None, None, None, None, rank=rank, basis_bits=4, query_bytes=2) == want
 
 
+@pytest.mark.parametrize("kw", [dict(head_split=2), dict(words_per_chunk=2), dict(prefetch=False)])
+def test_mma_settings_refused_for_other_variants(kw):
+    summ = Summaries(3, rank=4, bits=4, G=4, pages=4)
+    with pytest.raises(ValueError, match="variant 'mma' only"):
+        run(summ, "fma", **kw)
+
+
 def test_mma_register_cap_only_where_measured():
     """The default register cap applies to the measured configuration alone (16 heads, 8 a thread, int4
     basis of rank <= 4, 16-bit query) and leaves every other one to the compiler."""
