@@ -277,6 +277,24 @@ def test_mma_register_cap_only_where_measured():
         assert mma_registers(*args, **kw) is None, (args, kw)
 
 
+@pytest.mark.parametrize("rank,want", [(4, 128), (2, 128), (8, None)])
+def test_mma_default_launch_carries_the_register_cap(monkeypatch, rank, want):
+    """`score_pages` launches the GLM-4-9B shape (16 heads a KV head, bf16 query, int4 basis) with the cap of
+    `mma_registers` and the codes prefetched, and rank 8 uncapped."""
+    from locks_hf.kernels import score
+
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append(kw)
+
+    monkeypatch.setattr(score, "_locks_mma_kernel", Recorder())
+    run(Summaries(5, rank=rank, bits=4, G=16, dtype=torch.bfloat16), None)
+    (kw,) = launches
+    assert kw.get("maxnreg") == want and kw["PREFETCH"] is True and kw["HS"] == 2
+
+
 def test_mma_compiles_for_sm90_within_shared_memory():
     """The interpreter runs tiles the GPU cannot launch (float32 queries on a 2-bit rank-8 basis took 256 KB
     of shared memory, over an H200's 227 KB): `scripts/dev/check_score_mma_compile.py` compiles the kernel
