@@ -150,8 +150,6 @@ def _mma_project(
     at = ptr + rows[:, None] * RW + kw[None, :]
     if PREFETCH:
         w_next = tl.load(at, mask=rmask[:, None], other=0)
-    else:
-        w_next = tl.zeros([M, KCW], dtype=tl.int32)
     for ch in tl.range(NCH):
         if PREFETCH:
             w = w_next
