@@ -38,8 +38,12 @@ Compiled code is cached on disk by Triton and inductor (``TRITON_CACHE_DIR``,
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import gc
 import json
+import os
+import pstats
 import statistics
 import time
 
@@ -93,7 +97,24 @@ def torch_compile_seconds() -> float:
     """Seconds torch.compile has spent so far in this process: dynamo's tracing and inductor's lowering,
     code generation and the Triton compiles of its own kernels (not the library's Triton kernels, which
     compile at their first launch)."""
-    return torch._dynamo.utils.calculate_time_spent().get("entire_frame_compile", 0.0)
+    return torch_compile_phases().get("entire_frame_compile", 0.0)
+
+
+def top_functions(profiler: cProfile.Profile, n: int) -> list[dict]:
+    """The ``n`` functions of a cProfile run with the most cumulative seconds (where a first generate()'s
+    host time goes: tracing, compiling, loading cached code, capturing graphs)."""
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, prim calls, own s, cumulative s, callers)}
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][3])[:n]
+    return [
+        {"function": f"{name} ({os.path.basename(file)}:{line})", "calls": calls, "own_s": own, "cumulative_s": cum}
+        for (file, line, name), (_, calls, own, cum, _) in rows
+    ]
+
+
+def torch_compile_phases() -> dict[str, float]:
+    """torch.compile's seconds so far in this process by phase, as torch counts them (``entire_frame_compile``
+    holds the rest: dynamo's tracing is what it has beyond ``backend_compile``, the compiler's share)."""
+    return dict(torch._dynamo.utils.calculate_time_spent())
 
 
 class TritonCompiles:
@@ -142,7 +163,14 @@ class TritonCompiles:
 
 
 def run_arm(
-    model, ids: torch.Tensor, name: str, budget: int, new_tokens: int, warm_steps: int, prefill_chunk: int = 0
+    model,
+    ids: torch.Tensor,
+    name: str,
+    budget: int,
+    new_tokens: int,
+    warm_steps: int,
+    prefill_chunk: int = 0,
+    host_profile: int = 0,
 ) -> dict:
     cache = make_cache(name, model.config, budget, ids.shape[1] + new_tokens)
     before = allocated()
@@ -151,10 +179,11 @@ def run_arm(
     options = {"prefill_chunk_size": prefill_chunk} if prefill_chunk else {}
     if name.startswith(CAPTURED_PREFIX):
         options["compile_config"] = decode_compile_config()
-    compiled_before = torch_compile_seconds()
+    phases_before = torch_compile_phases()
     triton_compiles = TritonCompiles()
     t0 = time.perf_counter()
-    with triton_compiles:
+    profiler = cProfile.Profile() if host_profile else None
+    with triton_compiles, profiler or contextlib.nullcontext():
         out, clock = timed_generate(model, ids, cache, new_tokens, **options)
     steps = [1e3 * (b - a) for a, b in zip(clock.stamps, clock.stamps[1:])]
     timed = steps[warm_steps:] or steps
@@ -167,7 +196,13 @@ def run_arm(
         "ms_per_step": median,
         "tokens_per_s": 1e3 * ids.shape[0] / median,
         "warmup_s": max(0.0, sum(steps[:warm_steps]) - warm_steps * median) / 1e3,
-        "torch_compile_s": torch_compile_seconds() - compiled_before,
+        "torch_compile_s": torch_compile_seconds() - phases_before.get("entire_frame_compile", 0.0),
+        "host_profile": top_functions(profiler, host_profile) if profiler else None,
+        "torch_compile_phases_s": {
+            k: round(v - phases_before.get(k, 0.0), 3)
+            for k, v in torch_compile_phases().items()
+            if v > phases_before.get(k, 0.0)
+        },
         "triton_compiles": triton_compiles.summary(),
         "step_ms": steps,
         "tokens": out[0, ids.shape[1] :].tolist(),
@@ -211,6 +246,12 @@ def main(argv=None) -> None:
         "--prefill-chunk", type=int, default=0, help="prefill in chunks of this many tokens (0: one forward)"
     )
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (use --shape tiny)")
+    ap.add_argument(
+        "--host-profile",
+        type=int,
+        default=0,
+        help="cProfile each arm's generate() and keep this many functions by cumulative time (host_profile)",
+    )
     ap.add_argument("--out", default="bench_generate.json")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -237,7 +278,16 @@ def main(argv=None) -> None:
             ids = torch.randint(3, config.vocab_size, (b, n), generator=torch.Generator().manual_seed(0)).to(device)
             for name in args.arms.split(","):
                 torch._dynamo.reset()  # each arm compiles its own graph (never hits dynamo's recompile limit)
-                row = run_arm(model, ids, name, args.budget, args.new_tokens, args.warm_steps, args.prefill_chunk)
+                row = run_arm(
+                    model,
+                    ids,
+                    name,
+                    args.budget,
+                    args.new_tokens,
+                    args.warm_steps,
+                    args.prefill_chunk,
+                    args.host_profile,
+                )
                 result["rows"].append(row)
                 print(
                     f"{tokens_label(n)} x{b} {name}: {row['ms_per_step']:.2f} ms/step, warm-up {row['warmup_s']:.1f} s, "

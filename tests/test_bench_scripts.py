@@ -171,6 +171,8 @@ def test_bench_generate_runs_on_cpu(tmp_path):
             "6",
             "--arms",
             "hf-dynamic,hf-static,r4i4,static-r4i4,captured-r4i4",
+            "--host-profile",
+            "5",
             "--out",
             str(out),
         ]
@@ -191,6 +193,11 @@ def test_bench_generate_runs_on_cpu(tmp_path):
     assert by_arm[(400, "hf-dynamic")]["torch_compile_s"] == 0.0  # eager: nothing compiled
     assert all(r["torch_compile_s"] >= 0.0 for r in rows)
     assert all(r["triton_compiles"]["seconds"] >= 0.0 for r in rows)
+    for r in rows:  # where the host time went, and torch.compile's phases
+        cumulative = [f["cumulative_s"] for f in r["host_profile"]]
+        assert len(cumulative) == 5 and cumulative == sorted(cumulative, reverse=True)
+        phases = r["torch_compile_phases_s"]
+        assert phases.get("entire_frame_compile", 0.0) == pytest.approx(r["torch_compile_s"], abs=1e-2)
 
 
 def test_bench_generate_sums_triton_compiles_by_kernel():
