@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from contextvars import ContextVar
 
 import torch
 import triton
@@ -17,6 +18,35 @@ BIG_PAGE = tl.constexpr(2**30)
 #: key of a non-candidate page in the selection kernels (below every finite score's key).
 NO_KEY = tl.constexpr(-(2**31))
 LOG2E = tl.constexpr(1.4426950408889634)
+
+
+_COMPILE_ONLY: ContextVar[bool] = ContextVar("locks_hf_compile_only", default=False)
+
+
+@contextlib.contextmanager
+def compile_only():
+    """Within this block (in this thread only), `launch` compiles each kernel for the launch it is given and
+    does not run it: Triton's ``warmup``, which specializes on the arguments exactly as the launch would.
+    A decode step run in this mode leaves every buffer as it was and the compiled kernels in the kernels'
+    caches, ready for the real step (see `locks_hf.precompile`)."""
+    token = _COMPILE_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _COMPILE_ONLY.reset(token)
+
+
+def compiling_only() -> bool:
+    """Whether this thread is inside `compile_only`: host code that writes a tensor must not."""
+    return _COMPILE_ONLY.get()
+
+
+def launch(kernel, grid: tuple, *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)``; under `compile_only`, the kernel's compile for that launch only."""
+    if _COMPILE_ONLY.get():
+        kernel.warmup(*args, grid=grid, **kwargs)
+    else:
+        kernel[grid](*args, **kwargs)
 
 
 def on_device(device: torch.device):

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, as_length, dot_precision, next_pow2, slot_ok, sm_count
+from ._common import LOG2E, as_length, dot_precision, launch, next_pow2, slot_ok, sm_count
 
 
 @triton.jit
@@ -429,7 +429,9 @@ def sparse_attention(
     if fused and semaphore is None:
         semaphore = torch.zeros((rows,), dtype=torch.int32, device=dev)
     SB = 4 if G * d < 2048 else 2
-    _sparse_attn_kernel[(rows, splits)](
+    launch(
+        _sparse_attn_kernel,
+        (rows, splits),
         q,
         q.stride(0),
         q.stride(1),
@@ -477,7 +479,9 @@ def sparse_attention(
         num_stages=num_stages,
     )
     if splits > 1 and not fused:
-        _combine_kernel[(rows * G,)](
+        launch(
+            _combine_kernel,
+            (rows * G,),
             part_o,
             part_l,
             o3,

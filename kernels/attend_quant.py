@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from ._common import LOG2E, as_length, dot_precision, next_pow2, sm_count
+from ._common import LOG2E, as_length, dot_precision, launch, next_pow2, sm_count
 from .attend import (
     MAX_SPLITS,
     _combine_kernel,
@@ -419,7 +419,9 @@ def quantized_attention(
     vt = value_tail if value_tail.numel() else value_scale
     valid = slot_valid.view(torch.uint8) if slot_valid.dtype == torch.bool else slot_valid
     try:
-        _quant_attn_kernel[(rows, splits)](
+        launch(
+            _quant_attn_kernel,
+            (rows, splits),
             q,
             q.stride(0),
             q.stride(1),
@@ -493,7 +495,9 @@ def quantized_attention(
             "num_stages=1"
         ) from e
     if splits > 1:
-        _combine_kernel[(rows * G,)](
+        launch(
+            _combine_kernel,
+            (rows * G,),
             part_o,
             part_l,
             out,

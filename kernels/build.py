@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2
+from ._common import launch, next_pow2
 from .eigh import sym_eigh
 
 _BF16_ROUND_UP = 1.0 + 2.0**-7  # as locks_hf.quant: scales rounded up so |x|/scale <= qmax
@@ -199,7 +199,9 @@ def quantize_summary(
     if n == 0:
         return out
     BPG = 8
-    _quantize_kernel[(triton.cdiv(n, BPG),)](
+    launch(
+        _quantize_kernel,
+        (triton.cdiv(n, BPG),),
         mu.float().contiguous(),
         basis.float().contiguous(),
         coef.float().contiguous(),

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import launch
+
 
 def default_sweeps(n: int) -> int:
     """Jacobi sweeps that reach float32 round-off for ``n x n`` matrices (measured, with margin)."""
@@ -144,7 +146,14 @@ def sym_eigh(gram: torch.Tensor, sweeps: int | None = None) -> tuple[torch.Tenso
     w = torch.empty((*lead, n), dtype=torch.float32, device=gram.device)
     v = torch.empty((*lead, n, n), dtype=torch.float32, device=gram.device)
     if m:
-        _eigh_kernel[(m,)](
-            flat, w, v, N=n, SWEEPS=default_sweeps(n) if sweeps is None else sweeps, num_warps=max(1, n * n // 512)
+        launch(
+            _eigh_kernel,
+            (m,),
+            flat,
+            w,
+            v,
+            N=n,
+            SWEEPS=default_sweeps(n) if sweeps is None else sweeps,
+            num_warps=max(1, n * n // 512),
         )
     return w, v

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2, on_device
+from ._common import launch, next_pow2, on_device
 from .build import _bf16_value, _rint
 
 
@@ -228,7 +228,9 @@ def kivi_append(
     if b * h == 0:
         return
     with on_device(key_ring.device):
-        _kivi_append_kernel[(b * h,)](
+        launch(
+            _kivi_append_kernel,
+            (b * h,),
             new_keys,
             new_values,
             new_keys.stride(0),

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2, on_device, slot_ok, take_rows
+from ._common import launch, next_pow2, on_device, slot_ok, take_rows
 from .build import store_summary, summary_shapes
 from .eigh import ascending_rank, default_sweeps, jacobi_eigh, lower_symmetric
 from .score import SUMMARY_NAMES
@@ -247,7 +247,9 @@ def update_completed_pages(
     if num_warps is None:
         num_warps = default_warps(B, RP, d)
     with on_device(key_buf.device):
-        _page_update_kernel[(b * h,)](
+        launch(
+            _page_update_kernel,
+            (b * h,),
             key_buf,
             key_buf.stride(0),
             key_buf.stride(1),

@@ -22,7 +22,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import NO_KEY, SENTINEL_C as SENTINEL, as_length, dot_precision, next_pow2, score_key, slot_ok, top_keys
+from ._common import (
+    NO_KEY,
+    SENTINEL_C as SENTINEL,
+    as_length,
+    dot_precision,
+    launch,
+    next_pow2,
+    score_key,
+    slot_ok,
+    top_keys,
+)
 from .score_dot import _oracle_logits
 from .score_parts import page_lse
 from .select import free_slots, last_page_of, sink_and_lse, write_page_list
@@ -187,7 +197,9 @@ def rerank_pages(
     valid = slot_valid.view(torch.uint8) if slot_valid.dtype == torch.bool else slot_valid
     if M > 0:
         TP = max(min(tile_pages, next_pow2(M)), 16 // page_size)  # tl.dot needs TP * B >= 16
-        _candidate_lse_kernel[(rows, triton.cdiv(M, TP))](
+        launch(
+            _candidate_lse_kernel,
+            (rows, triton.cdiv(M, TP)),
             q,
             q.stride(0),
             q.stride(1),
@@ -216,7 +228,9 @@ def rerank_pages(
         )
     k_active = as_length(slots if active_slots is None else active_slots, dev)
     MP = next_pow2(max(M, 1))
-    _rerank_select_kernel[(rows,)](
+    launch(
+        _rerank_select_kernel,
+        (rows,),
         shortlist,
         W_in,
         M,

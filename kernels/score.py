@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from ._common import as_length, dot_precision, next_pow2
+from ._common import as_length, dot_precision, launch, next_pow2
 from .score_dot import LOCKS, ORACLE, QUEST, _score_kernel
 from .score_fma import _locks_fma_kernel
 from .score_mma import PAIR_BASE, _locks_mma_kernel
@@ -249,7 +249,9 @@ def score_pages(
             _page_tensor(summary["mu_scale"]),
         ]
         scratch = torch.empty((rows * n_blk * d * GG,), dtype=torch.float32, device=q.device)
-        _locks_fma_kernel[(n_blk, rows)](
+        launch(
+            _locks_fma_kernel,
+            (n_blk, rows),
             q,
             q.stride(0),
             q.stride(1),
@@ -289,7 +291,9 @@ def score_pages(
             _words(summary["mu"]),
             _page_tensor(summary["mu_scale"]),
         ]
-        _locks_mma_kernel[(n_blk, rows)](
+        launch(
+            _locks_mma_kernel,
+            (n_blk, rows),
             q,
             q.stride(0),
             q.stride(1),
@@ -331,7 +335,9 @@ def score_pages(
             args += [x, 0, keys.stride(2)]
             continue
         args += [x, x.stride(0), x.stride(1)]
-    _score_kernel[(n_blk, rows)](
+    launch(
+        _score_kernel,
+        (n_blk, rows),
         q,
         q.stride(0),
         q.stride(1),

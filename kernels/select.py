@@ -24,6 +24,7 @@ from ._common import (
     NO_KEY,
     SENTINEL_C as SENTINEL,
     as_length,
+    launch,
     next_pow2,
     scalar_at,
     score_key,
@@ -307,8 +308,16 @@ def mark_lists(mask: torch.Tensor, pages: torch.Tensor, block: int = 4096) -> to
         )
     W = pages.shape[1]
     if rows and P:
-        _list_mask_kernel[(rows, triton.cdiv(P, block))](
-            pages, W, mask.view(torch.int8), P, BLOCK=block, WB=128, num_warps=4
+        launch(
+            _list_mask_kernel,
+            (rows, triton.cdiv(P, block)),
+            pages,
+            W,
+            mask.view(torch.int8),
+            P,
+            BLOCK=block,
+            WB=128,
+            num_warps=4,
         )
     return mask
 
@@ -392,7 +401,9 @@ def select_pages(
     M = next_pow2(n_chunk) * KP
     keys = torch.empty((vrows, n_chunk, KP), dtype=torch.int32, device=dev)
     pages = torch.empty((vrows, n_chunk, KP), dtype=torch.int32, device=dev)
-    _select_chunk_kernel[(n_chunk, vrows)](
+    launch(
+        _select_chunk_kernel,
+        (n_chunk, vrows),
         scores,
         partials,
         n_blk,
@@ -415,7 +426,9 @@ def select_pages(
         NBP=partial_block or default_partial_block(GG),
         num_warps=num_warps or (4 if CH <= 1024 else 8),
     )
-    _select_merge_kernel[(vrows,)](
+    launch(
+        _select_merge_kernel,
+        (vrows,),
         keys,
         pages,
         sink,
@@ -436,7 +449,19 @@ def select_pages(
     )
     if per_head:
         N = next_pow2(G * KP)
-        _union_kernel[(rows,)](
-            lists, G * KP, sink, row_start, length, heads, out, W, B=page_size, N=N, num_warps=4 if N <= 1024 else 8
+        launch(
+            _union_kernel,
+            (rows,),
+            lists,
+            G * KP,
+            sink,
+            row_start,
+            length,
+            heads,
+            out,
+            W,
+            B=page_size,
+            N=N,
+            num_warps=4 if N <= 1024 else 8,
         )
     return out

@@ -37,6 +37,7 @@ from .layout import (
 )
 from .models_support import check_head_dim, check_model_supported
 from .paged import PagedLayer
+from .precompile import DecodePrecompile, precompile_applies
 
 __all__ = ["LocksCache", "LocksLayer"]
 
@@ -87,6 +88,9 @@ class LocksCache(LocksCacheMixin, DynamicCache):
         self.locks_config = locks
         self.max_budget = max_budget
         self._plan: CapacityPlan | None = None  # the static layout's capacity (None: dynamic layout)
+        # the static layout's decode kernels, compiled during the prefill (`locks_hf.precompile`)
+        self._precompile: DecodePrecompile | None = None
+        self._precompile_started = False
         if config is None:
             choose_layout(layout, locks, None)
             super().__init__()
@@ -96,6 +100,7 @@ class LocksCache(LocksCacheMixin, DynamicCache):
         check_model_supported(text_config, locks)
         super().__init__(config=text_config)
         self.remember_model_shape(text_config)
+        self._query_heads = text_config.num_attention_heads
         self._layer_types, self._layer_kwargs = get_layer_types_and_kwargs(text_config)
         self._last_kv_layer = max(i for i, kind in enumerate(self._layer_types) if kind != "dummy")
         for i, layer_type in enumerate(self._layer_types):
@@ -128,6 +133,8 @@ class LocksCache(LocksCacheMixin, DynamicCache):
         return None if self._plan is None else self._plan.capacity
 
     def _allocate(self, capacity: int) -> None:
+        self._wait_precompile()
+        self._precompile_started = False  # new buffers: their kernels compile at the next prefill
         self.layers = build_static_layers(
             self._layer_types,
             self._layer_kwargs,
@@ -151,6 +158,8 @@ class LocksCache(LocksCacheMixin, DynamicCache):
             capacity,
         )
         self._plan.capacity = capacity
+        self._wait_precompile()
+        self._precompile_started = False  # new buffers: compiled again from this forward's first write
         for layer, kw in zip(self.layers, self._layer_kwargs):
             if isinstance(layer, PagedLayer):
                 layer.reallocate(capacity)
@@ -164,11 +173,32 @@ class LocksCache(LocksCacheMixin, DynamicCache):
             if is_torchdynamo_compiling():
                 self._plan.compiled_ran = True  # a constant store: replayed after the graph, no guard
             else:  # an eager forward (prefill, or a step not compiled): counted before any layer writes
+                self._wait_precompile()
                 t = key_states.shape[2]
                 if self._plan.capacity is None:
                     self._ensure(self._plan.first_capacity(t))
                 self._ensure(self._plan.eager_write(t))
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if not is_torchdynamo_compiling() and self._plan is not None and not self._precompile_started:
+            self._start_precompile(layer_idx)
+        return out
+
+    def _start_precompile(self, layer_idx: int) -> None:
+        """After the first Locks layer's first write (its buffers now exist): compile the decode kernels in
+        the background while the rest of this forward, the prefill, runs (`locks_hf.precompile`)."""
+        layer = self.layers[layer_idx]
+        if not isinstance(layer, PagedLayer):  # transformers' own layers (sliding windows) come first in some models
+            return
+        self._precompile_started = True
+        if precompile_applies(layer):
+            self._precompile = DecodePrecompile(layer, self._query_heads)
+
+    def _wait_precompile(self) -> None:
+        """Before a forward (eager): the background compile is done, so that nothing it allocates can land
+        in a CUDA graph being captured."""
+        if self._precompile is not None:
+            self._precompile.wait()
+            self._precompile = None
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         if isinstance(query_length, int) and query_length == 0:  # before any layer: the model would fail in a reshape
@@ -180,6 +210,7 @@ class LocksCache(LocksCacheMixin, DynamicCache):
             and not is_torchdynamo_compiling()
             and layer_idx == find_first_full_attention_index(self)
         ):
+            self._wait_precompile()
             if self._plan.capacity is None:
                 self._ensure(self._plan.first_capacity(query_length))
             self._ensure(self._plan.announce(query_length))
@@ -230,6 +261,7 @@ class LocksCache(LocksCacheMixin, DynamicCache):
         it and converts to the dynamic layout (logged) when not. The fork's statistics start at zero.
         """
         locks = arguments.locks_config(locks, "LocksCache.fork")
+        self._wait_precompile()
         clone = copy.copy(self)
         clone.__dict__.pop("_use_guard", None)  # the fork is a cache of its own: any thread may use it
         if locks is not None:

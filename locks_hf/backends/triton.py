@@ -138,6 +138,20 @@ def kernel_update_newest_page(layer: PagedLayer) -> None:
     )
 
 
+def compile_decode_kernels(layer: PagedLayer, query_heads: int) -> None:
+    """Compile, without running them, the kernels of ``layer``'s decode step for queries of ``query_heads``
+    heads: its page update and its step, through the same glue and custom ops as a real step, under
+    `kernels.compile_only` (every launch compiles and runs nothing; no buffer is written). What
+    `locks_hf.precompile` runs while the prefill goes on."""
+    keys = layer.key_buffer()
+    assert keys is not None  # asked of an initialized layer only
+    query = keys.new_empty((keys.shape[0], query_heads, 1, keys.shape[-1]))
+    with on_device(keys.device), kernels().compile_only():
+        if layer.summary:  # as a static layer's step: the page update only where summaries are kept
+            kernel_update_newest_page(layer)
+        kernel_decode(layer, query, keys.shape[-1] ** -0.5)
+
+
 def kernel_summary(layer: PagedLayer, keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
     """Kernel twin of `reference.reference_summary` for ``keys [b, h, n, B, d]``: the batched GPU build
     where the selector keeps the Locks summary (re-ranking keeps it too), else the reference."""

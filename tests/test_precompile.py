@@ -1,0 +1,280 @@
+"""Compiling a static cache's decode kernels during the prefill (`locks_hf.precompile`).
+
+On the CPU: `kernels.compile_only` turns launches into compiles (Triton's ``warmup``) in its own thread
+only; the background compile goes through every launch of a real step with the same kernel, grid and
+arguments (so it specializes the kernels the step will run) and writes nothing; the cache starts it at
+the prefill's first Locks layer and waits for it before the next forward. On the GPU (``-m gpu``), in a
+fresh process with an empty Triton cache: every kernel of the decode step compiles once, in the
+background thread, and none at the step.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from locks_hf import LocksCache, precompile
+from locks_hf.backends import TRITON
+from locks_hf.backends.triton import compile_decode_kernels, kernel_decode, kernel_update_newest_page
+from locks_hf.kernels import _common, attend, page_update, rerank, score, select
+
+#: Every kernel a decode step may launch, by module.
+KERNELS = {
+    page_update: ["_page_update_kernel"],
+    score: ["_locks_fma_kernel", "_locks_mma_kernel", "_score_kernel"],
+    select: ["_select_chunk_kernel", "_select_merge_kernel", "_union_kernel", "_list_mask_kernel"],
+    attend: ["_sparse_attn_kernel", "_combine_kernel"],
+    rerank: ["_candidate_lse_kernel", "_rerank_select_kernel"],
+}
+
+
+def _describe(value):
+    """A launch argument as what Triton specializes on: tensors by dtype, shape and strides; floats by type."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, tuple(value.shape), value.stride())
+    if isinstance(value, float):
+        return ("float",)
+    return value
+
+
+class Recorder:
+    """Stands in for a kernel: records launches (``kernel[grid](...)``) and compiles (``kernel.warmup``)."""
+
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.log.append(("launch", self.name, grid, _args(args, kw)))
+
+    def warmup(self, *args, grid, **kw):
+        self.log.append(("warmup", self.name, grid, _args(args, kw)))
+
+
+def _args(args, kw):
+    return [_describe(a) for a in args], {k: _describe(v) for k, v in kw.items()}
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    log: list = []
+    for module, names in KERNELS.items():
+        for name in names:
+            monkeypatch.setattr(module, name, Recorder(name, log))
+    return log
+
+
+def tiny_model(layers: int = 2) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=256,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    model.set_attn_implementation("locks")
+    return model
+
+
+def prefilled(selector: str = "locks", prompt: int = 100, **kw):
+    """A static-layout cache after a prefill of ``prompt`` tokens, and its model."""
+    model = tiny_model()
+    cache = LocksCache(
+        model.config, layout="static", max_cache_len=256, page_size=16, budget=64, selector=selector, **kw
+    )
+    ids = torch.randint(0, 256, (2, prompt), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+    return model, cache
+
+
+def _state(layer) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, value in vars(layer).items():
+        if isinstance(value, torch.Tensor):
+            out[name] = value.clone()
+        elif isinstance(value, dict):
+            out.update({f"{name}.{k}": v.clone() for k, v in value.items() if isinstance(v, torch.Tensor)})
+    return out
+
+
+def test_launch_compiles_only_inside_compile_only_and_in_its_own_thread():
+    log: list = []
+    kernel = Recorder("k", log)
+    x = torch.zeros(4)
+    _common.launch(kernel, (2,), x, 3, N=4)
+    with _common.compile_only():
+        assert _common.compiling_only()
+        _common.launch(kernel, (2,), x, 3, N=4)
+        elsewhere = threading.Thread(target=_common.launch, args=(kernel, (1,), x, 3), kwargs={"N": 4})
+        elsewhere.start()
+        elsewhere.join()
+    assert not _common.compiling_only()
+    assert [(kind, grid) for kind, _, grid, _ in log] == [("launch", (2,)), ("warmup", (2,)), ("launch", (1,))]
+
+
+@pytest.mark.parametrize(
+    "selector,kw",
+    [("locks", {}), ("quest", {}), ("locks_rerank", {"rerank": 2}), ("full", {})],
+)
+def test_the_background_compile_is_the_real_step_without_running_it(recorded, selector, kw):
+    """`compile_decode_kernels` makes the launches of the page update and the decode step (same kernels,
+    grids, argument types, shapes, strides and compile options) as warmups, and changes no tensor of the
+    layer; the real step then launches exactly those."""
+    model, cache = prefilled(selector, **kw)
+    layer = cache.layers[0]
+    before = _state(layer)
+    heads = model.config.num_attention_heads
+    compile_decode_kernels(layer, heads)
+    warm = [entry for entry in recorded]
+    assert warm and all(kind == "warmup" for kind, *_ in warm)
+    after = _state(layer)
+    assert before.keys() == after.keys()
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
+    recorded.clear()
+    keys = layer.key_buffer()
+    query = torch.randn(keys.shape[0], heads, 1, keys.shape[-1]).transpose(1, 2).contiguous().transpose(1, 2)
+    if layer.summary:
+        kernel_update_newest_page(layer)
+    kernel_decode(layer, query.to(keys.dtype), keys.shape[-1] ** -0.5)
+    assert [("warmup", *rest) for _, *rest in recorded] == warm
+    names = {name for _, name, *_ in warm}
+    assert ("_page_update_kernel" in names) == (selector != "full") and "_sparse_attn_kernel" in names
+    assert (selector == "full") != bool(names & {"_select_chunk_kernel", "_union_kernel", "_rerank_select_kernel"})
+
+
+def test_the_cache_compiles_during_the_prefill_and_waits_before_the_next_forward(monkeypatch):
+    """The compile starts at the prefill's first Locks layer, in a thread of its own, and is over before the
+    next forward begins; tokens are those of a cache that does not compile ahead."""
+    events: list[str] = []
+
+    def slow_compile(layer, heads):
+        events.append(f"compile in {threading.current_thread().name}")
+        time.sleep(0.3)  # still running when the prefill ends
+        events.append("compiled")
+
+    # as on a GPU, where `precompile_applies` reads the switch too
+    switch = lambda layer: os.environ.get(precompile.PRECOMPILE_ENV, "1") != "0"  # noqa: E731
+    monkeypatch.setattr("locks_hf.cache.precompile_applies", switch)
+    monkeypatch.setattr("locks_hf.backends.triton.compile_decode_kernels", slow_compile)
+    update = LocksCache.update
+
+    def noted_update(self, key_states, *args, **kwargs):
+        events.append(f"update of {key_states.shape[2]}")
+        return update(self, key_states, *args, **kwargs)
+
+    monkeypatch.setattr(LocksCache, "update", noted_update)
+    model = tiny_model()
+    ids = torch.randint(0, 256, (1, 70), generator=torch.Generator().manual_seed(2))
+    out = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv(precompile.PRECOMPILE_ENV, mode)
+        events.clear()
+        cache = LocksCache(model.config, layout="static", max_cache_len=96, page_size=16, budget=48)
+        out[mode] = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False, disable_compile=True)
+        if mode == "1":
+            start = events.index("compile in locks_hf-precompile")
+            assert events[start - 1] == "update of 70"  # the prefill's first layer
+            assert events.index("compiled") < events.index("update of 1")
+            assert events.count("compiled") == 1 and cache._precompile is None
+        else:
+            assert "compiled" not in events
+    assert torch.equal(out["1"], out["0"])
+
+
+def test_a_failed_background_compile_is_reported_and_the_cache_goes_on(monkeypatch, caplog):
+    def broken(layer, heads):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr("locks_hf.cache.precompile_applies", lambda layer: True)
+    monkeypatch.setattr("locks_hf.backends.triton.compile_decode_kernels", broken)
+    model = tiny_model()
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(3))
+    cache = LocksCache(model.config, layout="static", max_cache_len=64, page_size=16, budget=48)
+    with caplog.at_level("WARNING", logger="locks_hf.precompile"):
+        model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False, disable_compile=True)
+    assert "compiling the decode kernels during the prefill failed (RuntimeError: no compiler here)" in caplog.text
+
+
+def test_a_cache_copied_while_compiling_waits_for_it(monkeypatch):
+    release = threading.Event()
+
+    def held(layer, heads):
+        release.wait(5)
+
+    monkeypatch.setattr("locks_hf.cache.precompile_applies", lambda layer: True)
+    monkeypatch.setattr("locks_hf.backends.triton.compile_decode_kernels", held)
+    _, cache = prefilled()
+    assert cache._precompile is not None and cache._precompile.running
+    threading.Timer(0.2, release.set).start()
+    clone = copy.deepcopy(cache)  # waits for the thread: a copy starts with its kernels compiled
+    assert not cache._precompile.running and not clone._precompile.running
+    cache.fork()
+    assert cache._precompile is None
+
+
+def test_applies_to_cuda_layers_on_the_kernels_only(monkeypatch):
+    cuda = SimpleNamespace(is_cuda=True)
+    layer = SimpleNamespace(backend=TRITON, key_buffer=lambda: cuda)
+    monkeypatch.delenv(precompile.PRECOMPILE_ENV, raising=False)
+    assert precompile.precompile_applies(layer)
+    monkeypatch.setenv(precompile.PRECOMPILE_ENV, "0")
+    assert not precompile.precompile_applies(layer)
+    monkeypatch.delenv(precompile.PRECOMPILE_ENV)
+    assert not precompile.precompile_applies(SimpleNamespace(backend=TRITON, key_buffer=lambda: torch.zeros(1)))
+    assert not precompile.precompile_applies(SimpleNamespace(backend=object(), key_buffer=lambda: cuda))
+
+
+_GPU_SCRIPT = r"""
+import json, sys, threading, torch
+from triton import knobs
+from transformers import LlamaConfig, LlamaForCausalLM
+from locks_hf import LocksCache
+
+compiles = []
+knobs.compilation.listener = lambda *, src, metadata, metadata_group, times, cache_hit: compiles.append(
+    (str(metadata.get("name")), threading.current_thread().name, cache_hit))
+torch.manual_seed(0)
+cfg = LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=32,
+                  num_key_value_heads=2, head_dim=128, vocab_size=512)
+model = LlamaForCausalLM(cfg).eval().to("cuda", torch.bfloat16)
+model.set_attn_implementation("locks")
+cache = LocksCache(cfg, layout="static", max_cache_len=8192, budget=512, selector=sys.argv[1])
+ids = torch.randint(0, 512, (1, 4000), device="cuda")
+model.generate(ids, past_key_values=cache, max_new_tokens=40, do_sample=False, disable_compile=True)
+print(json.dumps(compiles))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("selector", ["locks", "quest"])
+def test_on_a_gpu_the_step_compiles_nothing_of_its_own(tmp_path, selector):
+    """A fresh process with an empty Triton cache: each kernel of the decode step compiles once, in the
+    background thread during the prefill, and the decode steps (the page update's completing steps
+    included) compile none."""
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    env.pop("TRITON_INTERPRET", None)
+    run = subprocess.run(
+        [sys.executable, "-c", _GPU_SCRIPT, selector], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    compiles = json.loads(run.stdout.strip().splitlines()[-1])
+    decode = {n for names in KERNELS.values() for n in names}
+    ours = [(name, thread) for name, thread, hit in compiles if name in decode and not hit]
+    assert ours, compiles
+    assert all(thread == "locks_hf-precompile" for _, thread in ours), ours
+    assert len(ours) == len({name for name, _ in ours}), ours  # each once
