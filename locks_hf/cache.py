@@ -133,8 +133,6 @@ class LocksCache(LocksCacheMixin, DynamicCache):
         return None if self._plan is None else self._plan.capacity
 
     def _allocate(self, capacity: int) -> None:
-        self._wait_precompile()
-        self._precompile_started = False  # new buffers: their kernels compile at the next prefill
         self.layers = build_static_layers(
             self._layer_types,
             self._layer_kwargs,
@@ -147,6 +145,8 @@ class LocksCache(LocksCacheMixin, DynamicCache):
         """Re-allocate every static layer to ``capacity`` slots (``None``: nothing to do)."""
         if capacity is None:
             return
+        self._wait_precompile()
+        self._precompile_started = False  # new buffers: compiled again from their first write
         if not any(layer.is_initialized for layer in self.layers if isinstance(layer, StaticLayer)):
             self._plan.capacity = capacity  # nothing written yet: (re)build the static layers at this size
             self._allocate(capacity)
@@ -158,8 +158,6 @@ class LocksCache(LocksCacheMixin, DynamicCache):
             capacity,
         )
         self._plan.capacity = capacity
-        self._wait_precompile()
-        self._precompile_started = False  # new buffers: compiled again from this forward's first write
         for layer, kw in zip(self.layers, self._layer_kwargs):
             if isinstance(layer, PagedLayer):
                 layer.reallocate(capacity)

@@ -93,13 +93,6 @@ def kv_bf16_token_bytes(config) -> int:
     return 2 * config.num_key_value_heads * head_dim * 2
 
 
-def torch_compile_seconds() -> float:
-    """Seconds torch.compile has spent so far in this process: dynamo's tracing and inductor's lowering,
-    code generation and the Triton compiles of its own kernels (not the library's Triton kernels, which
-    compile at their first launch)."""
-    return torch_compile_phases().get("entire_frame_compile", 0.0)
-
-
 def top_functions(profiler: cProfile.Profile, n: int) -> list[dict]:
     """The ``n`` functions of a cProfile run with the most cumulative seconds (where a first generate()'s
     host time goes: tracing, compiling, loading cached code, capturing graphs)."""
@@ -112,15 +105,23 @@ def top_functions(profiler: cProfile.Profile, n: int) -> list[dict]:
 
 
 def torch_compile_phases() -> dict[str, float]:
-    """torch.compile's seconds so far in this process by phase, as torch counts them (``entire_frame_compile``
-    holds the rest: dynamo's tracing is what it has beyond ``backend_compile``, the compiler's share)."""
+    """torch.compile's seconds so far in this process by phase, as torch counts them: ``entire_frame_compile``
+    is all of it (dynamo's tracing, inductor's lowering and code generation, the Triton compiles of its own
+    kernels; not the library's Triton kernels, which compile at their first launch), of which
+    ``backend_compile`` is the compiler's share and the rest dynamo's tracing."""
     return dict(torch._dynamo.utils.calculate_time_spent())
+
+
+def phases_since(before: dict[str, float]) -> dict[str, float]:
+    """The phases' seconds spent since ``before`` (a `torch_compile_phases`), those that grew."""
+    now = torch_compile_phases()
+    return {k: round(v - before.get(k, 0.0), 3) for k, v in now.items() if v > before.get(k, 0.0)}
 
 
 class TritonCompiles:
     """Triton compiles in this process while it is entered (Triton's compilation listener, 3.4+): the
     library's kernels at their first launch, by kernel name, with their seconds; cache hits counted apart.
-    Inductor compiles most of its own kernels in worker processes (they count in `torch_compile_seconds`);
+    Inductor compiles most of its own kernels in worker processes (they count in `torch_compile_phases`);
     any it compiles here show under their ``triton_`` names. Empty where this Triton has no listener."""
 
     def __init__(self) -> None:
@@ -185,6 +186,7 @@ def run_arm(
     profiler = cProfile.Profile() if host_profile else None
     with triton_compiles, profiler or contextlib.nullcontext():
         out, clock = timed_generate(model, ids, cache, new_tokens, **options)
+    phases = phases_since(phases_before)
     steps = [1e3 * (b - a) for a, b in zip(clock.stamps, clock.stamps[1:])]
     timed = steps[warm_steps:] or steps
     median = statistics.median(timed)
@@ -196,13 +198,9 @@ def run_arm(
         "ms_per_step": median,
         "tokens_per_s": 1e3 * ids.shape[0] / median,
         "warmup_s": max(0.0, sum(steps[:warm_steps]) - warm_steps * median) / 1e3,
-        "torch_compile_s": torch_compile_seconds() - phases_before.get("entire_frame_compile", 0.0),
+        "torch_compile_s": phases.get("entire_frame_compile", 0.0),
+        "torch_compile_phases_s": phases,
         "host_profile": top_functions(profiler, host_profile) if profiler else None,
-        "torch_compile_phases_s": {
-            k: round(v - phases_before.get(k, 0.0), 3)
-            for k, v in torch_compile_phases().items()
-            if v > phases_before.get(k, 0.0)
-        },
         "triton_compiles": triton_compiles.summary(),
         "step_ms": steps,
         "tokens": out[0, ids.shape[1] :].tolist(),
