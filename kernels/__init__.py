@@ -8,6 +8,7 @@
 * `build_summary` batched GPU summary build (Gram matrix eigendecomposition + one quantize pass);
 * `update_completed_pages` a decode step's in-place summary of each row's just-completed page (one launch);
 * `compile_only` a block in which the launches compile their kernels and run nothing;
+  `join_before_decode` has the next decode-time op join such a compile running in another thread;
 * `decode_step` the three chained; `implements` / `implements_quantized` which configurations they
   cover; `ops` registers them as custom ops (``torch.ops.locks_hf.decode_step`` / ``build_summary`` /
   ``update_completed_pages``).
@@ -29,7 +30,7 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
 
 if HAVE_TRITON:
     from . import ops  # noqa: F401  (registers the torch.ops.locks_hf custom ops)
-    from ._common import SENTINEL, compile_only, on_device
+    from ._common import SENTINEL, compile_only, join_before_decode, on_device
     from .attend import sparse_attention
     from .attend_quant import implements_quantized, quantized_attention
     from .build import build_summary, fit_pages_eigh, quantize_summary
@@ -49,6 +50,7 @@ __all__ = [
     "fit_pages_eigh",
     "implements",
     "implements_quantized",
+    "join_before_decode",
     "on_device",
     "quantize_summary",
     "quantized_attention",

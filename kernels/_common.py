@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import threading
+from collections.abc import Callable
 from contextvars import ContextVar
 
 import torch
@@ -39,6 +41,30 @@ def compile_only():
 def compiling_only() -> bool:
     """Whether this thread is inside `compile_only`: host code that writes a tensor must not."""
     return _COMPILE_ONLY.get()
+
+
+_pending_compiles: list[Callable[[], None]] = []
+_pending_lock = threading.Lock()
+
+
+def join_before_decode(wait: Callable[[], None]) -> None:
+    """Have the next decode-time op (decode step, page update, quantized attention, KIVI append) made
+    outside `compile_only`, in any thread, call ``wait`` before it launches anything. A background compile
+    of those kernels (`locks_hf.precompile`) is so joined at the first launch that needs it, and runs on
+    through whatever precedes that launch (torch.compile's own work at a first compiled step)."""
+    with _pending_lock:
+        _pending_compiles.append(wait)
+
+
+def join_pending_compiles() -> None:
+    """Call the waits `join_before_decode` registered (once each); nothing inside `compile_only`."""
+    if not _pending_compiles or _COMPILE_ONLY.get():
+        return
+    with _pending_lock:
+        waits = _pending_compiles[:]
+        _pending_compiles.clear()
+    for wait in waits:
+        wait()
 
 
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:

@@ -5,13 +5,15 @@ Dynamo cannot see inside a Triton launcher that picks tiles on the host; as cust
 capture the launches. The ops: the decode step (score -> select -> attend) over bf16 K/V and over
 KIVI-packed K/V, the attention over packed K/V alone, the summary build, the in-place summary of the
 pages a decode step completes (`page_update`) and a static quantized layer's per-step KIVI schedule
-(`kivi`).
+(`kivi`). The decode-time ops first join a background compile of their kernels
+(`_common.join_before_decode`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ._common import join_pending_compiles
 from .build import build_summary, summary_shapes
 from .decode import decode_step, quantized_decode_step
 from .page_update import update_completed_pages
@@ -51,6 +53,7 @@ def decode_step_op(
 
     The mutated arguments have no defaults on purpose: torch before 2.12 drops trailing arguments equal
     to their default before its in-place version bump, which then indexes past the end of ``args``."""
+    join_pending_compiles()  # a compile of these kernels running in the background (precompile) ends first
     named = dict(zip(SUMMARY_NAMES.get(method, ()), summary))
     return decode_step(
         method,
@@ -137,6 +140,7 @@ def update_completed_pages_op(
     """`page_update.update_completed_pages`: the summary (``SUMMARY_NAMES[method]``) written in place,
     and ``n_complete`` unless it is ``None`` (required, for the reason `decode_step_op` gives); ``ring``
     > 0: ``key_buf`` is a static quantized layer's full-precision ring of that many slots."""
+    join_pending_compiles()
     update_completed_pages(
         method,
         key_buf,
@@ -205,6 +209,7 @@ def quantized_attention_op(
     ``int32 [2]`` device tensor ``(qk, qv)`` and ``length`` the ``int32 [1]`` one; ``counts`` (int64 or
     ``None``, required for the reason `decode_step_op` gives): ``counts[0]`` grows by the tokens attended;
     ``row_counts`` / ``pad``: a static layer's per-row statistics; ``ring``: the tails' ring size (0: none)."""
+    join_pending_compiles()
     from .attend_quant import quantized_attention
 
     return quantized_attention(
@@ -274,6 +279,7 @@ def quantized_decode_step_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`decode.quantized_decode_step`: `decode_step_op` over a quantized layer's packed storage (the
     tensors of `PACKED_TENSORS`, then ``bits``, ``group``, ``ring``, ``page_size``)."""
+    join_pending_compiles()
     packed = dict(
         zip(
             PACKED_TENSORS,
@@ -389,6 +395,7 @@ def kivi_append_op(
     post: bool,
 ) -> None:
     """`kivi.kivi_append`: KIVI's decode-step schedule on a static quantized layer's buffers, in place."""
+    join_pending_compiles()
     from .kivi import kivi_append
 
     kivi_append(

@@ -171,7 +171,6 @@ class LocksCache(LocksCacheMixin, DynamicCache):
             if is_torchdynamo_compiling():
                 self._plan.compiled_ran = True  # a constant store: replayed after the graph, no guard
             else:  # an eager forward (prefill, or a step not compiled): counted before any layer writes
-                self._wait_precompile()
                 t = key_states.shape[2]
                 if self._plan.capacity is None:
                     self._ensure(self._plan.first_capacity(t))
@@ -192,8 +191,8 @@ class LocksCache(LocksCacheMixin, DynamicCache):
             self._precompile = DecodePrecompile(layer, self._query_heads)
 
     def _wait_precompile(self) -> None:
-        """Before a forward (eager): the background compile is done, so that nothing it allocates can land
-        in a CUDA graph being captured."""
+        """Before the buffers change or are copied: the background compile is done (the decode step joins it
+        itself, at its first launch)."""
         if self._precompile is not None:
             self._precompile.wait()
             self._precompile = None
@@ -208,7 +207,6 @@ class LocksCache(LocksCacheMixin, DynamicCache):
             and not is_torchdynamo_compiling()
             and layer_idx == find_first_full_attention_index(self)
         ):
-            self._wait_precompile()
             if self._plan.capacity is None:
                 self._ensure(self._plan.first_capacity(query_length))
             self._ensure(self._plan.announce(query_length))

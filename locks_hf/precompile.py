@@ -10,10 +10,14 @@ real launch would and runs nothing, so no buffer is written. Triton keeps what i
 in its cache, where the first real step finds it; its compiler releases Python's lock, so the prefill goes
 on meanwhile (H200, 128K: the first `generate()` compiles for 30.9 s from empty caches against 42.8 s).
 
-The cache waits for the thread before its next forward (`wait`, from the eager hooks that precede every
-forward), so the thread never allocates while a CUDA graph is being captured, and a compile that failed is
-logged there (the kernels then compile at their first launch, as without this). ``LOCKS_HF_PRECOMPILE=0``
-turns it off.
+The thread is joined by the first decode-time launch that follows (`kernels.join_before_decode`), so it
+runs on through whatever precedes that launch: the rest of the prefill, and at the first compiled step
+torch.compile's own work (dynamo's trace, inductor), which a short prompt's prefill does not cover. That
+launch is the first real one of the step, run eagerly (a first compiled call is uncaptured: the warm-up of
+CUDA-graph trees, the eager steps of `captured_backend`), so in `generate()` the thread never allocates
+while a CUDA graph is being captured (a step captured by hand needs one eager step after the prefill). A compile that failed is logged there (the kernels then compile at their first
+launch, as without this). A cache that re-allocates its buffers, forks or is copied waits for the thread
+first. ``LOCKS_HF_PRECOMPILE=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -43,14 +47,17 @@ def precompile_applies(layer: PagedLayer) -> bool:
 
 class DecodePrecompile:
     """A background thread that compiles the kernels of ``layer``'s decode step (queries of ``query_heads``
-    heads); `wait` joins it."""
+    heads); `wait` joins it, as does the next decode-time launch."""
 
     def __init__(self, layer: PagedLayer, query_heads: int) -> None:
+        from . import kernels
+
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = threading.Thread(
             target=self._run, args=(layer, query_heads), name="locks_hf-precompile", daemon=True
         )
         self._thread.start()
+        kernels.join_before_decode(self.wait)
 
     def __getstate__(self) -> dict:
         self.wait()  # a copy of the cache (deepcopy, pickle) starts with its kernels compiled

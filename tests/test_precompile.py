@@ -3,7 +3,7 @@
 On the CPU: `kernels.compile_only` turns launches into compiles (Triton's ``warmup``) in its own thread
 only; the background compile goes through every launch of a real step with the same kernel, grid and
 arguments (so it specializes the kernels the step will run) and writes nothing; the cache starts it at
-the prefill's first Locks layer and waits for it before the next forward. On the GPU (``-m gpu``), in a
+the prefill's first Locks layer and the first decode-time launch joins it (not the forwards before). On the GPU (``-m gpu``), in a
 fresh process with an empty Triton cache: every kernel of the decode step compiles once, in the
 background thread, and none at the step.
 """
@@ -16,7 +16,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -157,20 +156,23 @@ def test_the_background_compile_is_the_real_step_without_running_it(recorded, se
     assert (selector == "full") != bool(names & {"_select_chunk_kernel", "_union_kernel", "_rerank_select_kernel"})
 
 
-def test_the_cache_compiles_during_the_prefill_and_waits_before_the_next_forward(monkeypatch):
-    """The compile starts at the prefill's first Locks layer, in a thread of its own, and is over before the
-    next forward begins; tokens are those of a cache that does not compile ahead."""
+def test_the_cache_compiles_during_the_prefill_and_the_decode_step_joins_it(monkeypatch, recorded):
+    """The compile starts at the prefill's first Locks layer, in a thread of its own; the forwards that
+    follow do not wait for it (on the CPU the decode runs on the reference path, which launches nothing);
+    the first decode-time launch joins it before it launches. Tokens are those of a cache that does not
+    compile ahead."""
     events: list[str] = []
+    release = threading.Event()
 
-    def slow_compile(layer, heads):
+    def held_compile(layer, heads):
         events.append(f"compile in {threading.current_thread().name}")
-        time.sleep(0.3)  # still running when the prefill ends
+        release.wait(10)
         events.append("compiled")
 
     # as on a GPU, where `precompile_applies` reads the switch too
     switch = lambda layer: os.environ.get(precompile.PRECOMPILE_ENV, "1") != "0"  # noqa: E731
     monkeypatch.setattr("locks_hf.cache.precompile_applies", switch)
-    monkeypatch.setattr("locks_hf.backends.triton.compile_decode_kernels", slow_compile)
+    monkeypatch.setattr("locks_hf.backends.triton.compile_decode_kernels", held_compile)
     update = LocksCache.update
 
     def noted_update(self, key_states, *args, **kwargs):
@@ -184,19 +186,47 @@ def test_the_cache_compiles_during_the_prefill_and_waits_before_the_next_forward
     for mode in ("1", "0"):
         monkeypatch.setenv(precompile.PRECOMPILE_ENV, mode)
         events.clear()
+        release.clear()
         cache = LocksCache(model.config, layout="static", max_cache_len=96, page_size=16, budget=48)
         out[mode] = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False, disable_compile=True)
-        if mode == "1":
-            start = events.index("compile in locks_hf-precompile")
-            assert events[start - 1] == "update of 70"  # the prefill's first layer
-            assert events.index("compiled") < events.index("update of 1")
-            assert events.count("compiled") == 1 and cache._precompile is None
-        else:
-            assert "compiled" not in events
+        if mode == "0":
+            assert not any(e.startswith("compile") for e in events)
+            continue
+        start = events.index("compile in locks_hf-precompile")
+        assert events[start - 1] == "update of 70"  # the prefill's first layer
+        assert events.count("update of 1") == 6 and "compiled" not in events  # the decode forwards did not wait
+        assert cache._precompile.running
+        threading.Timer(0.2, release.set).start()
+        kernel_update_newest_page(cache.layers[0])  # a decode-time launch: joins the compile first
+        events.extend(name for kind, name, *_ in recorded)
+        assert events[-2:] == ["compiled", "_page_update_kernel"], events
+        assert not cache._precompile.running
     assert torch.equal(out["1"], out["0"])
 
 
-def test_a_failed_background_compile_is_reported_and_the_cache_goes_on(monkeypatch, caplog):
+def test_the_decode_time_ops_join_a_background_compile_once_and_other_launches_do_not(recorded):
+    """`kernels.join_before_decode`: the next decode-time op outside `compile_only` calls each registered wait
+    once, before its first launch; a launch by itself (the prefill's summary build) does not."""
+    _, cache = prefilled()
+    layer = cache.layers[0]
+    joined: list[str] = []
+    keys = layer.key_buffer()
+    query = torch.randn(keys.shape[0], 8, 1, keys.shape[-1], dtype=keys.dtype)
+    with _common.compile_only():  # a compile does not join itself
+        _common.join_before_decode(lambda: joined.append("first"))
+        kernel_decode(layer, query, 0.1)
+    assert joined == []
+    _common.join_before_decode(lambda: joined.append("second"))
+    _common.launch(Recorder("a prefill kernel", recorded), (1,), keys)  # a launch alone (the summary build's)
+    assert joined == []
+    recorded.clear()
+    kernel_decode(layer, query, 0.1)
+    assert joined == ["first", "second"] and recorded and recorded[0][0] == "launch"
+    kernel_decode(layer, query, 0.1)
+    assert joined == ["first", "second"]
+
+
+def test_a_failed_background_compile_is_reported_and_the_cache_goes_on(monkeypatch, caplog, recorded):
     def broken(layer, heads):
         raise RuntimeError("no compiler here")
 
@@ -207,7 +237,9 @@ def test_a_failed_background_compile_is_reported_and_the_cache_goes_on(monkeypat
     cache = LocksCache(model.config, layout="static", max_cache_len=64, page_size=16, budget=48)
     with caplog.at_level("WARNING", logger="locks_hf.precompile"):
         model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False, disable_compile=True)
+        kernel_update_newest_page(cache.layers[0])  # the first decode-time launch (on a GPU) reports it
     assert "compiling the decode kernels during the prefill failed (RuntimeError: no compiler here)" in caplog.text
+    assert [name for kind, name, *_ in recorded if kind == "launch"] == ["_page_update_kernel"]  # and launches
 
 
 def test_a_cache_copied_while_compiling_waits_for_it(monkeypatch):
