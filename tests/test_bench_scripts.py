@@ -366,3 +366,25 @@ def test_bench_kv_quant_imports_and_refuses_without_cuda(capsys):
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="CUDA"):
             module.main([])
+
+
+def test_trace_time_probe_counts_the_marked_layers_refusals(tmp_path):
+    """scripts/dev/trace_time.py (docs/performance.md): the trace is timed, each marked layer is counted as
+    reused or refused with torch's reason, and the layer class is left unmarked."""
+    import torch
+
+    if not hasattr(torch.compiler, "nested_compile_region"):
+        pytest.skip("this torch has no nested_compile_region")
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    forward = LlamaDecoderLayer.forward
+    spec = importlib.util.spec_from_file_location("trace_time", SCRIPT.parent / "dev" / "trace_time.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "trace.json"
+    rows = module.main(["--layers", "2", "--caches", "hf-static", "--out", str(out)])
+    plain, marked = rows
+    assert plain["graph_nodes"] > 0 and plain["region_reuses"] == plain["region_refusals"] == 0
+    assert marked["region_reuses"] + marked["region_refusals"] >= 1  # the second layer was looked up
+    assert json.loads(out.read_text())["rows"] == rows
+    assert LlamaDecoderLayer.forward is forward

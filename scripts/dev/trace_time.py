@@ -1,0 +1,152 @@
+#!/usr/bin/env python
+"""How long dynamo takes to trace a decode step's forward, and whether marking the decoder layer as a
+nested compile region (``torch.compiler.nested_compile_region``) lets it trace one layer and reuse it.
+
+The warm first ``generate()`` of a static cache is nearly all dynamo's trace of the whole forward
+(docs/performance.md). torch >= 2.9 can trace a region marked with ``nested_compile_region`` once and
+stamp it out for the next identical calls; this probe times the trace (a backend that runs the traced graph: no
+inductor) of one decode step of a random-weight Llama, with transformers' `StaticCache` and with a
+static-layout `LocksCache`, each plain and with the layer class's ``forward`` marked (done here, on
+this probe's own model, only to measure), and counts the region's reuses and refusals from torch's
+``hierarchical_compile`` log.
+
+    python scripts/dev/trace_time.py --layers 32 --out runs/trace_time.json
+    python scripts/dev/trace_time.py --device cuda --out runs/trace_time_gpu.json   # the Triton backend
+
+On the CPU a `LocksCache` decodes on the PyTorch reference path, which the trace inlines op by op (about
+six times the graph of `StaticCache`); on a GPU its decode is one custom op a layer, as in `generate()`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+
+from locks_hf import LocksCache
+
+
+class _Reuses(logging.Handler):
+    """Counts torch's ``hierarchical_compile`` messages: reuses and refusals, with the first reason."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.hits = self.refusals = 0
+        self.reason = ""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "cache hit" in message or "key" in message and "hit" in message:
+            self.hits += 1
+        elif "not eligible" in message or "reuse failed" in message:
+            self.refusals += 1
+            self.reason = self.reason or message.split("--", 1)[-1].strip()
+
+
+def _model(layers: int) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=1000,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+@contextlib.contextmanager
+def _layer_marked(layer_class: type, marked: bool):
+    """The layer class's ``forward`` marked as a nested compile region within the block (restored after)."""
+    forward = layer_class.forward
+    if marked:
+        layer_class.forward = torch.compiler.nested_compile_region(forward)
+    try:
+        yield
+    finally:
+        layer_class.forward = forward
+
+
+def trace_once(cache_kind: str, layers: int, marked: bool, device: str) -> dict:
+    torch._dynamo.reset()
+    model = _model(layers).to(device, torch.bfloat16 if device == "cuda" else torch.float32)
+    if cache_kind == "locks":
+        model.set_attn_implementation("locks")
+        cache = LocksCache(model.config, layout="static", max_cache_len=512, page_size=16, budget=64)
+    else:
+        cache = StaticCache(config=model.config, max_cache_len=512)
+    ids = torch.randint(0, 1000, (1, 64), generator=torch.Generator().manual_seed(1)).to(device)
+    reuses = _Reuses()
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> torch.fx.GraphModule:
+        graphs.append(gm)
+        return gm  # run as traced: the time measured is dynamo's alone
+
+    log = logging.getLogger("torch._dynamo.variables.invoke_subgraph.__hierarchical_compile")
+    torch._logging.set_logs(hierarchical_compile=True)
+    log.addHandler(reuses)
+    try:
+        with torch.no_grad(), _layer_marked(type(model.model.layers[0]), marked):
+            model(ids, past_key_values=cache, use_cache=True)
+            step = torch.compile(model.__call__, backend=backend, fullgraph=True, dynamic=False)
+            token, position = ids[:, -1:], torch.tensor([64], device=device)
+            start = time.perf_counter()
+            step(token, past_key_values=cache, cache_position=position, use_cache=True)
+            first = time.perf_counter() - start
+            nodes = sum(len(g.graph.nodes) for g in graphs)
+            start = time.perf_counter()
+            step(token, past_key_values=cache, cache_position=position + 1, use_cache=True)
+            second = time.perf_counter() - start
+    finally:
+        log.removeHandler(reuses)
+        torch._logging.set_logs()
+    return {
+        "cache": cache_kind,
+        "layers": layers,
+        "marked": marked,
+        "device": device,
+        "graph_nodes": nodes,
+        "first_call_s": round(first, 3),
+        "second_call_s": round(second, 4),
+        "region_reuses": reuses.hits,
+        "region_refusals": reuses.refusals,
+        "refusal_reason": reuses.reason,
+    }
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--caches", default="hf-static,locks", help="comma list of hf-static, locks")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    rows = [
+        trace_once(kind, args.layers, marked, args.device)
+        for kind in args.caches.split(",")
+        for marked in (False, True)
+    ]
+    print(f"{'cache':<10} {'marked':<7} {'trace s':>8} {'nodes':>6} {'reuses':>7} {'refusals':>9}  reason")
+    for r in rows:
+        print(
+            f"{r['cache']:<10} {r['marked']!s:<7} {r['first_call_s']:>8.2f} {r['graph_nodes']:>6} {r['region_reuses']:>7} "
+            f"{r['region_refusals']:>9}  {r['refusal_reason']}"
+        )
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"torch": torch.__version__, "transformers": __import__("transformers").__version__}
+        args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
