@@ -10,6 +10,10 @@
 #   generate  the one-liner's first generate() at 128K from cold caches, then again with those caches warm:
 #             torch.compile's share and the library's Triton compiles by kernel (`triton_compiles`);  ~3 min
 #   oneliner  the one-liner against `LocksStaticCache` and transformers' default at 128K in one run;  ~4 min
+#   short     the first generate() of a 4K prompt from cold caches, with the decode kernels compiled in the
+#             background and with LOCKS_HF_PRECOMPILE=0 (each from empty caches of its own);  ~2 min
+#   trace     dynamo's share of compiling one decode step: transformers' StaticCache against LocksCache on the
+#             kernels, and a decoder layer marked as a nested compile region (scripts/dev/trace_time.py);  ~1 min
 # e.g. PARTS="attn step" bash scripts/dev/gpu_host.sh, then PARTS="generate host". Tables on stdout, JSON and
 # logs under ${OUT:-out}.
 source scripts/dev/gpu_env.sh || exit 1
@@ -52,6 +56,15 @@ for part in $PARTS; do
     oneliner)
       run generate_128k_oneliner 300 python3 scripts/bench_generate.py --runs 128K:1 --arms static-r4i4,r4i4,hf-dynamic \
           --out "$OUT/generate_128k_oneliner.json" ;;
-    *) echo "gpu_host: unknown part '$part' (attn attn1m step host generate oneliner)" >&2; exit 2 ;;
+    short)
+      for precompile in 1 0; do
+        rm -rf "/tmp/tc_short$precompile" "/tmp/ti_short$precompile"
+        LOCKS_HF_PRECOMPILE=$precompile TRITON_CACHE_DIR="/tmp/tc_short$precompile" \
+            TORCHINDUCTOR_CACHE_DIR="/tmp/ti_short$precompile" run "generate_4k_cold_precompile$precompile" 150 \
+            python3 scripts/bench_generate.py --runs 4K:1 --arms r4i4 --out "$OUT/generate_4k_cold_precompile$precompile.json"
+      done ;;
+    trace)
+      run trace_time 120 python3 scripts/dev/trace_time.py --device cuda --out "$OUT/trace_time.json" ;;
+    *) echo "gpu_host: unknown part '$part' (attn attn1m step host generate oneliner short trace)" >&2; exit 2 ;;
   esac
 done

@@ -12,9 +12,12 @@ this probe's own model, only to measure), and counts the region's reuses and ref
 
     python scripts/dev/trace_time.py --layers 32 --out runs/trace_time.json
     python scripts/dev/trace_time.py --device cuda --out runs/trace_time_gpu.json   # the Triton backend
+    TRITON_INTERPRET=1 python scripts/dev/trace_time.py --caches hf-static,locks-kernels   # its graph, on a CPU
 
 On the CPU a `LocksCache` decodes on the PyTorch reference path, which the trace inlines op by op (about
-six times the graph of `StaticCache`); on a GPU its decode is one custom op a layer, as in `generate()`.
+six times the graph of `StaticCache`); on a GPU its decode is one custom op a layer, as in `generate()`,
+which ``locks-kernels`` traces on the CPU (the graph then runs under Triton's interpreter: slow; the
+dynamo seconds are torch's own count, apart from the run).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
 from locks_hf import LocksCache
+from locks_hf.backends import TRITON
 
 
 class _Reuses(logging.Handler):
@@ -46,7 +50,7 @@ class _Reuses(logging.Handler):
             self.hits += 1
         elif "not eligible" in message or "reuse failed" in message:
             self.refusals += 1
-            self.reason = self.reason or message.split("--", 1)[-1].strip()
+            self.reason = self.reason or message.split("--", 1)[-1].strip().splitlines()[0]
 
 
 def _model(layers: int) -> LlamaForCausalLM:
@@ -78,7 +82,7 @@ def _layer_marked(layer_class: type, marked: bool):
 def trace_once(cache_kind: str, layers: int, marked: bool, device: str) -> dict:
     torch._dynamo.reset()
     model = _model(layers).to(device, torch.bfloat16 if device == "cuda" else torch.float32)
-    if cache_kind == "locks":
+    if cache_kind.startswith("locks"):
         model.set_attn_implementation("locks")
         cache = LocksCache(model.config, layout="static", max_cache_len=512, page_size=16, budget=64)
     else:
@@ -97,12 +101,20 @@ def trace_once(cache_kind: str, layers: int, marked: bool, device: str) -> dict:
     try:
         with torch.no_grad(), _layer_marked(type(model.model.layers[0]), marked):
             model(ids, past_key_values=cache, use_cache=True)
+            if cache_kind == "locks-kernels":  # the GPU's decode (one custom op a layer), run by the interpreter
+                import locks_hf.kernels  # noqa: F401  (registers the custom ops)
+
+                for layer in cache.locks_layers:
+                    layer.backend = TRITON
             step = torch.compile(model.__call__, backend=backend, fullgraph=True, dynamic=False)
             token, position = ids[:, -1:], torch.tensor([64], device=device)
+            before = dict(torch._dynamo.utils.calculate_time_spent())
             start = time.perf_counter()
             step(token, past_key_values=cache, cache_position=position, use_cache=True)
             first = time.perf_counter() - start
+            spent = {k: v - before.get(k, 0.0) for k, v in torch._dynamo.utils.calculate_time_spent().items()}
             nodes = sum(len(g.graph.nodes) for g in graphs)
+            inputs = sum(1 for g in graphs for n in g.graph.nodes if n.op == "placeholder")
             start = time.perf_counter()
             step(token, past_key_values=cache, cache_position=position + 1, use_cache=True)
             second = time.perf_counter() - start
@@ -115,6 +127,8 @@ def trace_once(cache_kind: str, layers: int, marked: bool, device: str) -> dict:
         "marked": marked,
         "device": device,
         "graph_nodes": nodes,
+        "graph_inputs": inputs,
+        "dynamo_s": round(spent.get("entire_frame_compile", 0.0) - spent.get("backend_compile", 0.0), 3),
         "first_call_s": round(first, 3),
         "second_call_s": round(second, 4),
         "region_reuses": reuses.hits,
@@ -126,7 +140,11 @@ def trace_once(cache_kind: str, layers: int, marked: bool, device: str) -> dict:
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--caches", default="hf-static,locks", help="comma list of hf-static, locks")
+    ap.add_argument(
+        "--caches",
+        default="hf-static,locks",
+        help="comma list of hf-static, locks, locks-kernels (on the CPU: the kernels' custom ops, TRITON_INTERPRET=1)",
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
@@ -135,10 +153,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for kind in args.caches.split(",")
         for marked in (False, True)
     ]
-    print(f"{'cache':<10} {'marked':<7} {'trace s':>8} {'nodes':>6} {'reuses':>7} {'refusals':>9}  reason")
+    print(
+        f"{'cache':<10} {'marked':<7} {'dynamo s':>8} {'call s':>7} {'nodes':>6} {'inputs':>6} {'reuses':>7} "
+        f"{'refusals':>9}  reason"
+    )
     for r in rows:
         print(
-            f"{r['cache']:<10} {r['marked']!s:<7} {r['first_call_s']:>8.2f} {r['graph_nodes']:>6} {r['region_reuses']:>7} "
+            f"{r['cache']:<10} {r['marked']!s:<7} {r['dynamo_s']:>8.2f} {r['first_call_s']:>7.2f} {r['graph_nodes']:>6} "
+            f"{r['graph_inputs']:>6} {r['region_reuses']:>7} "
             f"{r['region_refusals']:>9}  {r['refusal_reason']}"
         )
     if args.out:
