@@ -41,7 +41,7 @@ import statistics
 import time
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+from transformers import AutoModelForCausalLM, GlmConfig, LlamaConfig, PretrainedConfig, PreTrainedModel, StaticCache
 
 from locks_hf import LocksCache, LocksConfig, LocksStaticCache, traffic
 from locks_hf.captured_step import captured_backend, step_stats
@@ -69,6 +69,10 @@ SHAPES = {
         head_dim=128,
         vocab_size=151552,
     ),
+    # The same model as transformers builds it from THUDM/glm-4-9b-chat-1m-hf (``GlmForCausalLM``, whose config
+    # defaults are GLM-4-9B's): q/k/v projections with biases, gate and up in one projection, RoPE on half of
+    # each head. Six projections a layer against the Llama block's seven.
+    "glm4-9b-hf": dict(model_type="glm"),
     "tiny": dict(  # (head_dim 32: quantized-KV arms need a value group of 32 channels)
         hidden_size=64,
         intermediate_size=128,
@@ -78,16 +82,37 @@ SHAPES = {
         head_dim=32,
         vocab_size=256,
     ),
+    "tiny-glm": dict(
+        model_type="glm",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=256,
+        pad_token_id=0,
+    ),
 }
 
 
-def random_model(shape: str, device: torch.device, **config) -> LlamaForCausalLM:
-    """A random-weight Llama of ``SHAPES[shape]`` on ``device`` with Locks attention: bf16 on CUDA, float32
-    elsewhere (``config``: more config fields)."""
+def model_config(shape: str, **fields) -> PretrainedConfig:
+    """The config of ``SHAPES[shape]`` (a Llama block unless the entry names another ``model_type``), with
+    a 2M-token position range and ``fields`` on top."""
+    spec = dict(SHAPES[shape])
+    config_class = {"llama": LlamaConfig, "glm": GlmConfig}[spec.pop("model_type", "llama")]
+    return config_class(**{**spec, "max_position_embeddings": 2**21, **fields})
+
+
+def random_model(shape: str, device: torch.device, **fields) -> PreTrainedModel:
+    """A random-weight model of ``SHAPES[shape]`` (`model_config`) on ``device`` with Locks attention: bf16
+    on CUDA, float32 elsewhere."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    full = LlamaConfig(**SHAPES[shape], max_position_embeddings=2**21, **config)
     with torch.device(device):
-        return LlamaForCausalLM._from_config(full, attn_implementation="locks", dtype=dtype).eval()
+        model = AutoModelForCausalLM.from_config(
+            model_config(shape, **fields), attn_implementation="locks", dtype=dtype
+        )
+    return model.eval()
 
 
 def parse_tokens(text: str) -> int:
@@ -264,7 +289,7 @@ def profile_step(stepper: Stepper, steps: int, top: int = 12) -> dict:
     kernels = sum(e.count for e in events) / steps
     rows = [
         {"name": e.key[:90], "ms_per_step": e.device_time_total / steps / 1e3, "per_step": e.count / steps}
-        for e in events[:top]
+        for e in events[: top or None]
     ]
     print(f"  profile: {kernels:.0f} kernels/step, {total:.2f} ms GPU kernel time/step")
     for r in rows:
@@ -322,6 +347,7 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", default="decode_step.json")
     ap.add_argument("--profile", type=int, default=0, help="also profile this many eager steps per arm")
+    ap.add_argument("--profile-top", type=int, default=12, help="kernels listed by --profile (0: all of them)")
     ap.add_argument(
         "--host-profile", type=int, default=0, help="with graphs: cProfile this many steps per arm (host time)"
     )
@@ -359,6 +385,7 @@ def run_isolated(args) -> list[dict]:
             cmd = [sys.executable, __file__, "--arms", arm, "--out", out, "--shape", args.shape]
             cmd += ["--contexts", args.contexts, "--budget", str(args.budget), "--graphs", args.graphs]
             cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--profile", str(args.profile)]
+            cmd += ["--profile-top", str(args.profile_top)]
             cmd += ["--host-profile", str(args.host_profile), "--device", args.device]
             print(f"--isolate: arm {arm} in a process of its own", flush=True)
             subprocess.run(cmd, check=True)
@@ -424,7 +451,7 @@ def run_arms(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
                 host_note = f", host {rows[-1]['host_ms']:.2f} ms" if host else ""
                 print(rows[-1]["context"], name, f"{med:.2f} ms{host_note}", f"replay diff {diff}", flush=True)
                 if args.profile and device.type == "cuda":
-                    rows[-1]["profile"] = profile_step(stepper, args.profile)
+                    rows[-1]["profile"] = profile_step(stepper, args.profile, args.profile_top)
                 if args.host_profile:
                     rows[-1]["host_profile"] = host_profile(stepper, args.host_profile)
                 if args.graphs == "none" and cache is shared:

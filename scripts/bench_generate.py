@@ -48,9 +48,14 @@ import statistics
 import time
 
 import torch
-from bench_decode_step import SHAPES, parse_tokens, tokens_label  # scripts/ is on sys.path when run as a script
+from bench_decode_step import (  # scripts/ is on sys.path when run as a script
+    SHAPES,
+    parse_tokens,
+    random_model,
+    tokens_label,
+)
 from multi_gpu_generate import timed_generate
-from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+from transformers import StaticCache
 
 from locks_hf import LocksCache, LocksConfig, LocksStaticCache, decode_compile_config
 
@@ -255,10 +260,9 @@ def main(argv=None) -> None:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
-    config = LlamaConfig(**SHAPES[args.shape], max_position_embeddings=2**21, bos_token_id=1, eos_token_id=None)
     torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM._from_config(config, attn_implementation="locks", dtype=dtype).eval()
+    model = random_model(args.shape, device, bos_token_id=1, eos_token_id=None)
+    config = model.config
     model.generation_config.eos_token_id = None  # random weights: always decode --new-tokens
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     result = {

@@ -36,7 +36,6 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 HERE = Path(__file__).resolve().parent
 
@@ -402,9 +401,8 @@ def main(argv=None) -> None:
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    config = LlamaConfig(**SHAPES[args.shape], max_position_embeddings=2**21, eos_token_id=None, bos_token_id=None)
-    with torch.device(device):
-        model = LlamaForCausalLM._from_config(config, attn_implementation="locks", dtype=dtype).eval()
+    model = _step_bench.random_model(args.shape, device, eos_token_id=None, bos_token_id=None)
+    config = model.config
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     vocab = config.vocab_size

@@ -20,8 +20,8 @@ import statistics
 import time
 
 import torch
-from bench_decode_step import SHAPES, parse_tokens  # scripts/ is on sys.path when run as a script
-from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
+from bench_decode_step import SHAPES, parse_tokens, random_model  # scripts/ is on sys.path when run as a script
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from locks_hf import LocksCache, LocksConfig
 
@@ -93,10 +93,9 @@ def main(argv=None) -> None:
     if torch.cuda.device_count() < 2:
         raise SystemExit(f"needs at least 2 GPUs, found {torch.cuda.device_count()}")
 
-    config = LlamaConfig(**SHAPES[args.shape], max_position_embeddings=2**21, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
-    with torch.device("cuda:0"):
-        model = LlamaForCausalLM._from_config(config, attn_implementation="locks", dtype=torch.bfloat16).eval()
+    model = random_model(args.shape, torch.device("cuda:0"), bos_token_id=1, eos_token_id=2)
+    config = model.config
     n = parse_tokens(args.context)
     ids = torch.randint(3, config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0)).to("cuda:0")
     arms = {

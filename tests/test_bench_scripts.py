@@ -55,6 +55,28 @@ def test_bench_decode_step_runs_on_cpu(tmp_path):
     assert kv < 0
 
 
+def test_the_glm_shapes_are_transformers_glm(tmp_path):
+    """``glm4-9b-hf`` is transformers' GlmForCausalLM at GLM-4-9B's size (fused gate/up, q/k/v biases, RoPE on
+    half of each head); its small twin runs a dense and a sparse step on the CPU."""
+    module = _load()
+    config = module.model_config("glm4-9b-hf")
+    assert config.model_type == "glm" and config.attention_bias
+    assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (4096, 13696, 40)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (32, 2, 128)
+    assert config.rope_parameters["partial_rotary_factor"] == 0.5
+    model = module.random_model("tiny-glm", __import__("torch").device("cpu"))
+    layer = model.model.layers[0]
+    assert type(model).__name__ == "GlmForCausalLM" and hasattr(layer.mlp, "gate_up_proj")
+    assert layer.self_attn.q_proj.bias is not None
+    out = tmp_path / "glm.json"
+    module.main(
+        ["--shape", "tiny-glm", "--device", "cpu", "--contexts", "512", "--budget", "64", "--arms", "full,r4i4"]
+        + ["--steps", "2", "--warmup", "1", "--out", str(out)]
+    )
+    rows = {r["arm"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["full"]["attended"] == 1.0 and 0.0 < rows["r4i4"]["attended"] < 0.5
+
+
 def test_isolate_runs_each_arm_in_a_process_of_its_own(tmp_path):
     """``--isolate``: one child process per arm, rows gathered in the order one process gives."""
     import os

@@ -10,6 +10,8 @@
 #   generate  the one-liner's first generate() at 128K from cold caches, then again with those caches warm:
 #             torch.compile's share and the library's Triton compiles by kernel (`triton_compiles`);  ~3 min
 #   oneliner  the one-liner against `LocksStaticCache` and transformers' default at 128K in one run;  ~4 min
+#   glmhf     the same step on transformers' GlmForCausalLM (`--shape glm4-9b-hf`: six projections a layer, as
+#             THUDM/glm-4-9b-chat-1m-hf loads), every kernel of a compiled r4i4 step listed (`--profile-top 0`);  ~5 min
 #   short     the first generate() of a 4K prompt from cold caches, with the decode kernels compiled in the
 #             background and with LOCKS_HF_PRECOMPILE=0 (each from empty caches of its own);  ~2 min
 #   trace     dynamo's share of compiling one decode step: transformers' StaticCache against LocksCache on the
@@ -42,6 +44,10 @@ for part in $PARTS; do
     step)
       run decode_step_glm4-9b_compile-cuda 330 python3 scripts/bench_decode_step.py --graphs compile-cuda --shape glm4-9b \
           --contexts 512K --arms r4i4,r8i4,full --steps 20 --out "$OUT/decode_step_glm4-9b_compile-cuda.json" ;;
+    glmhf)
+      run decode_step_glm4-9b-hf_compile-cuda 330 python3 scripts/bench_decode_step.py --graphs compile-cuda \
+          --shape glm4-9b-hf --contexts 512K --arms r4i4,r8i4,full --steps 20 --profile 2 --profile-top 0 \
+          --out "$OUT/decode_step_glm4-9b-hf_compile-cuda.json" ;;
     host)
       run decode_step_glm4-9b_captured 200 python3 scripts/bench_decode_step.py --graphs captured --shape glm4-9b \
           --contexts 512K --arms r4i4 --steps 10 --host-profile 5 --out "$OUT/decode_step_glm4-9b_captured.json" ;;
@@ -65,6 +71,6 @@ for part in $PARTS; do
       done ;;
     trace)
       run trace_time 120 python3 scripts/dev/trace_time.py --device cuda --out "$OUT/trace_time.json" ;;
-    *) echo "gpu_host: unknown part '$part' (attn attn1m step host generate oneliner short trace)" >&2; exit 2 ;;
+    *) echo "gpu_host: unknown part '$part' (attn attn1m step glmhf host generate oneliner short trace)" >&2; exit 2 ;;
   esac
 done
