@@ -48,6 +48,16 @@ from locks_hf.captured_step import captured_backend, step_stats
 from locks_hf.kv_quant import kv_token_bytes
 from locks_hf.selectors import config_for_family, make_selector
 
+TINY = dict(  # (head_dim 32: quantized-KV arms need a value group of 32 channels)
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    vocab_size=256,
+)
+
 SHAPES = {
     "llama3.1-8b": dict(
         hidden_size=4096,
@@ -73,26 +83,8 @@ SHAPES = {
     # defaults are GLM-4-9B's): q/k/v projections with biases, gate and up in one projection, RoPE on half of
     # each head. Six projections a layer against the Llama block's seven.
     "glm4-9b-hf": dict(model_type="glm"),
-    "tiny": dict(  # (head_dim 32: quantized-KV arms need a value group of 32 channels)
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        vocab_size=256,
-    ),
-    "tiny-glm": dict(
-        model_type="glm",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        vocab_size=256,
-        pad_token_id=0,
-    ),
+    "tiny": TINY,
+    "tiny-glm": dict(TINY, model_type="glm", pad_token_id=0),
 }
 
 
