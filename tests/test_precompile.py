@@ -5,7 +5,8 @@ only; the background compile goes through every launch of a real step with the s
 arguments (so it specializes the kernels the step will run) and writes nothing; the cache starts it at
 the prefill's first Locks layer and the first decode-time launch joins it (not the forwards before). On the GPU (``-m gpu``), in a
 fresh process with an empty Triton cache: every kernel of the decode step compiles once, in the
-background thread, and none at the step.
+background thread, and none at the step; with a short prompt under the compiled one-liner too (the thread
+then runs on into torch.compile's work), with the tokens of a process that does not compile ahead.
 """
 
 from __future__ import annotations
@@ -277,6 +278,7 @@ from triton import knobs
 from transformers import LlamaConfig, LlamaForCausalLM
 from locks_hf import LocksCache
 
+selector, mode, prompt = sys.argv[1], sys.argv[2], int(sys.argv[3])
 compiles = []
 knobs.compilation.listener = lambda *, src, metadata, metadata_group, times, cache_hit: compiles.append(
     (str(metadata.get("name")), threading.current_thread().name, cache_hit))
@@ -285,11 +287,30 @@ cfg = LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, 
                   num_key_value_heads=2, head_dim=128, vocab_size=512)
 model = LlamaForCausalLM(cfg).eval().to("cuda", torch.bfloat16)
 model.set_attn_implementation("locks")
-cache = LocksCache(cfg, layout="static", max_cache_len=8192, budget=512, selector=sys.argv[1])
-ids = torch.randint(0, 512, (1, 4000), device="cuda")
-model.generate(ids, past_key_values=cache, max_new_tokens=40, do_sample=False, disable_compile=True)
-print(json.dumps(compiles))
+cache = LocksCache(cfg, layout="static", max_cache_len=8192, budget=512, selector=selector)
+ids = torch.randint(0, 512, (1, prompt), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+out = model.generate(ids, past_key_values=cache, max_new_tokens=40, do_sample=False, disable_compile=mode == "eager")
+print(json.dumps({"compiles": compiles, "tokens": out[0, prompt:].tolist()}))
 """
+
+
+def _run_gpu_script(tmp_path, *args, **env_extra) -> dict:
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton"), **env_extra}
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")
+    env.pop("TRITON_INTERPRET", None)
+    run = subprocess.run(
+        [sys.executable, "-c", _GPU_SCRIPT, *map(str, args)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def _compiled_in_the_thread(compiles) -> None:
+    decode = {n for names in KERNELS.values() for n in names}
+    ours = [(name, thread) for name, thread, hit in compiles if name in decode and not hit]
+    assert ours, compiles
+    assert all(thread == "locks_hf-precompile" for _, thread in ours), ours
+    assert len(ours) == len({name for name, _ in ours}), ours  # each once
 
 
 @pytest.mark.gpu
@@ -298,15 +319,17 @@ def test_on_a_gpu_the_step_compiles_nothing_of_its_own(tmp_path, selector):
     """A fresh process with an empty Triton cache: each kernel of the decode step compiles once, in the
     background thread during the prefill, and the decode steps (the page update's completing steps
     included) compile none."""
-    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
-    env.pop("TRITON_INTERPRET", None)
-    run = subprocess.run(
-        [sys.executable, "-c", _GPU_SCRIPT, selector], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    compiles = json.loads(run.stdout.strip().splitlines()[-1])
-    decode = {n for names in KERNELS.values() for n in names}
-    ours = [(name, thread) for name, thread, hit in compiles if name in decode and not hit]
-    assert ours, compiles
-    assert all(thread == "locks_hf-precompile" for _, thread in ours), ours
-    assert len(ours) == len({name for name, _ in ours}), ours  # each once
+    _compiled_in_the_thread(_run_gpu_script(tmp_path, selector, "eager", 4000)["compiles"])
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_short_prompt_compiles_alongside_torch_compile(tmp_path):
+    """The one-liner (compiled decode step, CUDA graphs) after a prefill far shorter than the kernels'
+    compiles: the compile thread runs on into torch.compile's trace and is joined at the step's first
+    launch; every decode kernel still compiles once, in the thread, and the tokens are those of a process
+    that compiles them at their first launch."""
+    on = _run_gpu_script(tmp_path / "on", "locks", "compiled", 256)
+    off = _run_gpu_script(tmp_path / "off", "locks", "compiled", 256, LOCKS_HF_PRECOMPILE="0")
+    _compiled_in_the_thread(on["compiles"])
+    assert not any(thread == "locks_hf-precompile" for _, thread, _ in off["compiles"])
+    assert on["tokens"] == off["tokens"]
