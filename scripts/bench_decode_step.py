@@ -195,13 +195,13 @@ def rewind(cache, n: int = 1) -> None:
 class Stepper:
     """One-token forwards on ``cache``: eager, a captured CUDA graph, or torch.compile."""
 
-    def __init__(self, model, cache, graphs: str) -> None:
+    def __init__(self, model, cache, graphs: str, inductor_options: dict | None = None) -> None:
         self.model, self.cache, self.graphs = model, cache, graphs
         self.token = torch.ones(1, 1, dtype=torch.long, device=model.device)
         self.fn = lambda: model(self.token, past_key_values=cache, logits_to_keep=1).logits
         compile_options = {
             "compile": {"mode": "reduce-overhead"},
-            "compile-cuda": {},
+            "compile-cuda": {"options": inductor_options} if inductor_options else {},
             "captured": {"backend": captured_backend},
         }
         if graphs in compile_options:
@@ -341,6 +341,12 @@ def main(argv=None) -> None:
     ap.add_argument("--profile", type=int, default=0, help="also profile this many eager steps per arm")
     ap.add_argument("--profile-top", type=int, default=12, help="kernels listed by --profile (0: all of them)")
     ap.add_argument(
+        "--inductor-options",
+        type=json.loads,
+        default=None,
+        help="with --graphs compile-cuda: inductor options as JSON, e.g. '{\"max_autotune\": true}' (GEMV templates)",
+    )
+    ap.add_argument(
         "--host-profile", type=int, default=0, help="with graphs: cProfile this many steps per arm (host time)"
     )
     ap.add_argument(
@@ -355,6 +361,8 @@ def main(argv=None) -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.graphs in ("cuda", "compile-cuda", "captured") and device.type != "cuda":
         raise SystemExit(f"--graphs {args.graphs} needs a CUDA device")
+    if args.inductor_options and args.graphs != "compile-cuda":
+        raise SystemExit("--inductor-options applies to --graphs compile-cuda (inductor without its own CUDA graphs)")
     if args.host_profile and args.graphs == "none":
         raise SystemExit("--host-profile needs --graphs (it rewinds a static cache between steps)")
 
@@ -378,6 +386,8 @@ def run_isolated(args) -> list[dict]:
             cmd += ["--contexts", args.contexts, "--budget", str(args.budget), "--graphs", args.graphs]
             cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--profile", str(args.profile)]
             cmd += ["--profile-top", str(args.profile_top)]
+            if args.inductor_options:
+                cmd += ["--inductor-options", json.dumps(args.inductor_options)]
             cmd += ["--host-profile", str(args.host_profile), "--device", args.device]
             print(f"--isolate: arm {arm} in a process of its own", flush=True)
             subprocess.run(cmd, check=True)
@@ -414,7 +424,7 @@ def run_arms(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
                     cache = make_cache(args.graphs, config, name, locks, capacity)
                     synthetic_prefill(cache, config, ctx, device, dtype)
                 torch._dynamo.reset()
-                stepper = Stepper(model, cache, args.graphs)
+                stepper = Stepper(model, cache, args.graphs, args.inductor_options)
                 stepper.warm_up(args.warmup)
                 diff = check_replay(stepper) if args.graphs != "none" else None
                 if hasattr(cache, "reset_stats"):
@@ -491,7 +501,14 @@ def report(rows: list[dict], args, dtype: torch.dtype, where: str) -> None:
         )
     with open(args.out, "w") as f:
         json.dump(
-            {"shape": args.shape, "budget": args.budget, "graphs": args.graphs, "isolated": args.isolate, "rows": rows},
+            {
+                "shape": args.shape,
+                "budget": args.budget,
+                "graphs": args.graphs,
+                "inductor_options": args.inductor_options,
+                "isolated": args.isolate,
+                "rows": rows,
+            },
             f,
             indent=1,
         )

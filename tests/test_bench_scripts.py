@@ -77,6 +77,11 @@ def test_the_glm_shapes_are_transformers_glm(tmp_path):
     assert rows["full"]["attended"] == 1.0 and 0.0 < rows["r4i4"]["attended"] < 0.5
 
 
+def test_inductor_options_are_for_the_inductor_step_only():
+    with pytest.raises(SystemExit, match="--graphs compile-cuda"):
+        _load().main(["--shape", "tiny", "--device", "cpu", "--inductor-options", '{"max_autotune": true}'])
+
+
 def test_isolate_runs_each_arm_in_a_process_of_its_own(tmp_path):
     """``--isolate``: one child process per arm, rows gathered in the order one process gives."""
     import os

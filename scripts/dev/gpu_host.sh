@@ -12,6 +12,8 @@
 #   oneliner  the one-liner against `LocksStaticCache` and transformers' default at 128K in one run;  ~4 min
 #   glmhf     the same step on transformers' GlmForCausalLM (`--shape glm4-9b-hf`: six projections a layer, as
 #             THUDM/glm-4-9b-chat-1m-hf loads), every kernel of a compiled r4i4 step listed (`--profile-top 0`);  ~5 min
+#   autotune  the GLM-4-9B step of `step` with inductor's max-autotune (Triton GEMV templates against cuBLAS),
+#             r4i4 and dense;  ~6 min
 #   batch8    the complete step at 512K and batch 8 on 4-bit K/V (a bf16 cache does not fit), GLM-4-9B shape:
 #             dense against r4i4 / r8i4 on the same packed K/V, CUDA graph (bench_throughput.py);  ~4 min
 #   short     the first generate() of a 4K prompt from cold caches, with the decode kernels compiled in the
@@ -64,6 +66,10 @@ for part in $PARTS; do
     oneliner)
       run generate_128k_oneliner 300 python3 scripts/bench_generate.py --runs 128K:1 --arms static-r4i4,r4i4,hf-dynamic \
           --out "$OUT/generate_128k_oneliner.json" ;;
+    autotune)
+      run decode_step_glm4-9b_autotune 400 python3 scripts/bench_decode_step.py --graphs compile-cuda --shape glm4-9b \
+          --contexts 512K --arms r4i4,full --steps 20 --inductor-options '{"max_autotune": true}' \
+          --out "$OUT/decode_step_glm4-9b_autotune.json" ;;
     batch8)
       run throughput_glm4-9b_512k_batch8_kv4 330 python3 scripts/bench_throughput.py --shape glm4-9b --contexts 512K \
           --max-batch 8 --arms full+kv4-post,r4i4+kv4-post,r8i4+kv4-post --out "$OUT/throughput_glm4-9b_512k_batch8_kv4.json" ;;
@@ -76,6 +82,6 @@ for part in $PARTS; do
       done ;;
     trace)
       run trace_time 120 python3 scripts/dev/trace_time.py --device cuda --out "$OUT/trace_time.json" ;;
-    *) echo "gpu_host: unknown part '$part' (attn attn1m step glmhf host generate oneliner batch8 short trace)" >&2; exit 2 ;;
+    *) echo "gpu_host: unknown part '$part' (attn attn1m step glmhf host generate oneliner autotune batch8 short trace)" >&2; exit 2 ;;
   esac
 done
