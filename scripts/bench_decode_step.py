@@ -7,6 +7,9 @@ keys: a per-page offset plus per-token noise; summaries built as after a real pr
 one-token forwards for each arm: dense (``full``) and Locks / Quest at budget b (Locks with exact
 re-ranking: ``r4i4-rr4``, ...). Each row also gives the bytes the step reads from the cache by the
 arm's rule (summaries, re-ranked keys, attended K/V), so that time and traffic can be set side by side.
+The arm ``no-attention`` is the same model with every attention replaced by zeros (projections, norms,
+RoPE, the K/V write, the LM head: the step less its attention), beside the weights' read floor at the
+device bandwidth measured in the same run.
 
 ``--graphs`` picks how the step runs:
 
@@ -41,7 +44,16 @@ import statistics
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, GlmConfig, LlamaConfig, PretrainedConfig, PreTrainedModel, StaticCache
+from transformers import (
+    AttentionInterface,
+    AutoModelForCausalLM,
+    GlmConfig,
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    StaticCache,
+)
+from transformers.masking_utils import AttentionMaskInterface
 
 from locks_hf import LocksCache, LocksConfig, LocksStaticCache, traffic
 from locks_hf.captured_step import captured_backend, step_stats
@@ -142,11 +154,46 @@ def synthetic_prefill(cache, config, n_tokens: int, device, dtype, page_size: in
 
 
 HF_STATIC = "hf-static"  # transformers' own StaticCache (dense, masked SDPA over the capacity)
+NO_ATTENTION = "no-attention"  # every attention output zero: the step less its attention
+
+
+def skip_attention(module, query, key, value, attention_mask, **kwargs):
+    """An attention function that reads no K/V: zeros of the output's shape ``[b, q_len, heads, d]``."""
+    return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3]), None
+
+
+AttentionInterface.register(NO_ATTENTION, skip_attention)
+AttentionMaskInterface.register(NO_ATTENTION, lambda *args, **kwargs: None)  # nothing to mask
 
 
 def make_arm(name: str, budget: int) -> LocksConfig:
     # any registered arm family: r4i4 / locks-r8i4, full, quest, oracle, the baselines (eager: --graphs none)
-    return config_for_family("full" if name == HF_STATIC else name, budget=budget)
+    return config_for_family("full" if name in (HF_STATIC, NO_ATTENTION) else name, budget=budget)
+
+
+def weight_read_bytes(model) -> int:
+    """Bytes of weights one decode step reads: every parameter, less the input embedding's table (one row
+    is read) unless the LM head reads it as its own."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    return total if embed is head else total - embed.numel() * embed.element_size()
+
+
+def read_bandwidth(device: torch.device) -> float | None:
+    """The device's read bandwidth in bytes/s: a 2 GiB reduction, median of 10 (``None`` off CUDA)."""
+    if device.type != "cuda":
+        return None
+    x = torch.ones(1 << 30, device=device, dtype=torch.bfloat16)
+    out = torch.empty((), device=device, dtype=torch.float32)
+    times = []
+    for _ in range(11):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.sum(x, dim=0, dtype=torch.float32, out=out)
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop))
+    return x.numel() * x.element_size() / (statistics.median(times[1:]) / 1e3)
 
 
 def read_bytes_per_step(locks: LocksConfig, config, context: int, dtype: torch.dtype) -> int | None:
@@ -172,6 +219,8 @@ def read_bytes_per_step(locks: LocksConfig, config, context: int, dtype: torch.d
 
 
 def make_cache(graphs: str, config, name: str, locks: LocksConfig, capacity: int):
+    if name == NO_ATTENTION:  # nothing reads it: a few slots for the steps' K/V writes
+        return StaticCache(config, max_cache_len=capacity)
     if graphs == "none":
         return LocksCache(config, locks, layout="dynamic")
     if name == HF_STATIC:
@@ -330,7 +379,8 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--arms",
         default="full,r4i4,r8i4,quest",
-        help=f"comma list: full (dense), {HF_STATIC} (transformers' StaticCache; with graphs), quest, "
+        help=f"comma list: full (dense), {HF_STATIC} (transformers' StaticCache; with graphs), {NO_ATTENTION} (the "
+        "step less its attention, with the weights' read floor), quest, "
         "oracle, Locks labels (r4i4, ...), the baselines (rocketkv, shadowkv, kvzip, rkv, triattention, "
         "lazy_eviction; eager only)",
     )
@@ -409,7 +459,10 @@ def run_arms(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
             capacity = ctx + args.warmup + args.steps + 64
             shared = None
             for name, locks in arms.items():
-                if args.graphs == "none" and locks.kv_bits != 16:  # quantized KV: a cache of its own
+                model.set_attn_implementation(NO_ATTENTION if name == NO_ATTENTION else "locks")
+                if name == NO_ATTENTION:
+                    cache = make_cache(args.graphs, config, name, locks, args.warmup + args.steps + args.profile + 64)
+                elif args.graphs == "none" and locks.kv_bits != 16:  # quantized KV: a cache of its own
                     cache = make_cache("none", config, name, locks, capacity)
                     synthetic_prefill(cache, config, ctx, device, dtype)
                 elif args.graphs == "none":  # one dynamic cache, re-configured per arm
@@ -433,6 +486,8 @@ def run_arms(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
                 times = time_steps(stepper, args.steps, host)
                 med = statistics.median(times)
                 attended = cache.attended_fraction() if hasattr(cache, "attended_fraction") else 1.0
+                if name == NO_ATTENTION:
+                    attended = 0.0
                 rows.append(
                     {
                         "context": ctx,
@@ -440,7 +495,7 @@ def run_arms(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
                         "median_ms": med,
                         "tokens_per_s": 1e3 / med,
                         "attended": attended,
-                        "read_bytes": read_bytes_per_step(locks, config, ctx, dtype),
+                        "read_bytes": 0 if name == NO_ATTENTION else read_bytes_per_step(locks, config, ctx, dtype),
                         "replay_vs_eager_max_abs": diff,
                         "all_ms": times,
                         "host_ms": statistics.median(host) if host else None,
@@ -448,6 +503,11 @@ def run_arms(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
                         "captured_steps": step_stats() if args.graphs == "captured" else None,
                     }
                 )
+                if name == NO_ATTENTION:  # the step less its attention, against the weights' read floor
+                    bandwidth = read_bandwidth(device)
+                    rows[-1]["weight_read_bytes"] = weight_read_bytes(model)
+                    rows[-1]["read_tbps"] = bandwidth and bandwidth / 1e12
+                    rows[-1]["weight_floor_ms"] = bandwidth and 1e3 * rows[-1]["weight_read_bytes"] / bandwidth
                 if args.graphs == "captured":  # whether the timed steps replayed the graph, and what they copied in
                     print("  captured steps:", rows[-1]["captured_steps"], flush=True)
                 host_note = f", host {rows[-1]['host_ms']:.2f} ms" if host else ""
@@ -499,6 +559,13 @@ def report(rows: list[dict], args, dtype: torch.dtype, where: str) -> None:
             f"| {tokens_label(r['context'])} | {r['arm']} | {r['median_ms']:.2f} | {host} | {r['tokens_per_s']:.1f} | "
             f"{ratios[0]} | {ratios[1]} | {r['attended']:.4f} | {mb} | {diff} |"
         )
+    for r in rows:
+        if r.get("weight_floor_ms"):
+            print(
+                f"{tokens_label(r['context'])} {NO_ATTENTION}: {r['median_ms']:.2f} ms against the weights' read floor "
+                f"{r['weight_floor_ms']:.2f} ms ({r['weight_read_bytes'] / 1e9:.2f} GB at {r['read_tbps']:.2f} TB/s "
+                f"measured): {r['median_ms'] / r['weight_floor_ms']:.2f}x"
+            )
     with open(args.out, "w") as f:
         json.dump(
             {

@@ -77,6 +77,26 @@ def test_the_glm_shapes_are_transformers_glm(tmp_path):
     assert rows["full"]["attended"] == 1.0 and 0.0 < rows["r4i4"]["attended"] < 0.5
 
 
+def test_the_no_attention_arm_skips_attention_only(tmp_path):
+    """``no-attention``: the step without reading K/V (zeros for every attention), faster than dense on the
+    same model, and the next arm has its attention back."""
+    out = tmp_path / "na.json"
+    module = _load()
+    module.main(
+        ["--shape", "tiny", "--device", "cpu", "--contexts", "2048", "--budget", "64", "--graphs", "none"]
+        + ["--arms", "no-attention,full", "--steps", "3", "--warmup", "1", "--out", str(out)]
+    )
+    rows = {r["arm"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["no-attention"]["read_bytes"] == 0 and rows["no-attention"]["attended"] == 0.0
+    assert rows["full"]["attended"] == 1.0 and rows["full"]["read_bytes"] > 0
+    q = __import__("torch").randn(1, 4, 3, 32)
+    assert not module.skip_attention(None, q, None, None, None)[0].any()
+    model = module.random_model("tiny", __import__("torch").device("cpu"))
+    embed = model.model.embed_tokens.weight  # one row of it is read; the LM head (a weight of its own) in full
+    assert model.lm_head.weight is not embed
+    assert module.weight_read_bytes(model) == sum(p.numel() * 4 for p in model.parameters()) - embed.numel() * 4
+
+
 def test_inductor_options_are_for_the_inductor_step_only():
     with pytest.raises(SystemExit, match="--graphs compile-cuda"):
         _load().main(["--shape", "tiny", "--device", "cpu", "--inductor-options", '{"max_autotune": true}'])

@@ -5,7 +5,7 @@
 #             cache (the cold run's wall time is printed: its compiles included);  ~2 min
 #   attn1m    the same at 1M, batch 1;  ~2 min
 #   step      the complete GLM-4-9B step at 512K captured by hand in one CUDA graph (`--graphs compile-cuda`):
-#             r4i4, r8i4 and dense in one run;  ~4 min
+#             r4i4, r8i4, dense and the step less its attention (against the weights' read floor) in one run;  ~5 min
 #   host      where `--graphs captured` spends its host time: GLM-4-9B r4i4 at 512K under cProfile;  ~2 min
 #   generate  the one-liner's first generate() at 128K from cold caches, then again with those caches warm:
 #             torch.compile's share and the library's Triton compiles by kernel (`triton_compiles`);  ~3 min
@@ -47,10 +47,10 @@ for part in $PARTS; do
           --batch "$batch" --labels r8i4,r4i4,r2i4 --reps 30 --out "$OUT/decode_attention_$ctx.json" ;;
     step)
       run decode_step_glm4-9b_compile-cuda 330 python3 scripts/bench_decode_step.py --graphs compile-cuda --shape glm4-9b \
-          --contexts 512K --arms r4i4,r8i4,full --steps 20 --out "$OUT/decode_step_glm4-9b_compile-cuda.json" ;;
+          --contexts 512K --arms r4i4,r8i4,full,no-attention --steps 20 --out "$OUT/decode_step_glm4-9b_compile-cuda.json" ;;
     glmhf)
       run decode_step_glm4-9b-hf_compile-cuda 330 python3 scripts/bench_decode_step.py --graphs compile-cuda \
-          --shape glm4-9b-hf --contexts 512K --arms r4i4,r8i4,full --steps 20 --profile 2 --profile-top 0 \
+          --shape glm4-9b-hf --contexts 512K --arms r4i4,r8i4,full,no-attention --steps 20 --profile 2 --profile-top 0 \
           --out "$OUT/decode_step_glm4-9b-hf_compile-cuda.json" ;;
     host)
       run decode_step_glm4-9b_captured 200 python3 scripts/bench_decode_step.py --graphs captured --shape glm4-9b \
