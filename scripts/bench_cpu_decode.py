@@ -16,6 +16,7 @@ import time
 import torch
 
 from locks_hf import LocksCache, LocksConfig
+from locks_hf.compat import cache_keyword
 from locks_hf.models import encode_prompt, load_model
 from locks_hf.needle import build_needle_prompt
 
@@ -45,7 +46,7 @@ def main(argv=None) -> None:
     base = LocksCache(model.config, LocksConfig())
     with torch.no_grad():
         t0 = time.perf_counter()
-        logits = model(ids, past_key_values=base).logits
+        logits = model(ids, **{cache_keyword(model): base}).logits
         prefill_s = time.perf_counter() - t0
     first = logits[:, -1:].argmax(-1)
 
@@ -56,7 +57,7 @@ def main(argv=None) -> None:
         with torch.no_grad():
             for step in range(args.steps + 2):
                 t0 = time.perf_counter()
-                token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+                token = model(token, **{cache_keyword(model): cache}).logits[:, -1:].argmax(-1)
                 if step >= 2:  # warm-up: the first step also builds the summaries
                     times.append(time.perf_counter() - t0)
         rows.append({"arm": name, "median_ms": 1e3 * statistics.median(times), "attended": cache.attended_fraction()})

@@ -57,6 +57,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from locks_hf import LocksCache, LocksConfig, LocksStaticCache, traffic
 from locks_hf.captured_step import captured_backend, step_stats
+from locks_hf.compat import cache_keyword
 from locks_hf.kv_quant import kv_token_bytes
 from locks_hf.selectors import config_for_family, make_selector
 
@@ -247,7 +248,8 @@ class Stepper:
     def __init__(self, model, cache, graphs: str, inductor_options: dict | None = None) -> None:
         self.model, self.cache, self.graphs = model, cache, graphs
         self.token = torch.ones(1, 1, dtype=torch.long, device=model.device)
-        self.fn = lambda: model(self.token, past_key_values=cache, logits_to_keep=1).logits
+        self.cache_kw = {cache_keyword(model): cache}  # transformers >= 5.24 names it `cache`
+        self.fn = lambda: model(self.token, **self.cache_kw, logits_to_keep=1).logits
         compile_options = {
             "compile": {"mode": "reduce-overhead"},
             "compile-cuda": {"options": inductor_options} if inductor_options else {},
@@ -258,7 +260,7 @@ class Stepper:
             # the replayed graphs of "compile" and "captured" overwrite their logits at the next step (as generate()
             # does, keep a copy); "compile-cuda" is captured below, where the logits are the graph's own output
             keep = (lambda t: t) if graphs == "compile-cuda" else torch.clone
-            self.fn = lambda: keep(compiled(self.token, past_key_values=cache, logits_to_keep=1).logits)
+            self.fn = lambda: keep(compiled(self.token, **self.cache_kw, logits_to_keep=1).logits)
         self.graph = None
 
     def warm_up(self, n: int) -> None:
@@ -283,7 +285,7 @@ class Stepper:
 
 def check_replay(stepper: Stepper) -> float:
     """Max |logit difference| between a graph/compiled step and the same step run eagerly."""
-    eager = stepper.model(stepper.token, past_key_values=stepper.cache, logits_to_keep=1).logits.float()
+    eager = stepper.model(stepper.token, **stepper.cache_kw, logits_to_keep=1).logits.float()
     rewind(stepper.cache)
     replayed = stepper.step().float()
     return float((replayed - eager).abs().max())

@@ -33,6 +33,7 @@ from bench_decode_step import SHAPES, parse_tokens, random_model, tokens_label  
 from transformers import DynamicCache
 
 from locks_hf import LocksCache
+from locks_hf.compat import cache_keyword
 from locks_hf.eval.hf_quantized import parse_hf_quantized
 from locks_hf.selectors import config_for_family
 
@@ -73,10 +74,11 @@ def run_arm(model, arm: str, context: int, args, device: torch.device) -> dict:
     prompt = torch.randint(0, model.config.vocab_size, (1, context), generator=gen).to(device)
     before = allocated(device)
     cache = new_cache(model, arm, args.budget)
-    prefill_ms = timed(lambda: model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1), device)
+    kw = {cache_keyword(model): cache}
+    prefill_ms = timed(lambda: model(prompt, **kw, use_cache=True, logits_to_keep=1), device)
     held = allocated(device) - before
     token = torch.ones(1, 1, dtype=torch.long, device=device)
-    step = lambda: model(token, past_key_values=cache, use_cache=True)  # noqa: E731
+    step = lambda: model(token, **kw, use_cache=True)  # noqa: E731
     for _ in range(args.warmup):
         step()
     if device.type == "cuda":

@@ -24,6 +24,7 @@ from bench_decode_step import SHAPES, parse_tokens, random_model  # scripts/ is 
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from locks_hf import LocksCache, LocksConfig
+from locks_hf.compat import cache_keyword
 
 
 class StepClock(StoppingCriteria):
@@ -44,7 +45,7 @@ def timed_generate(model, ids: torch.Tensor, cache, new_tokens: int, **options) 
     clock = StepClock()
     out = model.generate(
         ids,
-        past_key_values=cache,
+        **{cache_keyword(model): cache},
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
         do_sample=False,
