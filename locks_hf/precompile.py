@@ -15,9 +15,10 @@ runs on through whatever precedes that launch: the rest of the prefill, and at t
 torch.compile's own work (dynamo's trace, inductor), which a short prompt's prefill does not cover. That
 launch is the first real one of the step, run eagerly (a first compiled call is uncaptured: the warm-up of
 CUDA-graph trees, the eager steps of `captured_backend`), so in `generate()` the thread never allocates
-while a CUDA graph is being captured (a step captured by hand needs one eager step after the prefill). A compile that failed is logged there (the kernels then compile at their first
-launch, as without this). A cache that re-allocates its buffers, forks or is copied waits for the thread
-first. ``LOCKS_HF_PRECOMPILE=0`` turns it off.
+while a CUDA graph is being captured (a step captured by hand needs one eager step after the prefill). A
+compile that failed is logged there (the kernels then compile at their first launch, as without this). A
+cache that re-allocates its buffers, forks or is copied waits for the thread first.
+``LOCKS_HF_PRECOMPILE=0`` turns it off.
 """
 
 from __future__ import annotations

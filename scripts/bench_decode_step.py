@@ -180,23 +180,6 @@ def weight_read_bytes(model) -> int:
     return total if embed is head else total - embed.numel() * embed.element_size()
 
 
-def read_bandwidth(device: torch.device) -> float | None:
-    """The device's read bandwidth in bytes/s: a 2 GiB reduction, median of 10 (``None`` off CUDA)."""
-    if device.type != "cuda":
-        return None
-    x = torch.ones(1 << 30, device=device, dtype=torch.bfloat16)
-    out = torch.empty((), device=device, dtype=torch.float32)
-    times = []
-    for _ in range(11):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.sum(x, dim=0, dtype=torch.float32, out=out)
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
-    return x.numel() * x.element_size() / (statistics.median(times[1:]) / 1e3)
-
-
 def read_bytes_per_step(locks: LocksConfig, config, context: int, dtype: torch.dtype) -> int | None:
     """Bytes one decode step reads from the cache over all layers and KV heads, from the arm's rule
     (``None`` for the token-level baselines): dense K/V; or the scored pages' summaries (the oracle:
@@ -506,10 +489,13 @@ def run_arms(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
                     }
                 )
                 if name == NO_ATTENTION:  # the step less its attention, against the weights' read floor
-                    bandwidth = read_bandwidth(device)
                     rows[-1]["weight_read_bytes"] = weight_read_bytes(model)
-                    rows[-1]["read_tbps"] = bandwidth and bandwidth / 1e12
-                    rows[-1]["weight_floor_ms"] = bandwidth and 1e3 * rows[-1]["weight_read_bytes"] / bandwidth
+                    if device.type == "cuda":
+                        from bench_decode import measure_bandwidth  # a 2 GiB read, as the attention floors use
+
+                        tbps = measure_bandwidth()["read_tbps"]
+                        rows[-1]["read_tbps"] = tbps
+                        rows[-1]["weight_floor_ms"] = rows[-1]["weight_read_bytes"] / tbps / 1e9
                 if args.graphs == "captured":  # whether the timed steps replayed the graph, and what they copied in
                     print("  captured steps:", rows[-1]["captured_steps"], flush=True)
                 host_note = f", host {rows[-1]['host_ms']:.2f} ms" if host else ""

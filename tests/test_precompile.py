@@ -21,9 +21,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from locks_hf import LocksCache, precompile
+from locks_hf import LocksCache, models, precompile
 from locks_hf.backends import TRITON
 from locks_hf.backends.triton import compile_decode_kernels, kernel_decode, kernel_update_newest_page
 from locks_hf.kernels import _common, attend, page_update, rerank, score, select
@@ -73,20 +72,18 @@ def recorded(monkeypatch):
     return log
 
 
-def tiny_model(layers: int = 2) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
+def tiny_model(layers: int = 2):
+    # no eos or pad token: every generate() here decodes all the tokens it asks for, with no padding inferred
+    return models.tiny_model(
+        "llama",
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=layers,
         num_attention_heads=8,
-        num_key_value_heads=2,
         head_dim=32,
-        vocab_size=256,
+        eos_token_id=None,
+        pad_token_id=None,
     )
-    model = LlamaForCausalLM(cfg).eval()
-    model.set_attn_implementation("locks")
-    return model
 
 
 def prefilled(selector: str = "locks", prompt: int = 100, **kw):

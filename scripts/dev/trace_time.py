@@ -30,10 +30,11 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+from transformers import StaticCache
 
 from locks_hf import LocksCache
 from locks_hf.backends import TRITON
+from locks_hf.models import tiny_model
 
 
 class _Reuses(logging.Handler):
@@ -46,25 +47,24 @@ class _Reuses(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
-        if "cache hit" in message or "key" in message and "hit" in message:
+        if " hit " in message:  # "cache hit for ...", "hash key N hit for ..."
             self.hits += 1
         elif "not eligible" in message or "reuse failed" in message:
             self.refusals += 1
             self.reason = self.reason or message.split("--", 1)[-1].strip().splitlines()[0]
 
 
-def _model(layers: int) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
+def _model(layers: int):
+    return tiny_model(
+        "llama",
+        attn_implementation="sdpa",
         hidden_size=256,
         intermediate_size=512,
         num_hidden_layers=layers,
         num_attention_heads=8,
-        num_key_value_heads=2,
         head_dim=32,
         vocab_size=1000,
     )
-    return LlamaForCausalLM(cfg).eval()
 
 
 @contextlib.contextmanager
