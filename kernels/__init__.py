@@ -21,24 +21,46 @@ reference path. On CPU the kernels run only under ``TRITON_INTERPRET=1`` (tests)
 
 from __future__ import annotations
 
-try:
-    import triton  # noqa: F401
+if __name__ == "kernels":
+    # This folder imported as a top-level package: a shell, notebook or ``python -m`` started in the
+    # source tree's root puts that root on sys.path, where this folder shadows Hugging Face's installed
+    # ``kernels`` package (which transformers >= 5.25 imports). The folder is only ever ``locks_hf.kernels``,
+    # so the import is handed to the installed package; nothing of this one is defined.
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
 
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover - exercised where triton is absent
-    HAVE_TRITON = False
+    _tree = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _tree]
+    _spec = importlib.machinery.PathFinder.find_spec("kernels", _path)
+    if _spec is None or _spec.loader is None:
+        raise ImportError(
+            f"{os.path.dirname(__file__)} is locks-hf's kernel sources, imported as `locks_hf.kernels`; "
+            "no installed package named `kernels` was found outside it"
+        )
+    _installed = importlib.util.module_from_spec(_spec)
+    sys.modules["kernels"] = _installed  # what this import statement returns
+    _spec.loader.exec_module(_installed)
+else:
+    try:
+        import triton  # noqa: F401
 
-if HAVE_TRITON:
-    from . import ops  # noqa: F401  (registers the torch.ops.locks_hf custom ops)
-    from ._common import SENTINEL, compile_only, join_before_decode, on_device
-    from .attend import sparse_attention
-    from .attend_quant import implements_quantized, quantized_attention
-    from .build import build_summary, fit_pages_eigh, quantize_summary
-    from .decode import decode_step, implements
-    from .page_update import update_completed_pages
-    from .rerank import rerank_pages
-    from .score import SUMMARY_NAMES, score_pages
-    from .select import select_pages
+        HAVE_TRITON = True
+    except ImportError:  # pragma: no cover - exercised where triton is absent
+        HAVE_TRITON = False
+
+    if HAVE_TRITON:
+        from . import ops  # noqa: F401  (registers the torch.ops.locks_hf custom ops)
+        from ._common import SENTINEL, compile_only, join_before_decode, on_device
+        from .attend import sparse_attention
+        from .attend_quant import implements_quantized, quantized_attention
+        from .build import build_summary, fit_pages_eigh, quantize_summary
+        from .decode import decode_step, implements
+        from .page_update import update_completed_pages
+        from .rerank import rerank_pages
+        from .score import SUMMARY_NAMES, score_pages
+        from .select import select_pages
 
 __all__ = [
     "HAVE_TRITON",

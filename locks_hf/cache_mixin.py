@@ -92,8 +92,9 @@ class LocksCacheMixin(CacheStatistics, _CacheBase):
                 return keys.shape[0]
         return None
 
-    def activate_past_recording(self) -> None:
-        """Called by generate() for assisted and prompt-lookup decoding, before their first forward."""
+    def activate_past_recording(self, **kwargs) -> None:
+        """Called by generate() for assisted and prompt-lookup decoding, before their first forward
+        (transformers >= 5.25 passes ``recurrent_states_to_keep``, which only recurrent layers use)."""
         if self.get_seq_length() == 0:
             raise UnsupportedModelError(REFUSED_GENERATION)
-        super().activate_past_recording()  # a prefilled cache: refused at the first verification forward
+        super().activate_past_recording(**kwargs)  # a prefilled cache: refused at the first verification forward

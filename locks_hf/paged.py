@@ -75,7 +75,7 @@ class PagedLayer(ABC):
     #: forward is then a verification of drafted tokens, which Locks refuses (see `attention`).
     recording_past: bool = False
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs) -> None:  # kwargs: recurrent layers' options (none here)
         self.recording_past = True
 
     # -- storage: what a subclass provides ----------------------------------------------------------

@@ -3,7 +3,7 @@
 # it: the wheel built from this tree, in a fresh virtualenv, imported and tested from outside the tree.
 #
 #   bash scripts/check_versions.sh --torch 2.11.0 --transformers 5.17.0            # compatibility subset
-#   bash scripts/check_versions.sh --torch 2.15.0 --transformers 5.24.0 --python 3.13 --suite full
+#   bash scripts/check_versions.sh --torch 2.15.0 --transformers 5.25.0 --python 3.13 --suite full
 #   bash scripts/check_versions.sh --suite smoke      # the installed torch's version, newest transformers
 #
 # --suite smoke   import locks_hf / .kernels / .eval from the wheel, generate() with LocksCache on a tiny

@@ -435,3 +435,22 @@ def test_trace_time_probe_counts_the_marked_layers_refusals(tmp_path):
     assert marked["region_reuses"] + marked["region_refusals"] >= 1  # the second layer was looked up
     assert json.loads(out.read_text())["rows"] == rows
     assert LlamaDecoderLayer.forward is forward
+
+
+@pytest.mark.slow
+def test_saved_frames_probe_reports_each_process(tmp_path):
+    """scripts/dev/saved_frames.py (docs/performance.md): four fresh processes on one cache folder; the warm one
+    reuses the cold one's caches with the same logits, and a save or load that fails is reported, not raised."""
+    spec = importlib.util.spec_from_file_location("saved_frames", SCRIPT.parent / "dev" / "saved_frames.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "frames.json"
+    rows = module.main(["--layers", "1", "--out", str(out)])
+    assert [r["mode"] for r in rows] == ["cold", "warm", "save", "load"]
+    cold, warm = rows[0], rows[1]
+    assert "error" not in cold and "error" not in warm and warm["same_logits"]
+    assert warm["first_call_s"] < cold["first_call_s"]  # inductor's cache: no lowering, no code generation
+    for row in rows[2:]:
+        assert row["same_logits"] or row["error"]
+        assert sum(row["dynamo_cache"].values()) == 1  # the saved-frames store was consulted once
+    assert json.loads(out.read_text())["rows"] == rows

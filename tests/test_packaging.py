@@ -77,8 +77,45 @@ def test_wheel_declares_the_tested_ranges(wheel):
     (meta,) = [n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")]
     text = wheel.read(meta).decode()
     requires = dict(re.findall(r"^Requires-Dist: ([A-Za-z0-9_.-]+)\s*\(?([^;\n]*?)\)?$", text, re.M))
-    assert requires["transformers"].replace(" ", "") in (">=5.17,<5.25", "<5.25,>=5.17")
+    assert requires["transformers"].replace(" ", "") in (">=5.17,<5.26", "<5.26,>=5.17")
     assert requires["torch"].replace(" ", "").startswith(">=")
     assert re.search(r"^Requires-Python: >=3\.10", text, re.M)
     versions = re.findall(r"^Classifier: Programming Language :: Python :: (3\.\d+)$", text, re.M)
     assert versions == ["3.10", "3.11", "3.12", "3.13"]
+
+
+def _import_from_the_root(code: str, extra_path: Path | None, *flags: str) -> subprocess.CompletedProcess:
+    """Runs ``code`` with the source tree's root first on sys.path, as a shell or notebook started there has it."""
+    path = [str(ROOT)] + ([str(extra_path)] if extra_path else [])
+    prelude = f"import sys; sys.path[:0] = {path!r}; "
+    return subprocess.run([sys.executable, *flags, "-c", prelude + code], cwd=ROOT, capture_output=True, text=True)
+
+
+def test_the_kernel_sources_do_not_shadow_an_installed_kernels_package(tmp_path):
+    """transformers >= 5.25 imports Hugging Face's ``kernels``: from the root, ``import kernels`` must find it,
+    not this tree's ``kernels/`` folder, and ``locks_hf.kernels`` stays this tree's."""
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("from .layer import MARK\n")
+    (tmp_path / "kernels" / "layer.py").write_text("MARK = 'installed'\n")
+    done = _import_from_the_root(
+        "import kernels.layer; from kernels import MARK; print(MARK, kernels.__file__)", tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    mark, theirs = done.stdout.split()
+    assert mark == "installed" and Path(theirs).parent == tmp_path / "kernels"
+    # the same with this interpreter's packages: transformers (which may import `kernels` itself), then ours
+    code = (
+        "from transformers import AttentionInterface; import locks_hf.kernels as ours; print(ours.__name__, ours.__file__)\n"
+        "try:\n    import kernels; print(kernels.__file__)\nexcept ImportError:\n    print('-')"
+    )
+    done = _import_from_the_root(code, None)
+    assert done.returncode == 0, done.stderr
+    name, ours, theirs = done.stdout.split()
+    assert name == "locks_hf.kernels" and Path(ours).parent == ROOT / "kernels"
+    assert theirs == "-" or ROOT not in Path(theirs).parents
+
+
+def test_the_kernel_sources_imported_as_kernels_without_an_installed_one_say_so():
+    done = _import_from_the_root("import kernels", None, "-S")  # -S: no site-packages, so no installed `kernels`
+    assert done.returncode != 0
+    assert "ImportError" in done.stderr and "imported as `locks_hf.kernels`" in done.stderr, done.stderr

@@ -69,12 +69,15 @@ def test_chunked_prefill_then_decode_still_runs_sparse():
     assert cache.attended_fraction() < 0.5
 
 
-def test_past_recording_after_prefill_keeps_single_token_decode():
-    """generate()'s deferred stop check records past states after prefill: decode must keep working."""
+@pytest.mark.parametrize("options", [{}, {"recurrent_states_to_keep": 1}])
+def test_past_recording_after_prefill_keeps_single_token_decode(options):
+    """generate()'s deferred stop check records past states after prefill: decode must keep working.
+    transformers >= 5.25 passes the recurrent layers' ``recurrent_states_to_keep`` (5.24 nothing)."""
     model = tiny("llama")
     cache = LocksCache(model.config, budget=32)
     out = model(_ids(), past_key_values=cache)
-    cache.activate_past_recording()
+    cache.activate_past_recording(**options)
+    assert all(layer.recording_past for layer in cache.locks_layers)
     model(out.logits[:, -1:].argmax(-1), past_key_values=cache)
     with pytest.raises(UnsupportedModelError, match="verify several tokens"):
         model(_ids(3), past_key_values=cache)
