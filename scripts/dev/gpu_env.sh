@@ -10,8 +10,19 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
         || { echo "gpu_env: installing the wheels of .whl/ failed" >&2; return 1; }
 fi
+# GPU_TRANSFORMERS=1: the newer transformers and its dependencies carried in .whl/tf/ (not numpy: the image's
+# stays), ahead of the image's, e.g. for the GPU suite on the newest supported release; fill it with
+#  pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#      --platform manylinux_2_28_x86_64 transformers==5.25.0 -d .whl/tf && rm .whl/tf/numpy-*
+SITE=/tmp/site
+if [ "${GPU_TRANSFORMERS:-0}" = 1 ]; then
+    compgen -G ".whl/tf/*.whl" >/dev/null || { echo "gpu_env: GPU_TRANSFORMERS=1 but .whl/tf/ holds no wheels" >&2; return 1; }
+    pip install -q --no-index --no-deps --target /tmp/site-tf .whl/tf/*.whl \
+        || { echo "gpu_env: installing the wheels of .whl/tf/ failed" >&2; return 1; }
+    SITE=/tmp/site-tf:/tmp/site
+fi
 { rm -rf /tmp/pk && mkdir -p /tmp/pk && cp -r locks_hf /tmp/pk/ && cp -r kernels /tmp/pk/locks_hf/kernels \
     && cp -r eval /tmp/pk/locks_hf/eval; } || { echo "gpu_env: copying the tree to /tmp/pk failed" >&2; return 1; }
-export PYTHONPATH=/tmp/site:/tmp/pk
+export PYTHONPATH=$SITE:/tmp/pk
 python3 -c "import torch, transformers, locks_hf; print(f'gpu_env: torch {torch.__version__}, transformers {transformers.__version__}, locks_hf from {locks_hf.__file__}')" \
     || { echo "gpu_env: importing locks_hf from /tmp/pk failed" >&2; return 1; }
