@@ -1,8 +1,11 @@
 """Misuse is refused with a library error before any token, never run silently as something else."""
 
+import inspect
+
 import numpy as np
 import pytest
 import torch
+import transformers
 from conftest import tiny
 from transformers import AutoModelForCausalLM, BloomConfig, DeepseekV3Config, FalconConfig, Gemma2Config, MptConfig
 
@@ -69,7 +72,19 @@ def test_chunked_prefill_then_decode_still_runs_sparse():
     assert cache.attended_fraction() < 0.5
 
 
-@pytest.mark.parametrize("options", [{}, {"recurrent_states_to_keep": 1}])
+_CACHE_TAKES_OPTIONS = "kwargs" in inspect.signature(transformers.Cache.activate_past_recording).parameters
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        pytest.param(
+            {"recurrent_states_to_keep": 1},
+            marks=pytest.mark.skipif(not _CACHE_TAKES_OPTIONS, reason="this transformers passes no options"),
+        ),
+    ],
+)
 def test_past_recording_after_prefill_keeps_single_token_decode(options):
     """generate()'s deferred stop check records past states after prefill: decode must keep working.
     transformers >= 5.25 passes the recurrent layers' ``recurrent_states_to_keep`` (5.24 nothing)."""
@@ -370,8 +385,6 @@ def _bypassing_configs():
 def test_architectures_bypassing_the_attention_interface_are_refused_by_name(config, class_name):
     """transformers fails building such a model with attn_implementation="locks" (KeyError: 'locks' in its
     own attention-class table): `check_model` names the architecture first, and the caches refuse it."""
-    import transformers
-
     import locks_hf
 
     if getattr(transformers, class_name).is_backend_compatible():  # e.g. GPT-J and CodeGen from 5.24 on
@@ -384,7 +397,6 @@ def test_architectures_bypassing_the_attention_interface_are_refused_by_name(con
 
 @pytest.mark.slow  # imports every causal-LM modeling module of transformers
 def test_every_causal_lm_class_outside_the_attention_interface_is_refused():
-    import transformers
     from transformers import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
