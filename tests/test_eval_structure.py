@@ -4,10 +4,12 @@ imports it back, counting imports inside functions too (a lazy import only hides
 from __future__ import annotations
 
 import ast
+import importlib.util
 from pathlib import Path
 
-EVAL = Path(__file__).resolve().parent.parent / "eval"
 PACKAGE = "locks_hf.eval"
+# the package as installed (the source tree's eval/ in a development install, the wheel's copy elsewhere)
+EVAL = Path(importlib.util.find_spec(PACKAGE).submodule_search_locations[0])
 
 
 def _imports(path: Path, modules: set[str]) -> set[str]:
