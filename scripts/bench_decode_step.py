@@ -470,9 +470,11 @@ def run_arms(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
                 host: list[float] = []
                 times = time_steps(stepper, args.steps, host)
                 med = statistics.median(times)
-                attended = cache.attended_fraction() if hasattr(cache, "attended_fraction") else 1.0
-                if name == NO_ATTENTION:
-                    attended = 0.0
+                if name == NO_ATTENTION:  # reads no K/V
+                    attended, read_bytes = 0.0, 0
+                else:
+                    attended = cache.attended_fraction() if hasattr(cache, "attended_fraction") else 1.0
+                    read_bytes = read_bytes_per_step(locks, config, ctx, dtype)
                 rows.append(
                     {
                         "context": ctx,
@@ -480,7 +482,7 @@ def run_arms(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
                         "median_ms": med,
                         "tokens_per_s": 1e3 / med,
                         "attended": attended,
-                        "read_bytes": 0 if name == NO_ATTENTION else read_bytes_per_step(locks, config, ctx, dtype),
+                        "read_bytes": read_bytes,
                         "replay_vs_eager_max_abs": diff,
                         "all_ms": times,
                         "host_ms": statistics.median(host) if host else None,

@@ -42,31 +42,20 @@ def _child(mode: str, cache_kind: str, layers: int) -> dict:
     if mode in ("save", "load"):
         torch._dynamo.config.caching_precompile = True
     from torch._dynamo.utils import counters
-    from transformers import StaticCache
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from trace_time import _model  # the same model as the trace probe
-
-    from locks_hf import LocksCache
-    from locks_hf.backends import TRITON
+    from trace_time import _model, make_cache, on_kernels  # the trace probe's model and caches
 
     torch.manual_seed(0)
     model = _model(layers).eval()
-    if cache_kind == "locks-kernels":
-        model.set_attn_implementation("locks")
-        cache = LocksCache(model.config, layout="static", max_cache_len=128, page_size=16, budget=64)
-    else:
-        cache = StaticCache(config=model.config, max_cache_len=128)
+    cache = make_cache(cache_kind, model, 128)
     ids = torch.randint(0, 1000, (1, 64), generator=torch.Generator().manual_seed(1))
     row: dict = {"mode": mode, "cache": cache_kind, "layers": layers}
     try:
         with torch.no_grad():
             model(ids, past_key_values=cache, use_cache=True)
             if cache_kind == "locks-kernels":
-                import locks_hf.kernels  # noqa: F401  (registers the custom ops)
-
-                for layer in cache.locks_layers:
-                    layer.backend = TRITON
+                on_kernels(cache)
             step = torch.compile(model.__call__, fullgraph=True)
             token = ids[:, -1:]
             start = time.perf_counter()

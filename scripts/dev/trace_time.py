@@ -67,6 +67,23 @@ def _model(layers: int):
     )
 
 
+def make_cache(kind: str, model, max_cache_len: int):
+    """The probe's cache: transformers' `StaticCache` (``hf-static``) or a static `LocksCache` (``locks*``; the
+    model's attention is switched to Locks)."""
+    if kind.startswith("locks"):
+        model.set_attn_implementation("locks")
+        return LocksCache(model.config, layout="static", max_cache_len=max_cache_len, page_size=16, budget=64)
+    return StaticCache(config=model.config, max_cache_len=max_cache_len)
+
+
+def on_kernels(cache) -> None:
+    """Decode through the kernels' custom ops (one a layer), as on a GPU; on a CPU they run interpreted."""
+    import locks_hf.kernels  # noqa: F401  (registers the custom ops)
+
+    for layer in cache.locks_layers:
+        layer.backend = TRITON
+
+
 @contextlib.contextmanager
 def _layer_marked(layer_class: type, marked: bool):
     """The layer class's ``forward`` marked as a nested compile region within the block (restored after)."""
@@ -82,11 +99,7 @@ def _layer_marked(layer_class: type, marked: bool):
 def trace_once(cache_kind: str, layers: int, marked: bool, device: str) -> dict:
     torch._dynamo.reset()
     model = _model(layers).to(device, torch.bfloat16 if device == "cuda" else torch.float32)
-    if cache_kind.startswith("locks"):
-        model.set_attn_implementation("locks")
-        cache = LocksCache(model.config, layout="static", max_cache_len=512, page_size=16, budget=64)
-    else:
-        cache = StaticCache(config=model.config, max_cache_len=512)
+    cache = make_cache(cache_kind, model, 512)
     ids = torch.randint(0, 1000, (1, 64), generator=torch.Generator().manual_seed(1)).to(device)
     reuses = _Reuses()
     graphs: list[torch.fx.GraphModule] = []
@@ -102,10 +115,7 @@ def trace_once(cache_kind: str, layers: int, marked: bool, device: str) -> dict:
         with torch.no_grad(), _layer_marked(type(model.model.layers[0]), marked):
             model(ids, past_key_values=cache, use_cache=True)
             if cache_kind == "locks-kernels":  # the GPU's decode (one custom op a layer), run by the interpreter
-                import locks_hf.kernels  # noqa: F401  (registers the custom ops)
-
-                for layer in cache.locks_layers:
-                    layer.backend = TRITON
+                on_kernels(cache)
             step = torch.compile(model.__call__, backend=backend, fullgraph=True, dynamic=False)
             token, position = ids[:, -1:], torch.tensor([64], device=device)
             before = dict(torch._dynamo.utils.calculate_time_spent())
