@@ -23,25 +23,36 @@ from __future__ import annotations
 
 if __name__ == "kernels":
     # This folder imported as a top-level package: a shell, notebook or ``python -m`` started in the
-    # source tree's root puts that root on sys.path, where this folder shadows Hugging Face's installed
-    # ``kernels`` package (which transformers >= 5.25 imports). The folder is only ever ``locks_hf.kernels``,
-    # so the import is handed to the installed package; nothing of this one is defined.
+    # source tree's root puts that root on sys.path, where this folder shadows Hugging Face's ``kernels``
+    # package, which transformers imports (a dependency from 5.25 on; earlier releases look for it at
+    # import). The folder is only ever ``locks_hf.kernels``: the import is handed to the installed
+    # package, and where none is installed it gets an empty stand-in that transformers reads as "not
+    # installed" (no file, no version), as it reads a namespace folder, rather than an import error.
     import importlib.machinery
     import importlib.util
     import os
     import sys
+    import types
 
     _tree = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     _path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _tree]
     _spec = importlib.machinery.PathFinder.find_spec("kernels", _path)
     if _spec is None or _spec.loader is None:
-        raise ImportError(
-            f"{os.path.dirname(__file__)} is locks-hf's kernel sources, imported as `locks_hf.kernels`; "
-            "no installed package named `kernels` was found outside it"
-        )
-    _installed = importlib.util.module_from_spec(_spec)
-    sys.modules["kernels"] = _installed  # what this import statement returns
-    _spec.loader.exec_module(_installed)
+        _sources = os.path.dirname(__file__)
+
+        def _missing(name: str):
+            raise AttributeError(
+                f"no installed package named `kernels` provides {name!r}: {_sources} is locks-hf's kernel "
+                "sources, imported as `locks_hf.kernels`"
+            )
+
+        _stand_in = types.ModuleType("kernels")
+        _stand_in.__getattr__ = _missing  # type: ignore[method-assign]
+        sys.modules["kernels"] = _stand_in  # what this import statement returns
+    else:
+        _installed = importlib.util.module_from_spec(_spec)
+        sys.modules["kernels"] = _installed
+        _spec.loader.exec_module(_installed)
 else:
     try:
         import triton  # noqa: F401

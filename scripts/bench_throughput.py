@@ -205,17 +205,28 @@ def main(argv=None) -> None:
         f"step, each arm at the largest batch that fits ({where}; weights {weights / 2**30:.1f} GiB)\n"
     )
     print(
-        "| context | arm | batch | ms/step | tokens/s | vs dense | cache GiB | bytes/token | vs bf16 K/V | attended |"
+        "| context | arm | batch | ms/step | tokens/s | vs dense | vs dense, same K/V | cache GiB | bytes/token "
+        "| vs bf16 K/V | attended |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in result["rows"]:
-        dense = next((x for x in result["rows"] if x["context"] == r["context"] and x["arm"] == "full"), None)
-        ratio = f"{r['tokens_per_s'] / dense['tokens_per_s']:.2f}x" if dense else "-"
         print(
             f"| {r['context'] // 1024}K | {r['arm']} | {r['batch']} | {r['ms_per_step']:.2f} | {r['tokens_per_s']:.0f} "
-            f"| {ratio} | {r['cache_gib']:.1f} | {r['bytes_per_token']:.0f} | {r['vs_bf16_kv']:.3f} | "
-            f"{r['attended']:.4f} |"
+            f"| {throughput_ratio(result['rows'], r, 'full')} | {throughput_ratio(result['rows'], r, dense_twin(r['arm']))} "
+            f"| {r['cache_gib']:.1f} | {r['bytes_per_token']:.0f} | {r['vs_bf16_kv']:.3f} | {r['attended']:.4f} |"
         )
+
+
+def dense_twin(arm: str) -> str:
+    """The dense arm on the same K/V storage: ``full`` for a bf16 arm, ``full+kv4-post`` for ``r4i4+kv4-post``."""
+    _, plus, storage = arm.partition("+")
+    return "full" + plus + storage
+
+
+def throughput_ratio(rows: list[dict], row: dict, dense_arm: str) -> str:
+    """``row``'s tokens/s against ``dense_arm``'s at the same context (``-`` where that arm did not run)."""
+    dense = next((x for x in rows if x["context"] == row["context"] and x["arm"] == dense_arm), None)
+    return f"{row['tokens_per_s'] / dense['tokens_per_s']:.2f}x" if dense else "-"
 
 
 if __name__ == "__main__":

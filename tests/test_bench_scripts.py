@@ -187,6 +187,30 @@ def test_bench_throughput_runs_on_cpu(tmp_path):
     assert set(rows) == {"full", "r4i4", "r4i4+kv4-post"}
     assert all(r["batch"] == 2 and r["tokens_per_s"] > 0 and len(r["all_ms"]) == 2 for r in rows.values())
     assert rows["full"]["attended"] == 1.0 and 0 < rows["r4i4+kv4-post"]["attended"] < 0.5
+    bench = _load("bench_throughput")  # each arm against dense bf16 and against dense on its own K/V storage
+    assert bench.dense_twin("r4i4+kv4-post") == "full+kv4-post" and bench.dense_twin("r8i4") == "full"
+    table = [
+        dict(context=512, arm="full+kv4-post", tokens_per_s=10.0),
+        dict(context=512, arm="r4i4+kv4-post", tokens_per_s=51.3),
+    ]
+    assert bench.throughput_ratio(table, table[1], "full+kv4-post") == "5.13x"
+    assert bench.throughput_ratio(table, table[1], "full") == "-"
+
+
+def test_gemv_floor_lays_out_the_same_weights_three_ways(tmp_path):
+    """scripts/dev/gemv_floor.py (docs/performance.md): seven, six and four projections a layer of the same
+    weights (the biased layouts' biases aside), run on the CPU (its timings need a GPU)."""
+    spec = importlib.util.spec_from_file_location("gemv_floor", SCRIPT.parent / "dev" / "gemv_floor.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "gemv.json"
+    rows = module.main(["--device", "cpu", "--shape", "tiny", "--out", str(out)])
+    by = {r["layout"]: r for r in rows}
+    assert [by[k]["projections_per_layer"] for k in ("llama-block", "glm-hf", "fused")] == [7, 6, 4]
+    tiny = module.model_config("tiny")
+    biases = tiny.num_hidden_layers * (tiny.num_attention_heads + 2 * tiny.num_key_value_heads) * tiny.head_dim * 4
+    assert by["glm-hf"]["weight_bytes"] == by["fused"]["weight_bytes"] == by["llama-block"]["weight_bytes"] + biases
+    assert json.loads(out.read_text())["rows"] == rows
 
 
 def test_bench_quantized_cache_runs_on_cpu(tmp_path, capsys):

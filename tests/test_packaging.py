@@ -115,7 +115,39 @@ def test_the_kernel_sources_do_not_shadow_an_installed_kernels_package(tmp_path)
     assert theirs == "-" or ROOT not in Path(theirs).parents
 
 
-def test_the_kernel_sources_imported_as_kernels_without_an_installed_one_say_so():
-    done = _import_from_the_root("import kernels", None, "-S")  # -S: no site-packages, so no installed `kernels`
-    assert done.returncode != 0
-    assert "ImportError" in done.stderr and "imported as `locks_hf.kernels`" in done.stderr, done.stderr
+def test_the_kernel_sources_imported_as_kernels_without_an_installed_one_stand_in_as_not_installed():
+    """Without Hugging Face's ``kernels`` installed, ``import kernels`` from the root gets an empty module that
+    names this tree's folder on any attribute, and no file or version: what transformers reads as not installed."""
+    code = (
+        "import kernels; print(getattr(kernels, '__version__', 'N/A'), getattr(kernels, '__file__', None))\n"
+        "try:\n    kernels.get_kernel\nexcept AttributeError as e:\n    print('|', e)"
+    )
+    done = _import_from_the_root(code, None, "-S")  # -S: no site-packages, so no installed `kernels`
+    assert done.returncode == 0, done.stderr
+    head, message = done.stdout.split("|")
+    assert head.split() == ["N/A", "None"]
+    assert "locks_hf.kernels" in message and "get_kernel" in message
+
+
+def test_transformers_imports_from_the_root_without_an_installed_kernels_package(tmp_path):
+    """transformers before 5.25 does not need ``kernels`` but imports it when the name resolves (the source
+    tree's folder does, from the root): with this interpreter's packages less ``kernels``, transformers,
+    its attention interface and locks_hf import from the root, and transformers finds no hub kernels."""
+    import transformers
+
+    site = Path(transformers.__file__).resolve().parents[1]
+    packages = tmp_path / "site"
+    packages.mkdir()
+    for entry in site.iterdir():
+        if entry.name == "kernels" or (entry.name.startswith("kernels-") and entry.name.endswith(".dist-info")):
+            continue
+        (packages / entry.name).symlink_to(entry)
+    code = (
+        "from transformers.utils.import_utils import is_kernels_available\n"
+        "from transformers import AttentionInterface, AutoModelForCausalLM\n"
+        "import locks_hf\n"
+        "print(is_kernels_available(), locks_hf.__name__)"
+    )
+    done = _import_from_the_root(code, packages, "-S")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "locks_hf"]

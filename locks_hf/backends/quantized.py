@@ -75,7 +75,9 @@ def quantized_kernel_decode(layer: PagedLayer, query: torch.Tensor, scale: float
                 layer.count_buffer(),
                 step.active,
                 per_head=step.per_head,
-                **step.bookkeeping,
+                row_counts=step.row_counts,
+                pad=step.pad,
+                selection=step.selection,
             )
         return step.finish(layer, out, pages)
     pages, taken, valid = select_pages(layer, query, scale)

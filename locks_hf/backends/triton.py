@@ -53,7 +53,9 @@ def kernel_decode(layer: PagedLayer, query: torch.Tensor, scale: float) -> torch
             step.active,
             per_head=step.per_head,
             rerank=layer.config.rerank or 0,
-            **step.bookkeeping,
+            row_counts=step.row_counts,
+            pad=step.pad,
+            selection=step.selection,
         )
     return step.finish(layer, out, pages)
 
@@ -68,26 +70,38 @@ class StepInputs(NamedTuple):
     active: torch.Tensor | None  #: the budget in use, on the device (``None``: the width)
     row_start: torch.Tensor
     n_complete: torch.Tensor
-    bookkeeping: dict  #: a static layer's buffers the launches write (``row_counts``, ``pad``, ``selection``)
+    #: a static layer's buffers the launches write (``None`` where the glue records them)
+    row_counts: torch.Tensor | None
+    pad: torch.Tensor | None
+    selection: torch.Tensor | None  #: the selected-page mask (``None`` for a dense selector)
     in_launch: bool  #: whether the launches keep the layer's bookkeeping
 
     @classmethod
     def of(cls, layer: PagedLayer) -> StepInputs:
+        # A compiled step's trace runs this once a layer, and a static layer's warm first generate() is
+        # mostly that trace: fields rather than a dict() with keywords, which dynamo runs through a
+        # Python polyfill (about 2 ms a call).
         declared = selector_class(layer.config.selector)  # what the kernels need: scan mode, per-head lists
         method = declared.kernel_method
         assert method is not None  # the kernel backends take only layers whose selector declares one
         width, active = layer.page_slots()
+        summary = layer_summary(layer, method)
         bufs = layer.kernel_buffers()
-        extra: dict = dict(row_counts=None, pad=None, selection=None)
-        row_start, n_complete = layer.row_tensors() if bufs is None else (bufs["row_start"], bufs["n_complete"])
-        if row_start is None or n_complete is None:  # counted here (a static layer's launches keep it)
+        if bufs is None:  # counted by the glue (`finish`)
             row_start, n_complete = layer.row_tensors()
-        if bufs is not None:
-            extra = dict(
-                row_counts=bufs["row_counts"], pad=bufs["pad"], selection=None if declared.dense else bufs["selection"]
+            return cls(
+                method, declared.per_head, summary, width, active, row_start, n_complete, None, None, None, False
             )
-        summary = [layer.summary[n] for n in kernels().SUMMARY_NAMES.get(method, ())]
-        return cls(method, declared.per_head, summary, width, active, row_start, n_complete, extra, bufs is not None)
+        kept_start, kept_complete = bufs["row_start"], bufs["n_complete"]
+        if kept_start is None or kept_complete is None:  # a static layer without summaries: the glue's count
+            row_start, n_complete = layer.row_tensors()
+        else:
+            row_start, n_complete = kept_start, kept_complete
+        selection = None if declared.dense else bufs["selection"]
+        return cls(
+            method, declared.per_head, summary, width, active, row_start, n_complete,
+            bufs["row_counts"], bufs["pad"], selection, True,
+        )  # fmt: skip
 
     def finish(self, layer: PagedLayer, out: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
         """The step's output, with the bookkeeping the launches did not keep recorded."""
@@ -98,6 +112,13 @@ class StepInputs(NamedTuple):
             layer.note_selection(pages.view(b, h, -1))
         layer.record_step(None, layer.real_tokens() * h)
         return out
+
+
+def layer_summary(layer: PagedLayer, method: str) -> list[torch.Tensor]:
+    """The layer's summary tensors in the order the kernels of ``method`` take them (none for dense)."""
+    names = kernels().SUMMARY_NAMES.get(method, ())
+    summary = layer.summary
+    return [summary[n] for n in names]
 
 
 def kernels():
@@ -129,7 +150,7 @@ def kernel_update_newest_page(layer: PagedLayer) -> None:
         layer.slot_valid,
         row_start,
         layer.length_tensor(),
-        [layer.summary[n] for n in kernels().SUMMARY_NAMES.get(method, ())],
+        layer_summary(layer, method),
         cfg.page_size,
         cfg.rank,
         cfg.basis_bits,

@@ -18,6 +18,8 @@
 #             dense against r4i4 / r8i4 on the same packed K/V, CUDA graph (bench_throughput.py);  ~4 min
 #   short     the first generate() of a 4K prompt from cold caches, with the decode kernels compiled in the
 #             background and with LOCKS_HF_PRECOMPILE=0 (each from empty caches of its own);  ~2 min
+#   gemv      every layer's projections alone (cuBLAS GEMVs in one CUDA graph) in three layouts of GLM-4-9B's
+#             weights (seven a layer as --shape glm4-9b, six as GlmForCausalLM, four fused) against their read floor;  ~1 min
 #   trace     dynamo's share of compiling one decode step: transformers' StaticCache against LocksCache on the
 #             kernels, and a decoder layer marked as a nested compile region (scripts/dev/trace_time.py);  ~1 min
 # e.g. PARTS="attn step" bash scripts/dev/gpu_host.sh, then PARTS="generate host". Tables on stdout, JSON and
@@ -80,8 +82,10 @@ for part in $PARTS; do
             TORCHINDUCTOR_CACHE_DIR="/tmp/ti_short$precompile" run "generate_4k_cold_precompile$precompile" 150 \
             python3 scripts/bench_generate.py --runs 4K:1 --arms r4i4 --out "$OUT/generate_4k_cold_precompile$precompile.json"
       done ;;
+    gemv)
+      run gemv_floor_glm4-9b 120 python3 scripts/dev/gemv_floor.py --shape glm4-9b --out "$OUT/gemv_floor_glm4-9b.json" ;;
     trace)
       run trace_time 120 python3 scripts/dev/trace_time.py --device cuda --out "$OUT/trace_time.json" ;;
-    *) echo "gpu_host: unknown part '$part' (attn attn1m step glmhf host generate oneliner autotune batch8 short trace)" >&2; exit 2 ;;
+    *) echo "gpu_host: unknown part '$part' (attn attn1m step glmhf host generate oneliner autotune batch8 short gemv trace)" >&2; exit 2 ;;
   esac
 done
