@@ -104,6 +104,11 @@ PY
     >"$WORK/sweep.log" 2>&1 || { cat "$WORK/sweep.log"; echo "check_versions.sh: the smoke sweep failed" >&2; exit 1; }
 test -s "$WORK/sweep/results.jsonl" || { echo "check_versions.sh: the sweep wrote no results.jsonl" >&2; exit 1; }
 say "smoke passed ($VERSIONS)"
+# A shell or notebook started in a clone's root has the root on sys.path, where the source tree's kernels/ folder
+# shadows Hugging Face's `kernels` (a transformers dependency from 5.25 on; earlier releases import it if present).
+say "imports from the source tree's root"
+(cd "$ROOT" && "$VPY" -c "from transformers import AttentionInterface, AutoModelForCausalLM; import locks_hf, kernels, transformers; \
+print('from the root: transformers', transformers.__version__, '- kernels:', getattr(kernels, '__file__', None) or 'not installed')")
 
 case "$SUITE" in
     smoke) exit 0 ;;
