@@ -85,22 +85,13 @@ class StepInputs(NamedTuple):
         method = declared.kernel_method
         assert method is not None  # the kernel backends take only layers whose selector declares one
         width, active = layer.page_slots()
-        summary = layer_summary(layer, method)
-        bufs = layer.kernel_buffers()
-        if bufs is None:  # counted by the glue (`finish`)
+        bufs = layer.kernel_buffers() or {}  # empty: the glue records the bookkeeping (`finish`)
+        row_start, n_complete = bufs.get("row_start"), bufs.get("n_complete")
+        if row_start is None or n_complete is None:  # counted here (a static layer without summaries, or no buffers)
             row_start, n_complete = layer.row_tensors()
-            return cls(
-                method, declared.per_head, summary, width, active, row_start, n_complete, None, None, None, False
-            )
-        kept_start, kept_complete = bufs["row_start"], bufs["n_complete"]
-        if kept_start is None or kept_complete is None:  # a static layer without summaries: the glue's count
-            row_start, n_complete = layer.row_tensors()
-        else:
-            row_start, n_complete = kept_start, kept_complete
-        selection = None if declared.dense else bufs["selection"]
         return cls(
-            method, declared.per_head, summary, width, active, row_start, n_complete,
-            bufs["row_counts"], bufs["pad"], selection, True,
+            method, declared.per_head, layer_summary(layer, method), width, active, row_start, n_complete,
+            bufs.get("row_counts"), bufs.get("pad"), None if declared.dense else bufs.get("selection"), bool(bufs),
         )  # fmt: skip
 
     def finish(self, layer: PagedLayer, out: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:

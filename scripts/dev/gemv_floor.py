@@ -29,38 +29,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: the be
 from bench_decode import measure_bandwidth, time_graph  # noqa: E402  (the benchmarks' CUDA-graph timing)
 from bench_decode_step import SHAPES, model_config  # noqa: E402
 
-LAYOUTS = ("llama-block", "glm-hf", "fused")
+#: layout: (q/k/v in one projection, q/k/v with biases, gate and up in one projection)
+LAYOUTS = {"llama-block": (False, False, False), "glm-hf": (False, True, True), "fused": (True, True, True)}
 
 
 def projections(layout: str, hidden: int, q_out: int, kv_out: int, inter: int) -> list[tuple[str, int, int, bool]]:
     """(name, in, out, bias) of one layer's projections in ``layout``."""
-    if layout == "llama-block":
-        return [
-            ("q", hidden, q_out, False),
-            ("k", hidden, kv_out, False),
-            ("v", hidden, kv_out, False),
-            ("o", q_out, hidden, False),
-            ("gate", hidden, inter, False),
-            ("up", hidden, inter, False),
-            ("down", inter, hidden, False),
-        ]
-    if layout == "glm-hf":
-        return [
-            ("q", hidden, q_out, True),
-            ("k", hidden, kv_out, True),
-            ("v", hidden, kv_out, True),
-            ("o", q_out, hidden, False),
-            ("gate_up", hidden, 2 * inter, False),
-            ("down", inter, hidden, False),
-        ]
-    if layout == "fused":
-        return [
-            ("qkv", hidden, q_out + 2 * kv_out, True),
-            ("o", q_out, hidden, False),
-            ("gate_up", hidden, 2 * inter, False),
-            ("down", inter, hidden, False),
-        ]
-    raise ValueError(f"unknown layout {layout!r}: one of {', '.join(LAYOUTS)}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}: one of {', '.join(LAYOUTS)}")
+    qkv_fused, qkv_bias, mlp_fused = LAYOUTS[layout]
+    if qkv_fused:
+        attention = [("qkv", hidden, q_out + 2 * kv_out, qkv_bias)]
+    else:
+        attention = [("q", hidden, q_out, qkv_bias), ("k", hidden, kv_out, qkv_bias), ("v", hidden, kv_out, qkv_bias)]
+    mlp = (
+        [("gate_up", hidden, 2 * inter, False)]
+        if mlp_fused
+        else [("gate", hidden, inter, False), ("up", hidden, inter, False)]
+    )
+    return [*attention, ("o", q_out, hidden, False), *mlp, ("down", inter, hidden, False)]
 
 
 def build(layout: str, config, device, dtype):
