@@ -13,12 +13,22 @@ from __future__ import annotations
 
 import torch
 
-from ._common import join_pending_compiles
+from ._common import join_pending_compiles, on_device
 from .build import build_summary, summary_shapes
 from .decode import decode_step, quantized_decode_step
 from .page_update import update_completed_pages
 from .score import SUMMARY_NAMES
 from .select import page_list_width
+
+
+def _launched(device: torch.device, kernel, *args, **kwargs):
+    """``kernel(*args, **kwargs)`` for a decode-time op: after a background compile of these kernels ends
+    (`locks_hf.precompile`), with ``device`` current (Triton launches on the current CUDA device, and a
+    model split over GPUs has its layers on several). Here rather than in the caller, so that a compiled
+    step's trace sees one opaque op."""
+    join_pending_compiles()
+    with on_device(device):
+        return kernel(*args, **kwargs)
 
 
 @torch.library.custom_op("locks_hf::decode_step", mutates_args=("counts", "row_counts", "selection"))
@@ -53,9 +63,10 @@ def decode_step_op(
 
     The mutated arguments have no defaults on purpose: torch before 2.12 drops trailing arguments equal
     to their default before its in-place version bump, which then indexes past the end of ``args``."""
-    join_pending_compiles()  # a compile of these kernels running in the background (precompile) ends first
     named = dict(zip(SUMMARY_NAMES.get(method, ()), summary))
-    return decode_step(
+    return _launched(
+        query.device,
+        decode_step,
         method,
         query,
         key_buf=key_buf,
@@ -113,7 +124,8 @@ def _(
 @torch.library.custom_op("locks_hf::build_summary", mutates_args=())
 def build_summary_op(keys: torch.Tensor, valid: torch.Tensor, rank: int, basis_bits: int) -> list[torch.Tensor]:
     """`build.build_summary` as a list in the order ``SUMMARY_NAMES["locks"]``."""
-    out = build_summary(keys, valid, rank, basis_bits)
+    with on_device(keys.device):
+        out = build_summary(keys, valid, rank, basis_bits)
     return [out[n] for n in SUMMARY_NAMES["locks"]]
 
 
@@ -209,10 +221,11 @@ def quantized_attention_op(
     ``int32 [2]`` device tensor ``(qk, qv)`` and ``length`` the ``int32 [1]`` one; ``counts`` (int64 or
     ``None``, required for the reason `decode_step_op` gives): ``counts[0]`` grows by the tokens attended;
     ``row_counts`` / ``pad``: a static layer's per-row statistics; ``ring``: the tails' ring size (0: none)."""
-    join_pending_compiles()
     from .attend_quant import quantized_attention
 
-    return quantized_attention(
+    return _launched(
+        query.device,
+        quantized_attention,
         query,
         pages,
         key_codes=key_codes,
@@ -279,7 +292,6 @@ def quantized_decode_step_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`decode.quantized_decode_step`: `decode_step_op` over a quantized layer's packed storage (the
     tensors of `PACKED_TENSORS`, then ``bits``, ``group``, ``ring``, ``page_size``)."""
-    join_pending_compiles()
     packed = dict(
         zip(
             PACKED_TENSORS,
@@ -299,7 +311,9 @@ def quantized_decode_step_op(
             ),
         )
     )
-    return quantized_decode_step(
+    return _launched(
+        query.device,
+        quantized_decode_step,
         method,
         query,
         {**packed, "bits": bits, "group": group, "ring": ring, "page_size": page_size},

@@ -15,7 +15,7 @@ prefill and per-step summarizing, as transformers' ``DynamicLayer`` / ``StaticLa
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -60,6 +60,8 @@ class PagedLayer(ABC):
     """
 
     backend: DecodeBackend
+    #: What ``backend`` derives from the settings for its steps (`DecodeBackend.plan`), or ``None``.
+    kernel_plan: Any = None
     config: LocksConfig
     selector: PageSelector | None
     summary: dict[str, torch.Tensor]
@@ -99,9 +101,11 @@ class PagedLayer(ABC):
         )
 
     def refresh_backend(self) -> None:
-        """(Re)choose where this layer's decode runs (`locks_hf.backends.choose_backend`): called when
-        its buffers are (re)allocated and when its settings change, never per step."""
+        """(Re)choose where this layer's decode runs (`locks_hf.backends.choose_backend`), and keep what
+        that backend derives from the settings (``kernel_plan``): called when its buffers are
+        (re)allocated and when its settings change, never per step."""
         self.backend = choose_backend(self)
+        self.kernel_plan = self.backend.plan(self.config)
 
     @property
     def kv_batch(self) -> int:
@@ -175,7 +179,7 @@ class PagedLayer(ABC):
         return False
 
     #: The static layout's layer: its decode step is one static graph whose launches keep the layer's
-    #: bookkeeping (`kernel_buffers`).
+    #: bookkeeping (`step_tensors`).
     static_layout = False
 
     # -- statistics -----------------------------------------------------------------------------------
@@ -184,12 +188,33 @@ class PagedLayer(ABC):
     decode_steps = 0
     estimate_bytes = 0
 
-    def kernel_buffers(self) -> dict[str, torch.Tensor | None] | None:
-        """Buffers that let the kernels keep this layer's per-step bookkeeping in their launches
-        (`locks_hf.backends.triton.kernel_decode`), or ``None`` (the glue keeps it): ``row_start``,
-        ``n_complete`` (written by the per-step page update; ``None`` where none runs), ``pad``,
-        ``row_counts`` and ``selection`` (the page mask)."""
-        return None
+    def step_tensors(self) -> dict[str, Any]:
+        """What a kernel decode step reads and writes besides the query, in one call (a compiled step's
+        trace runs it once or twice a layer): ``keys`` / ``values`` (`kv_buffers`), ``slot_valid``,
+        ``row_start`` / ``n_complete`` (`row_tensors`), ``length`` (`length_tensor`), ``summary``,
+        ``n_pages``, ``width`` / ``active`` (`page_slots`), ``counts`` (`count_buffer`); and the buffers
+        in which the launches keep the layer's bookkeeping, or ``None`` where the glue keeps it:
+        ``row_counts`` (per-row statistics), ``pad`` (padding slots per row) and ``selection`` (the
+        page mask). Where they are given, ``n_complete`` is the buffer the per-step page update writes."""
+        keys, values = self.kv_buffers()
+        row_start, n_complete = self.row_tensors()
+        width, active = self.page_slots()
+        return {
+            "keys": keys,
+            "values": values,
+            "slot_valid": self.slot_valid,
+            "row_start": row_start,
+            "n_complete": n_complete,
+            "length": self.length_tensor(),
+            "summary": self.summary,
+            "n_pages": self.num_pages,
+            "width": width,
+            "active": active,
+            "counts": self.count_buffer(),
+            "row_counts": None,
+            "pad": None,
+            "selection": None,
+        }
 
     def page_slots(self) -> tuple[int, torch.Tensor | None]:
         """Width of the kernels' page lists and the budget in use as a device tensor (``None``: the

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from typing import Any
 
 import torch
 from transformers.cache_utils import StaticLayer
@@ -126,14 +127,26 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
             self.slots_t,
         )
 
-    def kernel_buffers(self) -> dict[str, torch.Tensor | None] | None:
-        """The buffers the kernels keep this layer's bookkeeping in (see `PagedLayer.kernel_buffers`):
-        the page update writes ``n_complete`` when the selector keeps summaries."""
+    def step_tensors(self) -> dict[str, Any]:
+        """What a kernel decode step reads and writes (see `PagedLayer.step_tensors`), the bookkeeping
+        buffers included: the launches keep this layer's statistics and page mask, and the page update
+        writes ``n_complete`` where the selector keeps summaries. Read straight off the buffers: a
+        compiled step's trace runs this once or twice a layer."""
+        keys, values = self.kv_buffers()
         return {
+            "keys": keys,
+            "values": values,
+            "slot_valid": self.slot_valid,
             "row_start": self.row_start,
-            "n_complete": self.n_complete if self.summary else None,
-            "pad": self.pad,
+            "n_complete": self.n_complete if self.summary else self.row_tensors()[1],
+            "length": self.length_t,
+            "summary": self.summary,
+            "n_pages": self.num_pages,
+            "width": self.max_slots,
+            "active": self.slots_t,
+            "counts": self.counts,
             "row_counts": self.row_counts,
+            "pad": self.pad,
             "selection": self.last_selection,
         }
 

@@ -479,6 +479,44 @@ def test_layer_glue_matches_reference_path(monkeypatch, static, selector):
     assert ((got.double() - ref.double()).norm() / ref.double().norm()).item() < 1e-5
 
 
+def test_layer_keeps_the_kernel_plan_of_its_current_settings(monkeypatch):
+    """A layer on a kernel backend keeps `KernelPlan.of` its settings (`PagedLayer.refresh_backend`): after
+    `set_config` its next step's launches take the new scoring mode and summary (a stale plan would score
+    Quest's summary as Locks'), a budget change keeps the plan, and a step through the kept plan equals
+    the reference path on the same layer."""
+    import locks_hf.paged
+    from locks_hf.backends import TRITON
+    from locks_hf.backends.reference import reference_decode
+    from locks_hf.backends.triton import KernelPlan, kernel_decode
+    from locks_hf.static_cache import LocksStaticLayer
+
+    monkeypatch.setattr(locks_hf.paged, "choose_backend", lambda layer: TRITON)  # the GPU's choice, here
+    c = Cache(11, b=2, pages=20, pad=(0, 0), hole=False)
+    cfg = LocksConfig(rank=4, basis_bits=4, budget=5 * B, selector="locks")
+    layer = LocksStaticLayer(c.length + 3 * B, cfg)
+    layer.update(c.dev("keys")[:, :, : c.length], c.dev("values")[:, :, : c.length])
+    layer.prepare(None, c.length)
+    assert layer.backend is TRITON and layer.kernel_plan == KernelPlan.of(cfg)
+    assert layer.kernel_plan.method == "locks" and "basis" in layer.kernel_plan.summary_names
+
+    quest = cfg.replace(selector="quest")
+    layer.set_config(quest)
+    assert layer.kernel_plan == KernelPlan.of(quest)
+    assert (layer.kernel_plan.method, layer.kernel_plan.summary_names) == ("quest", ("upper", "lower"))
+    kept = layer.kernel_plan
+    layer.set_budget(quest.replace(budget=3 * B))
+    assert layer.kernel_plan is kept
+
+    q = c.dev("query")
+    ref = reference_decode(layer, q, 0.3)
+    ref_sel, ref_stats = layer.last_selection.clone(), layer.counts.clone()
+    layer.reset_stats()
+    got = kernel_decode(layer, q, 0.3)
+    assert torch.equal(layer.last_selection.cpu(), ref_sel.cpu()) and ref_sel.any()
+    assert torch.equal(layer.counts, ref_stats)
+    assert ((got.double() - ref.double()).norm() / ref.double().norm()).item() < 1e-5
+
+
 # every kernel selector the static layout serves, dense "full" included
 @pytest.mark.parametrize("selector", selectors(kernel=True, static_cache=True, reads_keys=False))
 def test_decode_step_op_schema_and_fake_match_what_selectors_declare(monkeypatch, selector):
@@ -486,6 +524,7 @@ def test_decode_step_op_schema_and_fake_match_what_selectors_declare(monkeypatch
     (scan mode, per-head lists, re-ranking) and a static layer's buffers: its schema holds (the
     mutated buffers declared) and its fake implementation gives the real outputs' shapes."""
     monkeypatch.setenv("LOCKS_HF_KERNELS", "0")  # the layer's prefill takes the reference path
+    from locks_hf.backends.triton import KernelPlan
     from locks_hf.selectors import selector_class
     from locks_hf.static_cache import LocksStaticLayer
 
@@ -496,30 +535,29 @@ def test_decode_step_op_schema_and_fake_match_what_selectors_declare(monkeypatch
     layer = LocksStaticLayer(length + 2 * B, cfg)
     layer.update(*(torch.randn(1, h, length, d, generator=gen).to(DEV) for _ in range(2)))
     layer.prepare(None, length)
-    bufs = layer.kernel_buffers()
-    row_start, n_complete = layer.row_tensors()
-    width, active = layer.page_slots()
-    method = declared.kernel_method
+    io = layer.step_tensors()
+    plan = KernelPlan.of(cfg)
+    assert (plan.method, plan.per_head, plan.dense) == (declared.kernel_method, declared.per_head, declared.dense)
     args = (
-        method,
+        plan.method,
         torch.randn(1, 2 * h, 1, d, generator=gen).to(DEV),
-        layer.key_buffer(),
-        layer.value_buffer(),
-        layer.slot_valid,
-        row_start,
-        n_complete,
-        layer.length_tensor(),
-        [layer.summary[n] for n in kernels.SUMMARY_NAMES.get(method, ())],
-        layer.num_pages,
-        width,
+        io["keys"],
+        io["values"],
+        io["slot_valid"],
+        io["row_start"],
+        io["n_complete"],
+        io["length"],
+        [layer.summary[n] for n in kernels.SUMMARY_NAMES.get(plan.method, ())],
+        io["n_pages"],
+        io["width"],
         0.125,
         B,
         4,
-        layer.count_buffer(),
-        active,
-        bufs["row_counts"],
-        bufs["pad"],
-        None if declared.dense else bufs["selection"],
+        io["counts"],
+        io["active"],
+        io["row_counts"],
+        io["pad"],
+        None if declared.dense else io["selection"],
         declared.per_head,
         cfg.rerank or 0,
     )

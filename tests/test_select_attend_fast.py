@@ -360,13 +360,14 @@ def test_static_layer_step_keeps_its_bookkeeping_in_the_launches(monkeypatch, se
     keys, values = c.keys.to(DEV), c.values.to(DEV)
     layer.update(keys[:, :, :L], values[:, :, :L])
     layer.prepare(None, L)
-    assert layer.kernel_buffers() is not None and torch.equal(layer.n_complete, layer.row_tensors()[1])
+    assert layer.step_tensors()["row_counts"] is layer.row_counts  # the launches keep the statistics
+    assert torch.equal(layer.n_complete, layer.row_tensors()[1])
     layer.update(keys[:, :, L : L + 1], values[:, :, L : L + 1])
     if layer.summary:  # the decode step's page update: the completed page, n_complete
         kernel_update_newest_page(layer)
         assert torch.equal(layer.n_complete, layer.row_tensors()[1])
-    else:  # nothing reads it
-        assert layer.kernel_buffers()["n_complete"] is None
+    else:  # no page update writes it: the step reads the count derived from the length
+        assert layer.step_tensors()["n_complete"] is not layer.n_complete
     q = c.query.to(DEV)
     got = kernel_decode(layer, q, 0.3)
     got_sel, got_counts, got_rows = layer.last_selection.clone(), layer.counts.clone(), layer.row_counts.clone()

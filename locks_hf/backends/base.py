@@ -8,11 +8,12 @@ backend reads and writes the layer only through `PagedLayer`'s public accessors.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 if TYPE_CHECKING:
+    from ..config import LocksConfig
     from ..paged import PagedLayer
 
 
@@ -25,7 +26,7 @@ class DecodeBackend(ABC):
     #: The step runs the dense ``"full"`` decode itself (flash-decoding over the written pages); without
     #: it a static layer's ``"full"`` decode attends with SDPA.
     decodes_densely: ClassVar[bool] = False
-    #: The launches count a static layer's per-row statistics (`PagedLayer.kernel_buffers`); otherwise
+    #: The launches count a static layer's per-row statistics (`PagedLayer.step_tensors`); otherwise
     #: the layer counts them before the step.
     counts_row_statistics: ClassVar[bool] = False
     #: The step runs without a host synchronisation (a captured CUDA graph may hold it).
@@ -49,6 +50,11 @@ class DecodeBackend(ABC):
         """A static quantized layer's decode-step write: what KIVI's schedule has due quantized, then the
         token ``keys`` / ``values [b, h, 1, d]`` into the full-precision ring (no host synchronisation)."""
         raise TypeError(f"the {self.name} backend stores no quantized KV in the static layout")
+
+    def plan(self, config: LocksConfig) -> Any:
+        """What this backend derives once from a layer's settings for its steps (kept as the layer's
+        ``kernel_plan`` until they change, `PagedLayer.refresh_backend`); ``None``: nothing."""
+        return None
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__}>"

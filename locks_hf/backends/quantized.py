@@ -21,9 +21,10 @@ import torch
 from ..selectors import selector_class
 from .base import DecodeBackend
 from .reference import select_pages
-from .triton import StepInputs, kernel_summary, kernel_update_newest_page, kernels, on_device
+from .triton import KernelPlan, kernel_summary, kernel_update_newest_page, kernels, layer_plan, recorded
 
 if TYPE_CHECKING:
+    from ..config import LocksConfig
     from ..paged import PagedLayer
 
 
@@ -55,43 +56,40 @@ def quantized_kernel_decode(layer: PagedLayer, query: torch.Tensor, scale: float
     packed = layer.packed_kv()
     assert packed is not None  # the backend is chosen only for a layer whose storage is packed
     if selects_on_kernels(layer):
-        step = StepInputs.of(layer)
-        names = kernels().ops.PACKED_TENSORS
-        with on_device(query.device):
-            out, pages = torch.ops.locks_hf.quantized_decode_step(
-                step.method,
-                query,
-                *[packed[n] for n in names],
-                packed["bits"],
-                packed["group"],
-                packed.get("ring", 0),
-                packed["page_size"],
-                step.n_complete,
-                step.summary,
-                layer.num_pages,
-                step.width,
-                float(scale),
-                layer.config.basis_bits,
-                layer.count_buffer(),
-                step.active,
-                per_head=step.per_head,
-                row_counts=step.row_counts,
-                pad=step.pad,
-                selection=step.selection,
-            )
-        return step.finish(layer, out, pages)
+        plan, io = layer_plan(layer), layer.step_tensors()
+        out, pages = torch.ops.locks_hf.quantized_decode_step(
+            plan.method,
+            query,
+            *[packed[n] for n in kernels().ops.PACKED_TENSORS],
+            packed["bits"],
+            packed["group"],
+            packed.get("ring", 0),
+            packed["page_size"],
+            io["n_complete"],
+            plan.summary_list(io["summary"]),
+            io["n_pages"],
+            io["width"],
+            float(scale),
+            plan.basis_bits,
+            io["counts"],
+            io["active"],
+            per_head=plan.per_head,
+            row_counts=io["row_counts"],
+            pad=io["pad"],
+            selection=None if plan.dense else io["selection"],
+        )
+        return recorded(layer, io, out, pages)
     pages, taken, valid = select_pages(layer, query, scale)
     listed = torch.where(taken, pages, -1)  # [b, h, W]: the fixed width's padding is no page
-    with on_device(query.device):
-        out = torch.ops.locks_hf.quantized_attention(
-            query.contiguous(),
-            listed,
-            scale=float(scale),
-            counts=layer.count_buffer(),
-            row_counts=None,
-            pad=None,
-            **packed,
-        )
+    out = torch.ops.locks_hf.quantized_attention(
+        query.contiguous(),
+        listed,
+        scale=float(scale),
+        counts=layer.count_buffer(),
+        row_counts=None,
+        pad=None,
+        **packed,
+    )
     layer.record_step(None, valid.sum() * layer.kv_heads)  # the launch counted the attended tokens
     return out.transpose(1, 2)
 
@@ -100,29 +98,28 @@ def kernel_append_kv(layer: PagedLayer, keys: torch.Tensor, values: torch.Tensor
     """Kernel twin of `reference.reference_append_kv`: KIVI's schedule and the token's write, one launch."""
     s = layer.append_buffers()
     cfg = layer.config
-    with on_device(keys.device):
-        torch.ops.locks_hf.kivi_append(
-            keys,
-            values,
-            s["key_tail"],
-            s["value_tail"],
-            s["key_codes"],
-            s["key_scale"],
-            s["key_zero"],
-            s["value_codes"],
-            s["value_scale"],
-            s["value_zero"],
-            s["slot_valid"],
-            s["row_start"],
-            s["length"],
-            s["quantized"],
-            s["counter"],
-            cfg.kv_bits,
-            cfg.kv_group,
-            cfg.kv_residual,
-            cfg.page_size,
-            s["post"],
-        )
+    torch.ops.locks_hf.kivi_append(
+        keys,
+        values,
+        s["key_tail"],
+        s["value_tail"],
+        s["key_codes"],
+        s["key_scale"],
+        s["key_zero"],
+        s["value_codes"],
+        s["value_scale"],
+        s["value_zero"],
+        s["slot_valid"],
+        s["row_start"],
+        s["length"],
+        s["quantized"],
+        s["counter"],
+        cfg.kv_bits,
+        cfg.kv_group,
+        cfg.kv_residual,
+        cfg.page_size,
+        s["post"],
+    )
 
 
 class QuantizedKernelBackend(DecodeBackend):
@@ -147,6 +144,9 @@ class QuantizedKernelBackend(DecodeBackend):
 
     def append_kv(self, layer: PagedLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
         kernel_append_kv(layer, keys, values)
+
+    def plan(self, config: LocksConfig) -> KernelPlan:
+        return KernelPlan.of(config)
 
 
 QUANTIZED_KERNEL = QuantizedKernelBackend()

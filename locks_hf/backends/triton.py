@@ -18,98 +18,87 @@ from .base import DecodeBackend
 from .reference import reference_summary
 
 if TYPE_CHECKING:
+    from ..config import LocksConfig
     from ..paged import PagedLayer
 
 
 def kernel_decode(layer: PagedLayer, query: torch.Tensor, scale: float) -> torch.Tensor:
     """Kernel twin of `reference.reference_decode`: ``query [b, Hq, 1, d]`` -> ``[b, 1, Hq, d]``.
 
-    A layer with `PagedLayer.kernel_buffers` (the static layer) has the launches keep its
-    bookkeeping too: the statistics and the selected-page mask; no other launch runs here. Otherwise
-    the glue records them.
+    A layer whose `PagedLayer.step_tensors` hands over its bookkeeping buffers (the static layer) has
+    the launch keep its statistics and selected-page mask too; otherwise the glue records them.
     """
-    keys = layer.key_buffer()
-    step = StepInputs.of(layer)
-    assert keys is not None  # `choose_backend` picks this backend only then
-    # Triton launches on the *current* device; with a model split over GPUs (device_map) this layer's
-    # tensors may live on another one. The kernels count the tokens they attend into the statistics.
-    with on_device(query.device):
-        out, pages = torch.ops.locks_hf.decode_step(
-            step.method,
-            query,
-            keys,
-            layer.value_buffer(),
-            layer.slot_valid,
-            step.row_start,
-            step.n_complete,
-            layer.length_tensor(),
-            step.summary,
-            layer.num_pages,
-            step.width,
-            float(scale),
-            layer.config.page_size,
-            layer.config.basis_bits,
-            layer.count_buffer(),
-            step.active,
-            per_head=step.per_head,
-            rerank=layer.config.rerank or 0,
-            row_counts=step.row_counts,
-            pad=step.pad,
-            selection=step.selection,
-        )
-    return step.finish(layer, out, pages)
+    plan, io = layer_plan(layer), layer.step_tensors()
+    out, pages = torch.ops.locks_hf.decode_step(
+        plan.method,
+        query,
+        io["keys"],
+        io["values"],
+        io["slot_valid"],
+        io["row_start"],
+        io["n_complete"],
+        io["length"],
+        plan.summary_list(io["summary"]),
+        io["n_pages"],
+        io["width"],
+        float(scale),
+        plan.page_size,
+        plan.basis_bits,
+        io["counts"],
+        io["active"],
+        per_head=plan.per_head,
+        rerank=plan.rerank,
+        row_counts=io["row_counts"],
+        pad=io["pad"],
+        selection=None if plan.dense else io["selection"],
+    )
+    return recorded(layer, io, out, pages)
 
 
-class StepInputs(NamedTuple):
-    """What a kernel decode step of a layer takes besides its K/V (`of`), and its glue (`finish`)."""
+def recorded(layer: PagedLayer, io: dict, out: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """A kernel step's output, with the bookkeeping its launch did not keep (``io``: the layer's
+    `PagedLayer.step_tensors`) recorded by the glue."""
+    if io["row_counts"] is not None:  # the launch kept it
+        return out
+    b, h = out.shape[0], layer.kv_heads
+    if pages.shape[1]:  # dense ("full") selects no list: every page
+        layer.note_selection(pages.view(b, h, -1))
+    layer.record_step(None, layer.real_tokens() * h)
+    return out
 
-    method: str  #: the selector's scoring mode (``"full"`` for dense)
-    per_head: bool
-    summary: list[torch.Tensor]
-    width: int  #: page-list width
-    active: torch.Tensor | None  #: the budget in use, on the device (``None``: the width)
-    row_start: torch.Tensor
-    n_complete: torch.Tensor
-    #: a static layer's buffers the launches write (``None`` where the glue records them)
-    row_counts: torch.Tensor | None
-    pad: torch.Tensor | None
-    selection: torch.Tensor | None  #: the selected-page mask (``None`` for a dense selector)
-    in_launch: bool  #: whether the launches keep the layer's bookkeeping
+
+class KernelPlan(NamedTuple):
+    """What the kernels take from a layer's settings: fixed until they change, so a layer keeps it
+    (`PagedLayer.refresh_backend`) and a compiled step's trace does not derive it again per layer."""
+
+    method: str | None  #: the selector's scoring mode (``"full"`` for dense; ``None``: none on the kernels)
+    per_head: bool  #: each query head selects its own pages (Quest's GQA port)
+    dense: bool  #: every page attended: no selection to record
+    summary_names: tuple[str, ...]  #: the summary tensors the kernels of ``method`` take, in order
+    rerank: int
+    page_size: int
+    rank: int
+    basis_bits: int
 
     @classmethod
-    def of(cls, layer: PagedLayer) -> StepInputs:
-        # A compiled step's trace runs this once a layer, and a static layer's warm first generate() is
-        # mostly that trace: fields rather than a dict() with keywords, which dynamo runs through a
-        # Python polyfill (about 2 ms a call).
-        declared = selector_class(layer.config.selector)  # what the kernels need: scan mode, per-head lists
+    def of(cls, config: LocksConfig) -> KernelPlan:
+        declared = selector_class(config.selector)
         method = declared.kernel_method
-        assert method is not None  # the kernel backends take only layers whose selector declares one
-        width, active = layer.page_slots()
-        bufs = layer.kernel_buffers() or {}  # empty: the glue records the bookkeeping (`finish`)
-        row_start, n_complete = bufs.get("row_start"), bufs.get("n_complete")
-        if row_start is None or n_complete is None:  # counted here (a static layer without summaries, or no buffers)
-            row_start, n_complete = layer.row_tensors()
+        names = tuple(kernels().SUMMARY_NAMES.get(method, ())) if method else ()
         return cls(
-            method, declared.per_head, layer_summary(layer, method), width, active, row_start, n_complete,
-            bufs.get("row_counts"), bufs.get("pad"), None if declared.dense else bufs.get("selection"), bool(bufs),
+            method, declared.per_head, declared.dense, names, config.rerank or 0, config.page_size, config.rank,
+            config.basis_bits,
         )  # fmt: skip
 
-    def finish(self, layer: PagedLayer, out: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-        """The step's output, with the bookkeeping the launches did not keep recorded."""
-        if self.in_launch:
-            return out
-        b, h = out.shape[0], layer.kv_heads
-        if pages.shape[1]:  # dense ("full") selects no list: every page
-            layer.note_selection(pages.view(b, h, -1))
-        layer.record_step(None, layer.real_tokens() * h)
-        return out
+    def summary_list(self, summary: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """A layer's summary tensors in the order the kernels take them."""
+        return [summary[n] for n in self.summary_names]
 
 
-def layer_summary(layer: PagedLayer, method: str) -> list[torch.Tensor]:
-    """The layer's summary tensors in the order the kernels of ``method`` take them (none for dense)."""
-    names = kernels().SUMMARY_NAMES.get(method, ())
-    summary = layer.summary
-    return [summary[n] for n in names]
+def layer_plan(layer: PagedLayer) -> KernelPlan:
+    """``layer``'s `KernelPlan`: the one its kernel backend keeps, else (a kernel step called directly on a
+    layer decoding elsewhere, as tests do) derived from its settings."""
+    return layer.kernel_plan or KernelPlan.of(layer.config)
 
 
 def kernels():
@@ -119,33 +108,27 @@ def kernels():
     return kernels
 
 
-def on_device(device: torch.device):
-    return kernels().on_device(device)
-
-
 def kernel_update_newest_page(layer: PagedLayer) -> None:
     """Kernel twin of `reference.reference_update_newest_page`: one launch that writes the page the
     newest token completed, in place, and does nothing on the other ``B - 1`` steps of a page (and
-    writes the layer's complete-page counts, where `PagedLayer.kernel_buffers` keeps them). A layer
-    storing packed K/V reads the page's keys from its full-precision ring (`PagedLayer.packed_kv`)."""
-    cfg = layer.config
-    method = selector_class(cfg.selector).kernel_method
-    assert method is not None  # `choose_backend` picks a kernel backend only then
-    bufs = layer.kernel_buffers()
-    row_start = layer.row_tensors()[0] if bufs is None else bufs["row_start"]
+    writes the layer's complete-page counts where it hands them to the launches, `PagedLayer.step_tensors`). A
+    layer storing packed K/V reads the page's keys from its full-precision ring (`PagedLayer.packed_kv`)."""
+    plan, io = layer_plan(layer), layer.step_tensors()
     packed = layer.packed_kv()
-    keys, ring = (layer.key_buffer(), 0) if packed is None else (packed["key_tail"], packed.get("ring", 0))
+    keys, ring = (io["keys"], 0) if packed is None else (packed["key_tail"], packed.get("ring", 0))
+    # a static layer's complete-page counts are kept by this launch; a dynamic layer derives its own
+    in_launch = io["row_counts"] is not None and plan.summary_names
     torch.ops.locks_hf.update_completed_pages(
-        method,
+        plan.method,
         keys,
-        layer.slot_valid,
-        row_start,
-        layer.length_tensor(),
-        layer_summary(layer, method),
-        cfg.page_size,
-        cfg.rank,
-        cfg.basis_bits,
-        None if bufs is None else bufs["n_complete"],
+        io["slot_valid"],
+        io["row_start"],
+        io["length"],
+        plan.summary_list(io["summary"]),
+        plan.page_size,
+        plan.rank,
+        plan.basis_bits,
+        io["n_complete"] if in_launch else None,
         ring,
     )
 
@@ -158,7 +141,7 @@ def compile_decode_kernels(layer: PagedLayer, query_heads: int) -> None:
     keys = layer.key_buffer()
     assert keys is not None  # asked of an initialized layer only
     query = keys.new_empty((keys.shape[0], query_heads, 1, keys.shape[-1]))
-    with on_device(keys.device), kernels().compile_only():
+    with kernels().compile_only():  # each op makes its tensors' device current
         if layer.summary:  # as a static layer's step: the page update only where summaries are kept
             kernel_update_newest_page(layer)
         kernel_decode(layer, query, keys.shape[-1] ** -0.5)
@@ -171,8 +154,7 @@ def kernel_summary(layer: PagedLayer, keys: torch.Tensor, valid: torch.Tensor) -
     if not keys.is_cuda or method != "locks":
         return reference_summary(layer, keys, valid)
     cfg = layer.config
-    with on_device(keys.device):
-        parts = torch.ops.locks_hf.build_summary(keys, valid, cfg.rank, cfg.basis_bits)
+    parts = torch.ops.locks_hf.build_summary(keys, valid, cfg.rank, cfg.basis_bits)
     return dict(zip(kernels().SUMMARY_NAMES[method], parts))
 
 
@@ -194,6 +176,9 @@ class TritonBackend(DecodeBackend):
 
     def build_summary(self, layer: PagedLayer, keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
         return kernel_summary(layer, keys, valid)
+
+    def plan(self, config: LocksConfig) -> KernelPlan:
+        return KernelPlan.of(config)
 
 
 TRITON = TritonBackend()

@@ -81,7 +81,7 @@ def on_kernels(cache) -> None:
     import locks_hf.kernels  # noqa: F401  (registers the custom ops)
 
     for layer in cache.locks_layers:
-        layer.backend = TRITON
+        layer.backend, layer.kernel_plan = TRITON, TRITON.plan(layer.config)
 
 
 @contextlib.contextmanager
@@ -155,14 +155,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
         default="hf-static,locks",
         help="comma list of hf-static, locks, locks-kernels (on the CPU: the kernels' custom ops, TRITON_INTERPRET=1)",
     )
+    ap.add_argument(
+        "--marked",
+        choices=("both", "no", "yes"),
+        default="both",
+        help="trace with the decoder layer plain (no), marked as a nested compile region (yes), or both",
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    rows = [
-        trace_once(kind, args.layers, marked, args.device)
-        for kind in args.caches.split(",")
-        for marked in (False, True)
-    ]
+    marks = {"both": (False, True), "no": (False,), "yes": (True,)}[args.marked]
+    rows = [trace_once(kind, args.layers, marked, args.device) for kind in args.caches.split(",") for marked in marks]
     print(
         f"{'cache':<10} {'marked':<7} {'dynamo s':>8} {'call s':>7} {'nodes':>6} {'inputs':>6} {'reuses':>7} "
         f"{'refusals':>9}  reason"
