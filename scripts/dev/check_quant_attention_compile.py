@@ -4,7 +4,7 @@ check its shared memory against an H100/H200's 227 KB a block.
 
 Triton's interpreter (the CPU tests) runs tiles the GPU cannot launch: a compiled kernel that asks for
 more shared memory than the device has fails at its first launch (``OutOfResources``). This runs the
-wrapper on CPU tensors at the configurations of ``tests/test_kv_quant_kernels.py`` (and the benchmark's
+wrapper on CPU tensors at the configurations of ``tests/test_kv_quant_kernels.py`` (and the benchmarks'
 bf16 ones) with the launch intercepted, compiles exactly what it would launch with ``triton.compile``
 for an sm_90 target, and prints each kernel's tiles, shared memory, registers and spilled bytes (from
 the cubin). Exit status 1 when a kernel does not compile or needs more shared memory than
@@ -45,7 +45,8 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 F32, BF16 = torch.float32, torch.bfloat16
 #: (label, query dtype, K/V storage dtype, bits, group, GQA group, head_dim, page size, dense, splits,
 #: counts, num_warps): the tests' launches (fp32 everywhere; bf16 storage under fp32 and bf16 queries;
-#: the layer's head_dim 64), then the benchmark's bf16 ones.
+#: the layer's head_dim 64), then the benchmarks' bf16 ones (the last two: the batch-8 dense arm at the
+#: GLM-4-9B shape, at 4 and 8 warps).
 CASES = [
     ("fp32 sparse G=4 split", F32, F32, 4, 32, 4, 128, 16, False, 3, True, 4),
     ("fp32 dense G=1 split", F32, F32, 2, 128, 1, 128, 16, True, 2, False, 4),
@@ -56,6 +57,8 @@ CASES = [
     ("bf16 bench B=64 nw=8", BF16, BF16, 4, 32, 4, 128, 64, False, 4, False, 8),
     ("bf16 Llama-shape G=4 B=16", BF16, BF16, 4, 32, 4, 128, 16, False, 8, True, 4),
     ("bf16 2-bit G=4 B=16", BF16, BF16, 2, 32, 4, 128, 16, False, 8, True, 4),
+    ("bf16 dense GLM-shape G=16 B=16", BF16, BF16, 4, 32, 16, 128, 16, True, 8, True, 4),
+    ("bf16 dense GLM-shape G=16 B=16 nw=8", BF16, BF16, 4, 32, 16, 128, 16, True, 8, True, 8),
 ]
 
 
