@@ -439,6 +439,35 @@ def test_bench_kv_quant_imports_and_refuses_without_cuda(capsys):
             module.main([])
 
 
+@pytest.mark.interpret
+def test_bench_kv_quant_smoke_dense_and_tile_settings(tmp_path, monkeypatch):
+    """`--device cpu` runs the script end to end (Triton's interpreter): the dense 4-bit decode (``--dense``)
+    and the sparse lists, each at every ``--tile-pages`` setting; a setting changes the launch, not the
+    result (the same error against the bf16 kernel), and ``auto`` is `launch_tiles`'s choice."""
+    import torch
+
+    from locks_hf import kernels
+    from locks_hf.kernels import attend_quant
+
+    launched = []
+    attend = kernels.quantized_attention
+    monkeypatch.setattr(kernels, "quantized_attention", lambda *a, **kw: launched.append((a, kw)) or attend(*a, **kw))
+    module = _load("bench_kv_quant")
+    common = ["--device", "cpu", "--shape", "tiny", "--contexts", "640", "--page-sizes", "16", "--bits", "4"]
+    common += ["--warps", "4", "--residual", "64", "--tile-pages", "auto,1,2"]
+    dense = module.main([*common, "--dense", "--out", str(tmp_path / "dense.json")])
+    sparse = module.main([*common, "--budget", "128", "--lists", "2", "--out", str(tmp_path / "sparse.json")])
+    auto = attend_quant.launch_tiles(16, 64, torch.float32, torch.float32)[0]
+    for rows in (dense, sparse):
+        assert [r["tile_pages"] for r in rows] == [auto, 1, 2]
+        errs = [r["rel_err_vs_bf16"] for r in rows]
+        assert 0 < errs[0] < 0.2 and max(errs) - min(errs) < 1e-6
+    assert all(r["dense"] for r in dense) and not any(r["dense"] for r in sparse)
+    assert {kw["tile_pages"] for _, kw in launched} == {None, 1, 2}  # each setting reached the launch
+    assert {a[1] is None for a, _ in launched} == {True, False}  # dense (no page lists) and sparse
+    assert json.loads((tmp_path / "dense.json").read_text())["rows"] == json.loads(json.dumps(dense))
+
+
 def test_trace_time_probe_counts_the_marked_layers_refusals(tmp_path):
     """scripts/dev/trace_time.py (docs/performance.md): the trace is timed, each marked layer is counted as
     reused or refused with torch's reason, and the layer class is left unmarked."""

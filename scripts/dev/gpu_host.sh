@@ -22,6 +22,9 @@
 #             weights (seven a layer as --shape glm4-9b, six as GlmForCausalLM, four fused) against their read floor;  ~1 min
 #   trace     dynamo's share of compiling one decode step: transformers' StaticCache against LocksCache on the
 #             kernels, and a decoder layer marked as a nested compile region (scripts/dev/trace_time.py);  ~1 min
+#   quanttile the 4-bit attention kernel alone, every page of 512K at batch 8 (the batch8 dense arm's), GLM-4-9B
+#             shape, at 4 and 8 warps and tiles of 1, 2 and 4 pages (fewer registers a thread, more programs an
+#             SM: scripts/dev/check_quant_attention_compile.py), against the bf16 kernel;  ~3 min
 # e.g. PARTS="attn step" bash scripts/dev/gpu_host.sh, then PARTS="generate host". Tables on stdout, JSON and
 # logs under ${OUT:-out}.
 source scripts/dev/gpu_env.sh || exit 1
@@ -86,6 +89,10 @@ for part in $PARTS; do
       run gemv_floor_glm4-9b 120 python3 scripts/dev/gemv_floor.py --shape glm4-9b --out "$OUT/gemv_floor_glm4-9b.json" ;;
     trace)
       run trace_time 120 python3 scripts/dev/trace_time.py --device cuda --out "$OUT/trace_time.json" ;;
-    *) echo "gpu_host: unknown part '$part' (attn attn1m step glmhf host generate oneliner autotune batch8 short gemv trace)" >&2; exit 2 ;;
+    quanttile)
+      run quant_attention_glm4-9b_512k_batch8_dense 240 python3 scripts/bench_kv_quant.py --shape glm4-9b --batch 8 \
+          --contexts 512K --page-sizes 16 --bits 4 --warps 4,8 --tile-pages auto,1,2 --dense --reps 20 \
+          --out "$OUT/quant_attention_glm4-9b_512k_batch8_dense.json" ;;
+    *) echo "gpu_host: unknown part '$part' (attn attn1m step glmhf host generate oneliner autotune batch8 short gemv trace quanttile)" >&2; exit 2 ;;
   esac
 done
