@@ -14,6 +14,7 @@ the cubin). Exit status 1 when a kernel does not compile or needs more shared me
     PYTHONPATH=/tmp/triton36 python scripts/dev/check_quant_attention_compile.py
 
     python scripts/dev/check_quant_attention_compile.py --only 0,3      # the listed cases
+    python scripts/dev/check_quant_attention_compile.py --only 9,10,11,12   # the GLM-4-9B shape's dense launch
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 
 F32, BF16 = torch.float32, torch.bfloat16
 #: (label, query dtype, K/V storage dtype, bits, group, GQA group, head_dim, page size, dense, splits,
-#: counts, num_warps): the tests' launches (fp32 everywhere; bf16 storage under fp32 and bf16 queries;
-#: the layer's head_dim 64), then the benchmarks' bf16 ones (the last two: the batch-8 dense arm at the
-#: GLM-4-9B shape, at 4 and 8 warps).
+#: counts, num_warps[, tile_pages]): the tests' launches (fp32 everywhere; bf16 storage under fp32 and bf16 queries;
+#: the layer's head_dim 64), then the benchmarks' bf16 ones (the last four: the batch-8 dense arm at the
+#: GLM-4-9B shape at 4 and 8 warps, and with tiles of 2 and 1 pages, `bench_kv_quant.py --tile-pages`).
 CASES = [
     ("fp32 sparse G=4 split", F32, F32, 4, 32, 4, 128, 16, False, 3, True, 4),
     ("fp32 dense G=1 split", F32, F32, 2, 128, 1, 128, 16, True, 2, False, 4),
@@ -59,6 +60,8 @@ CASES = [
     ("bf16 2-bit G=4 B=16", BF16, BF16, 2, 32, 4, 128, 16, False, 8, True, 4),
     ("bf16 dense GLM-shape G=16 B=16", BF16, BF16, 4, 32, 16, 128, 16, True, 8, True, 4),
     ("bf16 dense GLM-shape G=16 B=16 nw=8", BF16, BF16, 4, 32, 16, 128, 16, True, 8, True, 8),
+    ("bf16 dense GLM-shape G=16 B=16 tile 2", BF16, BF16, 4, 32, 16, 128, 16, True, 8, True, 4, 2),
+    ("bf16 dense GLM-shape G=16 B=16 tile 1", BF16, BF16, 4, 32, 16, 128, 16, True, 8, True, 4, 1),
 ]
 
 
@@ -72,7 +75,9 @@ class _Launch:
         return lambda *args, **kw: self.calls.append((args, kw))
 
 
-def launch_args(qdt, sdt, bits, group, G, d, B, dense, splits, counts, num_warps, b=2, h=2, length=293):
+def launch_args(
+    qdt, sdt, bits, group, G, d, B, dense, splits, counts, num_warps, tile_pages=None, b=2, h=2, length=293
+):
     """The arguments `quantized_attention` launches its kernel with, on CPU tensors."""
     cap, per = length + 40, 8 // bits
     codes = torch.zeros(b, h, cap, d // per, dtype=torch.uint8)
@@ -108,6 +113,7 @@ def launch_args(qdt, sdt, bits, group, G, d, B, dense, splits, counts, num_warps
             counts=torch.zeros(2, dtype=torch.int64) if counts else None,
             splits=splits,
             num_warps=num_warps,
+            tile_pages=tile_pages,
         )
     finally:
         attend_quant._quant_attn_kernel, attend_quant._combine_kernel = kernel, combine
