@@ -70,7 +70,7 @@ def quantized_kernel_decode(layer: PagedLayer, query: torch.Tensor, scale: float
             io["n_pages"],
             io["width"],
             float(scale),
-            plan.basis_bits,
+            layer.config.basis_bits,
             io["counts"],
             io["active"],
             per_head=plan.per_head,

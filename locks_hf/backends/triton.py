@@ -28,7 +28,7 @@ def kernel_decode(layer: PagedLayer, query: torch.Tensor, scale: float) -> torch
     A layer whose `PagedLayer.step_tensors` hands over its bookkeeping buffers (the static layer) has
     the launch keep its statistics and selected-page mask too; otherwise the glue records them.
     """
-    plan, io = layer_plan(layer), layer.step_tensors()
+    plan, io, cfg = layer_plan(layer), layer.step_tensors(), layer.config
     out, pages = torch.ops.locks_hf.decode_step(
         plan.method,
         query,
@@ -42,12 +42,12 @@ def kernel_decode(layer: PagedLayer, query: torch.Tensor, scale: float) -> torch
         io["n_pages"],
         io["width"],
         float(scale),
-        plan.page_size,
-        plan.basis_bits,
+        cfg.page_size,
+        cfg.basis_bits,
         io["counts"],
         io["active"],
         per_head=plan.per_head,
-        rerank=plan.rerank,
+        rerank=cfg.rerank or 0,
         row_counts=io["row_counts"],
         pad=io["pad"],
         selection=None if plan.dense else io["selection"],
@@ -68,27 +68,20 @@ def recorded(layer: PagedLayer, io: dict, out: torch.Tensor, pages: torch.Tensor
 
 
 class KernelPlan(NamedTuple):
-    """What the kernels take from a layer's settings: fixed until they change, so a layer keeps it
-    (`PagedLayer.refresh_backend`) and a compiled step's trace does not derive it again per layer."""
+    """What the kernels need derived from a layer's selector: fixed until its settings change, so a layer
+    keeps it (`PagedLayer.refresh_backend`) and a step does not look the selector up again."""
 
     method: str | None  #: the selector's scoring mode (``"full"`` for dense; ``None``: none on the kernels)
     per_head: bool  #: each query head selects its own pages (Quest's GQA port)
     dense: bool  #: every page attended: no selection to record
     summary_names: tuple[str, ...]  #: the summary tensors the kernels of ``method`` take, in order
-    rerank: int
-    page_size: int
-    rank: int
-    basis_bits: int
 
     @classmethod
     def of(cls, config: LocksConfig) -> KernelPlan:
         declared = selector_class(config.selector)
         method = declared.kernel_method
         names = tuple(kernels().SUMMARY_NAMES.get(method, ())) if method else ()
-        return cls(
-            method, declared.per_head, declared.dense, names, config.rerank or 0, config.page_size, config.rank,
-            config.basis_bits,
-        )  # fmt: skip
+        return cls(method, declared.per_head, declared.dense, names)
 
     def summary_list(self, summary: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """A layer's summary tensors in the order the kernels take them."""
@@ -113,7 +106,7 @@ def kernel_update_newest_page(layer: PagedLayer) -> None:
     newest token completed, in place, and does nothing on the other ``B - 1`` steps of a page (and
     writes the layer's complete-page counts where it hands them to the launches, `PagedLayer.step_tensors`). A
     layer storing packed K/V reads the page's keys from its full-precision ring (`PagedLayer.packed_kv`)."""
-    plan, io = layer_plan(layer), layer.step_tensors()
+    plan, io, cfg = layer_plan(layer), layer.step_tensors(), layer.config
     packed = layer.packed_kv()
     keys, ring = (io["keys"], 0) if packed is None else (packed["key_tail"], packed.get("ring", 0))
     # a static layer's complete-page counts are kept by this launch; a dynamic layer derives its own
@@ -125,9 +118,9 @@ def kernel_update_newest_page(layer: PagedLayer) -> None:
         io["row_start"],
         io["length"],
         plan.summary_list(io["summary"]),
-        plan.page_size,
-        plan.rank,
-        plan.basis_bits,
+        cfg.page_size,
+        cfg.rank,
+        cfg.basis_bits,
         io["n_complete"] if in_launch else None,
         ring,
     )
