@@ -215,12 +215,29 @@ def choose_pages(
             active_slots=active_slots,
             **where,
         )
+        if selection is not None:  # the selection keeps no mask of its own
+            _mark_attended(selection.view(pages.shape[0], -1), pages)
     else:
-        pages = select_pages(
-            page_scores, partials, slots=slots, per_head=per_head, heads=heads, active_slots=active_slots, **where
+        # the launch that writes the lists marks them in the mask too, where it is laid out as the lists
+        marks = selection.view(page_scores.shape[0], -1) if selection is not None else None
+        fused = (
+            marks is not None
+            and marks.dtype in (torch.bool, torch.int8)
+            and marks.is_contiguous()
+            and marks.shape[1] == page_scores.shape[-1]
         )
-    if selection is not None:  # the selection keeps no mask of its own
-        _mark_attended(selection.view(pages.shape[0], -1), pages)
+        pages = select_pages(
+            page_scores,
+            partials,
+            slots=slots,
+            per_head=per_head,
+            heads=heads,
+            active_slots=active_slots,
+            mask=marks if fused else None,
+            **where,
+        )
+        if marks is not None and not fused:
+            _mark_attended(marks, pages)
     return pages
 
 

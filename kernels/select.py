@@ -8,7 +8,9 @@ Two launches, no host sync, fixed-width outputs padded with ``SENTINEL``:
    and keeps the chunk's best ``k-2`` by a threshold search (``top_keys``), in page order.
 2. ``_select_merge_kernel`` (grid: rows) takes the best ``k-2`` of the chunk winners the same way
    and writes ``[sink, recent, winners..., SENTINEL...]``; for Quest it writes each head's list and
-   ``_union_kernel`` merges the G lists of a KV head (sort, drop duplicates).
+   ``_union_kernel`` merges the G lists of a KV head (sort, drop duplicates). Given a page mask, the
+   launch that writes the final lists overwrites it with them too (`mark_row`): a static layer's record
+   of the pages attended costs no launch of its own.
 
 Ties break towards the earlier page, as in the reference (a stable descending sort).
 """
@@ -209,11 +211,15 @@ def _select_merge_kernel(
     n_chunk,
     out_ptr,
     W,
+    mask_ptr,
+    P,
     PER_HEAD: tl.constexpr,
     G: tl.constexpr,
     B: tl.constexpr,
     KP: tl.constexpr,
     M: tl.constexpr,
+    MARK: tl.constexpr,
+    MB: tl.constexpr,
 ):
     vrow = tl.program_id(0)
     K = free_slots(k_ptr, K_MAX)
@@ -229,18 +235,11 @@ def _select_merge_kernel(
         w = tl.arange(0, KP)
         tl.store(out_ptr + vrow * KP + w, tl.full([KP], SENTINEL, tl.int32), mask=w >= n)
     else:
-        write_page_list(
-            out_ptr,
-            vrow,
-            W,
-            page,
-            keep,
-            pos,
-            n,
-            tl.load(sink_ptr + vrow),
-            last_page_of(row_start_ptr, len_ptr, vrow, H, B),
-            KP,
-        )
+        sink = tl.load(sink_ptr + vrow)
+        last_page = last_page_of(row_start_ptr, len_ptr, vrow, H, B)
+        write_page_list(out_ptr, vrow, W, page, keep, pos, n, sink, last_page, KP)
+        if MARK:
+            mark_row(mask_ptr, vrow, P, page, keep, sink, last_page, MB)
 
 
 @triton.jit
@@ -263,7 +262,38 @@ def write_page_list(out_ptr, row, W, pages, keep, pos, n, sink, last_page, N: tl
 
 
 @triton.jit
-def _union_kernel(list_ptr, n_list, sink_ptr, row_start_ptr, len_ptr, H, out_ptr, W, B: tl.constexpr, N: tl.constexpr):
+def mark_row(mask_ptr, row, P, pages, keep, sink, last_page, MB: tl.constexpr):
+    """Row ``row`` of the attended-page mask (int8 ``[rows, P]``): zeros, then (after a barrier, so that every
+    thread's zeros land first) a one at the sink, the most recent page and each kept page: what
+    `mark_lists` writes for the row's list, in the launch that writes the list (one launch a step fewer)."""
+    base = mask_ptr + row.to(tl.int64) * P
+    for p0 in range(0, P, MB):
+        p = p0 + tl.arange(0, MB)
+        tl.store(base + p, tl.zeros([MB], dtype=tl.int8), mask=p < P)
+    tl.debug_barrier()
+    tl.store(base + pages, tl.full(pages.shape, 1, tl.int8), mask=keep & (pages >= 0) & (pages < P))
+    one = tl.full([], 1, tl.int8)
+    tl.store(base + sink, one, mask=(sink >= 0) & (sink < P))
+    tl.store(base + last_page, one, mask=(last_page >= 0) & (last_page < P))
+
+
+@triton.jit
+def _union_kernel(
+    list_ptr,
+    n_list,
+    sink_ptr,
+    row_start_ptr,
+    len_ptr,
+    H,
+    out_ptr,
+    W,
+    mask_ptr,
+    P,
+    B: tl.constexpr,
+    N: tl.constexpr,
+    MARK: tl.constexpr,
+    MB: tl.constexpr,
+):
     """Union of the G per-head lists of a KV head (``n_list = G*KP <= N`` entries): sort, drop repeats."""
     row = tl.program_id(0)
     e = tl.arange(0, N)
@@ -274,9 +304,11 @@ def _union_kernel(list_ptr, n_list, sink_ptr, row_start_ptr, len_ptr, H, out_ptr
     uniq = (x != BIG_PAGE) & ((e == 0) | (x != prev))
     n = tl.sum(uniq.to(tl.int32), axis=0)
     pos = tl.cumsum(uniq.to(tl.int32), axis=0) - 1
-    write_page_list(
-        out_ptr, row, W, x, uniq, pos, n, tl.load(sink_ptr + row), last_page_of(row_start_ptr, len_ptr, row, H, B), N
-    )
+    sink = tl.load(sink_ptr + row)
+    last_page = last_page_of(row_start_ptr, len_ptr, row, H, B)
+    write_page_list(out_ptr, row, W, x, uniq, pos, n, sink, last_page, N)
+    if MARK:
+        mark_row(mask_ptr, row, P, x, uniq, sink, last_page, MB)
 
 
 @triton.jit
@@ -295,13 +327,23 @@ def _list_mask_kernel(list_ptr, W, mask_ptr, P, BLOCK: tl.constexpr, WB: tl.cons
         tl.store(mask_ptr + row * P + pg, tl.full([WB], 1, tl.int8), mask=mine)
 
 
+def _mask_bytes(mask: torch.Tensor, rows: int, P: int, caller: str) -> torch.Tensor:
+    """``mask`` (a page mask ``[rows, P]``) as the int8 tensor the kernels write, or a ValueError that says
+    what it must be."""
+    if mask.dtype not in (torch.bool, torch.int8) or not mask.is_contiguous() or tuple(mask.shape) != (rows, P):
+        raise ValueError(
+            f"{caller}: mask must be a contiguous bool/int8 [{rows}, {P}] tensor, got {mask.dtype} "
+            f"{tuple(mask.shape)}{'' if mask.is_contiguous() else ' (not contiguous)'}"
+        )
+    return mask.view(torch.int8)
+
+
 def mark_lists(mask: torch.Tensor, pages: torch.Tensor, block: int = 4096) -> torch.Tensor:
     """Overwrite ``mask`` (contiguous bool or int8 ``[rows, P]``) with the pages of the lists ``pages
     [rows, W]`` (int32; ``SENTINEL`` and pages ``>= P`` mark nothing): one launch, no scratch, what
     ``locks_hf.paged.pages_to_mask`` gives."""
     rows, P = mask.shape
-    if mask.dtype not in (torch.bool, torch.int8) or not mask.is_contiguous():
-        raise ValueError(f"mark_lists: mask must be a contiguous bool/int8 [rows, P] tensor, got {mask.dtype}")
+    _mask_bytes(mask, rows, P, "mark_lists")
     if pages.dim() != 2 or pages.shape[0] != rows or pages.dtype != torch.int32 or not pages.is_contiguous():
         raise ValueError(
             f"mark_lists: pages must be contiguous int32 [{rows}, W], got {pages.dtype} {tuple(pages.shape)}"
@@ -320,6 +362,10 @@ def mark_lists(mask: torch.Tensor, pages: torch.Tensor, block: int = 4096) -> to
             num_warps=4,
         )
     return mask
+
+
+#: Mask bytes a selection program zeroes per store when it marks its row (`mark_row`).
+MARK_BLOCK = 2048
 
 
 def chunk_size(n_pages: int, kp: int, chunks: int = 16) -> int:
@@ -360,6 +406,7 @@ def select_pages(
     active_slots: torch.Tensor | None = None,
     num_warps: int | None = None,
     partial_block: int | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Page lists ``[b*h, W]`` int32 (``SENTINEL``-padded) from ``score_pages``' outputs.
 
@@ -373,6 +420,8 @@ def select_pages(
 
     ``chunk``: pages per first-stage program; ``num_warps`` of that launch; ``partial_block``: scoring
     partials each of its programs folds per step (a power of two; default `default_partial_block`).
+    ``mask`` (optional, contiguous bool or int8 ``[b*h, P]``): overwritten with the listed pages, as
+    `mark_lists` would, by the launch that writes the lists.
     """
     if scores.dim() != 3 or scores.dtype != torch.float32 or partials.dtype != torch.float32 or partials.dim() != 4:
         raise ValueError(
@@ -393,6 +442,7 @@ def select_pages(
     n_blk = partials.shape[1]
     GG = partials.shape[-1]
     W = page_list_width(per_head, slots, G)
+    marks = None if mask is None else _mask_bytes(mask, rows, P, "select_pages")
     if out is None:
         out = torch.empty((rows, W), dtype=torch.int32, device=dev)
     lists = torch.empty((vrows, KP), dtype=torch.int32, device=dev) if per_head else None
@@ -440,11 +490,15 @@ def select_pages(
         n_chunk,
         lists if per_head else out,
         KP if per_head else W,
+        out if marks is None else marks,
+        P,
         PER_HEAD=per_head,
         G=G,
         B=page_size,
         KP=KP,
         M=M,
+        MARK=marks is not None and not per_head,
+        MB=MARK_BLOCK,
         num_warps=4 if M <= 1024 else 8,
     )
     if per_head:
@@ -460,8 +514,12 @@ def select_pages(
             heads,
             out,
             W,
+            out if marks is None else marks,
+            P,
             B=page_size,
             N=N,
+            MARK=marks is not None,
+            MB=MARK_BLOCK,
             num_warps=4 if N <= 1024 else 8,
         )
     return out

@@ -159,8 +159,10 @@ NO_ATTENTION = "no-attention"  # every attention output zero: the step less its 
 
 
 def skip_attention(module, query, key, value, attention_mask, **kwargs):
-    """An attention function that reads no K/V: zeros of the output's shape ``[b, q_len, heads, d]``."""
-    return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3]), None
+    """An attention function that reads no K/V: zeros of the output's shape ``[b, q_len, heads, d]``, computed
+    from the query (times zero) so that the compiler keeps its projection and RoPE: zeros made from the shape alone
+    let inductor drop ``q_proj``, about 0.5 ms of the GLM-4-9B step."""
+    return query.transpose(1, 2) * 0, None
 
 
 AttentionInterface.register(NO_ATTENTION, skip_attention)

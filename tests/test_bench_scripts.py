@@ -89,8 +89,11 @@ def test_the_no_attention_arm_skips_attention_only(tmp_path):
     rows = {r["arm"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["no-attention"]["read_bytes"] == 0 and rows["no-attention"]["attended"] == 0.0
     assert rows["full"]["attended"] == 1.0 and rows["full"]["read_bytes"] > 0
-    q = __import__("torch").randn(1, 4, 3, 32)
-    assert not module.skip_attention(None, q, None, None, None)[0].any()
+    q = __import__("torch").randn(1, 4, 3, 32, requires_grad=True)
+    zeros = module.skip_attention(None, q, None, None, None)[0]
+    assert zeros.shape == (1, 3, 4, 32) and not zeros.any()
+    # made from the query, so that a compiler keeps the query's projection (zeros of a shape let it drop q_proj)
+    assert zeros.grad_fn is not None
     model = module.random_model("tiny", __import__("torch").device("cpu"))
     embed = model.model.embed_tokens.weight  # one row of it is read; the LM head (a weight of its own) in full
     assert model.lm_head.weight is not embed

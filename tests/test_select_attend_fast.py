@@ -139,6 +139,26 @@ def test_selection_short_rows_and_device_budget():
         assert torch.equal(page_lists_as_mask(pages, c.b, c.h, c.P), c.want(scores, k, False))
 
 
+@pytest.mark.parametrize("per_head", [False, True])
+def test_selection_marks_its_lists_in_the_mask(per_head):
+    """``select_pages(mask=...)``: the launch that writes the lists overwrites a dirty page mask with exactly
+    the listed pages (the sink, the recent page and the selected ones), as `mark_lists` does in a launch of its
+    own; a mask of another shape is refused, not written past."""
+    from locks_hf.paged import pages_to_mask
+
+    c = Rows(13, G=4, B=16, pages=40, pad=(0, 70))
+    scores = c.scores()
+    gen = torch.Generator().manual_seed(5)
+    mask = (torch.rand(c.b * c.h, c.P, generator=gen) > 0.5).to(DEV)
+    pages = _select(c, scores, 6, per_head=per_head, chunk=8, mask=mask)
+    listed = pages_to_mask(pages.cpu().long(), c.P)
+    assert listed.sum(1).min() >= 3 and torch.equal(mask.cpu(), listed)
+    if not per_head:
+        assert torch.equal(listed.view(c.b, c.h, c.P), c.want(scores, 6, False))
+    with pytest.raises(ValueError, match=rf"mask must be a contiguous bool/int8 \[{c.b * c.h}, {c.P}\]"):
+        _select(c, scores, 6, per_head=per_head, mask=mask[:, :-1])
+
+
 @triton.jit
 def _top_keys_rows(key_ptr, k_ptr, out_ptr, N: tl.constexpr):
     i = tl.program_id(0)
@@ -369,6 +389,8 @@ def test_static_layer_step_keeps_its_bookkeeping_in_the_launches(monkeypatch, se
     else:  # no page update writes it: the step reads the count derived from the length
         assert layer.step_tensors()["n_complete"] is not layer.n_complete
     q = c.query.to(DEV)
+    if selector != "full":  # the launches overwrite the whole mask, not only the pages they list
+        layer.last_selection.fill_(True)
     got = kernel_decode(layer, q, 0.3)
     got_sel, got_counts, got_rows = layer.last_selection.clone(), layer.counts.clone(), layer.row_counts.clone()
     layer.reset_stats()

@@ -133,6 +133,18 @@ def cases():
             8,
             False,
         )
+    # The second stage at GLM-4-9B 512K (16 chunks of 128 candidates), with and without the page mask it marks.
+    merge = {n: I32 for n in ("key_ptr", "page_ptr", "sink_ptr", "row_start_ptr", "len_ptr", "k_ptr", "out_ptr")}
+    for mark in (False, True):
+        yield (
+            f"selection merge mark={mark}",
+            select._select_merge_kernel,
+            {**merge, "mask_ptr": "*i8"},
+            dict(PER_HEAD=False, G=16, B=16, KP=128, M=2048, MARK=mark, MB=select.MARK_BLOCK),
+            (),
+            8,
+            False,
+        )
     yield (
         "page mask from lists",
         select._list_mask_kernel,
