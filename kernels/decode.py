@@ -14,7 +14,7 @@ from .attend import sparse_attention
 from .attend_quant import quantized_attention
 from .rerank import rerank_pages
 from .score import SUMMARY_NAMES, score_pages, scores
-from .select import mark_lists, select_pages
+from .select import mark_lists, mask_fits, select_pages
 
 __all__ = ["SUMMARY_NAMES", "choose_pages", "decode_step", "implements", "quantized_decode_step"]
 
@@ -219,13 +219,9 @@ def choose_pages(
             _mark_attended(selection.view(pages.shape[0], -1), pages)
     else:
         # the launch that writes the lists marks them in the mask too, where it is laid out as the lists
-        marks = selection.view(page_scores.shape[0], -1) if selection is not None else None
-        fused = (
-            marks is not None
-            and marks.dtype in (torch.bool, torch.int8)
-            and marks.is_contiguous()
-            and marks.shape[1] == page_scores.shape[-1]
-        )
+        rows, P = page_scores.shape[0], page_scores.shape[-1]
+        marks = selection.view(rows, -1) if selection is not None else None
+        fused = marks is not None and mask_fits(marks, rows, P)
         pages = select_pages(
             page_scores,
             partials,

@@ -327,10 +327,16 @@ def _list_mask_kernel(list_ptr, W, mask_ptr, P, BLOCK: tl.constexpr, WB: tl.cons
         tl.store(mask_ptr + row * P + pg, tl.full([WB], 1, tl.int8), mask=mine)
 
 
+def mask_fits(mask: torch.Tensor, rows: int, P: int) -> bool:
+    """Whether the kernels can write ``mask`` as a page mask of ``rows`` lists over ``P`` pages: contiguous
+    bool or int8 ``[rows, P]``."""
+    return mask.dtype in (torch.bool, torch.int8) and mask.is_contiguous() and tuple(mask.shape) == (rows, P)
+
+
 def _mask_bytes(mask: torch.Tensor, rows: int, P: int, caller: str) -> torch.Tensor:
     """``mask`` (a page mask ``[rows, P]``) as the int8 tensor the kernels write, or a ValueError that says
     what it must be."""
-    if mask.dtype not in (torch.bool, torch.int8) or not mask.is_contiguous() or tuple(mask.shape) != (rows, P):
+    if not mask_fits(mask, rows, P):
         raise ValueError(
             f"{caller}: mask must be a contiguous bool/int8 [{rows}, {P}] tensor, got {mask.dtype} "
             f"{tuple(mask.shape)}{'' if mask.is_contiguous() else ' (not contiguous)'}"
