@@ -110,6 +110,28 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+#: Bytes of a line the L2 is asked for by `prefetch_l2` (sm_90's L2 line; sectors are 32 bytes).
+L2_LINE = tl.constexpr(128)
+
+
+@triton.jit
+def prefetch_l2(base, n_bytes, LINES: tl.constexpr):
+    """Ask the L2 for the first ``n_bytes`` bytes from ``base`` (at most ``LINES`` lines of `L2_LINE`
+    bytes): ``prefetch.global.L2`` per line, a hint whose data comes to no register and which nothing
+    waits on. A program whose loads follow one another (a product, then its epilogue) so has all its
+    bytes on the way from DRAM at its start, and each later load waits on the L2, not on DRAM.
+    CUDA only (inline PTX): the launch sets the kernels' flag off elsewhere and in the interpreter."""
+    off = tl.arange(0, LINES) * L2_LINE
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        "=r,l,r",
+        [base.to(tl.pointer_type(tl.int8)) + off, (off < n_bytes).to(tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
 @triton.jit
 def take_rows(x, G: tl.constexpr, GP: tl.constexpr):
     """First ``G`` rows of ``x [GP, N]`` whose rows ``>= G`` are zero (a dot with a zero-padded query).

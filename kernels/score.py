@@ -36,11 +36,14 @@ from .score_fma import _locks_fma_kernel
 from .score_mma import PAIR_BASE, _locks_mma_kernel
 from .score_tiles import (
     BY_TOKEN_MIN_PAGE_ROWS,
+    L2_PREFETCH,
     VARIANTS,
     default_variant,
     dot_tiles,
     fma_supported,
     fma_tiles,
+    l2_prefetch_lines,
+    l2_prefetch_runs,
     mma_registers,
     mma_supported,
     mma_tiles,
@@ -133,6 +136,7 @@ def score_pages(
     head_split: int | None = None,
     words_per_chunk: int | None = None,
     prefetch: bool = True,
+    l2_prefetch: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Score every page of every row and KV head for one decode query.
 
@@ -154,7 +158,10 @@ def score_pages(
     (`score_tiles`);
     ``maxnreg`` caps the registers per thread (more programs per SM; ``"fma"`` and ``"mma"``; ``"mma"``
     defaults to `score_tiles.mma_registers`). ``prefetch`` (``"mma"``): each product loads its next chunk
-    of codes ahead; ``False`` is the plain loop, kept to time one against the other.
+    of codes ahead; ``False`` is the plain loop, kept to time one against the other. ``l2_prefetch``
+    (``"fma"``, ``"mma"``): each block first asks the L2 for every byte it reads (`score_parts.prefetch_block`);
+    default `score_tiles.L2_PREFETCH` where the device can (`score_tiles.l2_prefetch_runs`: CUDA, not the
+    interpreter); ``True`` elsewhere is an error.
 
     Returns ``(scores [b*h, G, P] float32, partials [b*h, n_blk, 4, GG] float32)``, ``GG`` the
     group size rounded up to a power of two.
@@ -190,6 +197,18 @@ def score_pages(
                 f"{', '.join(given)}: settings of Locks variant 'mma' only; this call scores with "
                 f"{'variant ' + repr(variant) if m == LOCKS else repr(method)}: pass variant='mma' or drop them"
             )
+    if l2_prefetch and not (fma or mma):
+        raise ValueError(
+            f"l2_prefetch: a setting of the Locks variants 'fma' and 'mma' only; this call scores with "
+            f"{'variant ' + repr(variant) if m == LOCKS else repr(method)}: pass variant='fma' or 'mma', or drop it"
+        )
+    if l2_prefetch and not l2_prefetch_runs(q.device):
+        raise ValueError(
+            f"l2_prefetch=True needs a CUDA device outside Triton's interpreter (the query is on {q.device}): "
+            "drop it or pass False"
+        )
+    if l2_prefetch is None:
+        l2_prefetch = (fma or mma) and L2_PREFETCH and l2_prefetch_runs(q.device)
     if fma and not fma_supported(d, B, R, bits):
         raise ValueError(
             f"variant 'fma' needs d*bits % 128 == 0, page_size*rank % 16 == 0 and a power-of-two "
@@ -277,6 +296,7 @@ def score_pages(
             R=R,
             BITS=bits,
             BP=block_pages,
+            PF_LINES=l2_prefetch_lines(block_pages, d, B, R, bits) if l2_prefetch else 0,
             num_warps=num_warps,
             num_stages=num_stages,
             **({} if maxnreg is None else {"maxnreg": maxnreg}),
@@ -323,6 +343,7 @@ def score_pages(
             KCW=words_per_chunk,
             DOT_PREC=dot_precision(q.dtype),
             PREFETCH=prefetch,
+            PF_LINES=l2_prefetch_lines(block_pages, d, B, R, bits) if l2_prefetch else 0,
             num_warps=num_warps,
             num_stages=num_stages,
             **({} if maxnreg is None else {"maxnreg": maxnreg}),

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ._common import LOG2E, slot_ok
-from .score_parts import empty_partials, fold_scores, program_row, row_summaries, store_partials
+from .score_parts import empty_partials, fold_scores, prefetch_block, program_row, row_summaries, store_partials
 
 
 @triton.jit
@@ -269,13 +269,15 @@ def _locks_fma_kernel(
     R: tl.constexpr,
     BITS: tl.constexpr,
     BP: tl.constexpr,
+    PF_LINES: tl.constexpr,
 ):
     """Locks scores, variant ``"fma"``: the contract of `_score_kernel` (METHOD = LOCKS).
 
     ``bas``/``mu``/``cf`` are the basis, centroid and coefficient codes viewed as int32 words (page
     strides ``R*D*BITS/32``, ``D/4``, ``B*R/4`` words); ``scr_ptr`` a float32 scratch of ``D*GG`` per program;
     ``nsub`` blocks of ``BP`` pages per program (a run-time value: no recompilation per grid); ``magic``
-    is ``0x4B000000`` (see `_field`).
+    is ``0x4B000000`` (see `_field`); ``PF_LINES > 0``: each block first asks the L2 for all it reads
+    (`score_parts.prefetch_block`, up to ``PF_LINES`` lines a range).
     """
     blk, row, bb, hh, rs, n_done, length, last_page = program_row(row_start_ptr, n_complete_ptr, len_ptr, H, B)
     vrow = valid_ptr + bb * valid_sb
@@ -309,7 +311,10 @@ def _locks_fma_kernel(
 
     run_m, run_l, first_s, first = empty_partials(GG)
     for it in range(nsub):
-        p = (blk * nsub + it) * BP + tl.arange(0, BP)
+        p0 = (blk * nsub + it) * BP
+        if PF_LINES > 0:
+            prefetch_block(bas, bsc, cf, csc, mu, msc, vrow, rs, p0, n_done, D, B, R, BITS, BP, PF_LINES)
+        p = p0 + tl.arange(0, BP)
         pmask = p < n_done
         acc, accm = _locks_fma_proj(scr, bas, mu, p, pmask, magic, GG, D, R, BITS)
         bs = tl.load(bsc + p[:, None] * R + tl.arange(0, R)[None, :], mask=pmask[:, None], other=0.0).to(tl.float32)

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ._common import LOG2E
 from .score_fma import _locks_fma_lse
-from .score_parts import empty_partials, fold_scores, program_row, row_summaries, store_partials
+from .score_parts import empty_partials, fold_scores, prefetch_block, program_row, row_summaries, store_partials
 
 #: Bits of a pair of 16-bit floats ``(BASE, BASE)`` whose mantissa takes a field in its low bits:
 #: bf16 128 (7 mantissa bits), fp16 1024 (10).
@@ -209,6 +209,7 @@ def _locks_mma_kernel(
     KCW: tl.constexpr,
     DOT_PREC: tl.constexpr,
     PREFETCH: tl.constexpr,
+    PF_LINES: tl.constexpr,
 ):
     """Locks scores, variant ``"mma"``: the contract of `score_dot._score_kernel` (METHOD = LOCKS).
 
@@ -217,7 +218,8 @@ def _locks_mma_kernel(
     ``magic`` is ``0x4B000000`` (float32 code trick of the epilogue), ``bmagic`` the `PAIR_BASE` of the
     query's 16-bit type (bf16 for a float32 query).
     ``HS`` threads share a page, each with ``GG/HS`` of its heads; ``KCW`` words per row per product;
-    ``PREFETCH``: each product loads its next chunk ahead (`_mma_project`).
+    ``PREFETCH``: each product loads its next chunk ahead (`_mma_project`); ``PF_LINES > 0``: each block
+    first asks the L2 for all it reads (`score_parts.prefetch_block`, up to ``PF_LINES`` lines a range).
     """
     blk, row, bb, hh, rs, n_done, length, last_page = program_row(row_start_ptr, n_complete_ptr, len_ptr, H, B)
     vrow = valid_ptr + bb * valid_sb
@@ -253,7 +255,10 @@ def _locks_mma_kernel(
 
     run_m, run_l, first_s, first = empty_partials(GG)
     for it in range(nsub):
-        p = (blk * nsub + it) * BP + tl.arange(0, BP)
+        p0 = (blk * nsub + it) * BP
+        if PF_LINES > 0:
+            prefetch_block(bas, bsc, cf, csc, mu, msc, vrow, rs, p0, n_done, D, B, R, BITS, BP, PF_LINES)
+        p = p0 + tl.arange(0, BP)
         pmask = p < n_done
         rows = tl.reshape(p[:, None] * R + i[None, :], [BP * R])
         rmask = tl.reshape(pmask[:, None] & (i < R)[None, :], [BP * R])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import BIG_PAGE, LOG2E
+from ._common import BIG_PAGE, LOG2E, prefetch_l2
 
 
 @triton.jit
@@ -57,6 +57,39 @@ def row_summaries(
         mu + bb * mu_sb + hh * mu_sh,
         msc + bb * msc_sb + hh * msc_sh,
     )
+
+
+@triton.jit
+def prefetch_block(
+    bas,
+    bsc,
+    cf,
+    csc,
+    mu,
+    msc,
+    vrow,
+    rs,
+    p0,
+    n_done,
+    D: tl.constexpr,
+    B: tl.constexpr,
+    R: tl.constexpr,
+    BITS: tl.constexpr,
+    BP: tl.constexpr,
+    LINES: tl.constexpr,
+):
+    """Ask the L2 (`prefetch_l2`, at most ``LINES`` lines a range) for all a block reads: the summaries of
+    its pages ``p0 .. p0+BP-1`` below ``n_done`` (``bas``/``cf``/``mu`` as int32 words, scales as 16-bit
+    floats) and their tokens' valid flags. The block's projections, then its epilogue, load these one after
+    the other; asked for at once, they wait on DRAM once."""
+    n = tl.minimum(tl.maximum(n_done - p0, 0), BP)
+    prefetch_l2(bas + p0 * (R * D * BITS // 32), n * (R * D * BITS // 8), LINES)
+    prefetch_l2(mu + p0 * (D // 4), n * D, LINES)
+    prefetch_l2(cf + p0 * (B * R // 4), n * (B * R), LINES)
+    prefetch_l2(csc + p0 * B, n * (2 * B), LINES)
+    prefetch_l2(bsc + p0 * R, n * (2 * R), LINES)
+    prefetch_l2(msc + p0, n * 2, LINES)
+    prefetch_l2(vrow + rs + p0 * B, n * B, LINES)
 
 
 @triton.jit

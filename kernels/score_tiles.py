@@ -5,6 +5,11 @@ The defaults and the H200 figures that chose them are kept together here.
 
 from __future__ import annotations
 
+import os
+
+import torch
+
+from ._common import next_pow2
 from .score_dot import LOCKS, ORACLE, QUEST
 
 #: Locks scoring variants (`score.score_pages`' ``variant``).
@@ -157,3 +162,23 @@ def dot_tiles(
         defaults = (bp, 8 if m != ORACLE else 16, 4 if (m != LOCKS or GG * bp * B * R <= 8192) else 8, 2)
     given = (block_pages, sub_blocks, num_warps, num_stages)
     return (by_token, *[d if g is None else g for g, d in zip(given, defaults)])
+
+
+#: Whether the Locks variants ``"fma"`` and ``"mma"`` ask the L2 for a block's bytes at its start by default
+#: (`score_parts.prefetch_block`), where `l2_prefetch_runs`. Off: it scored slower on an H100 at 512K, batch 1
+#: (GLM-4-9B shape r4i4 0.0477 ms against 0.0452 without, r8i4 0.0751 / 0.0732; Llama-3.1-8B shape "fma"
+#: r4i4 0.1011 / 0.0930, r8i4 0.1879 / 0.1717): the prefetches take issue slots from the loads they would hide.
+L2_PREFETCH = False
+
+
+def l2_prefetch_runs(device: torch.device) -> bool:
+    """Whether the kernels can ask the L2 for lines on ``device``: compiled for an NVIDIA GPU (inline PTX),
+    not run by Triton's interpreter."""
+    return device.type == "cuda" and torch.version.hip is None and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
+def l2_prefetch_lines(block_pages: int, d: int, page_size: int, rank: int, basis_bits: int) -> int:
+    """``PF_LINES`` of the Locks scoring kernels: 128-byte lines (a power of two) that cover the largest of a
+    block's ranges (basis codes, centroid codes, coefficients, coefficient scales) at ``block_pages`` pages."""
+    largest = block_pages * max(rank * d * basis_bits // 8, d, page_size * rank, 2 * page_size)
+    return next_pow2(-(-largest // 128))

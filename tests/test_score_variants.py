@@ -11,6 +11,7 @@ float16 queries: the interpreter has no bfloat16 arithmetic); with CUDA they run
 included.
 """
 
+import itertools
 import math
 import os
 
@@ -320,7 +321,78 @@ def test_mma_compiles_for_sm90_within_shared_memory():
         timeout=600,
     )
     assert run.returncode == 0, run.stdout + run.stderr[-2000:]
-    assert run.stdout.count("ok  ") == 5, run.stdout
+    assert run.stdout.count("ok  ") == 6, run.stdout
+    # each case as a CUDA launch compiles it (the L2 prefetch as by default), and one with it, whose PTX asks
+    lines = [line for line in run.stdout.splitlines() if line.startswith("ok  ")]
+    default = "l2_prefetches=0 " not in lines[0]
+    assert all(("l2_prefetches=0 " not in line) == default for line in lines[:5]), run.stdout
+    assert "l2_prefetch:" in lines[5] and "l2_prefetches=0 " not in lines[5], run.stdout
+
+
+def test_l2_prefetch_lines_cover_every_range_of_a_block():
+    """`l2_prefetch_lines`: the fewest power-of-two count of 128-byte lines holding each of a block's ranges
+    (basis codes, centroid codes, coefficients, coefficient scales), against a brute-force search."""
+    from locks_hf.kernels.score_tiles import l2_prefetch_lines
+
+    for bp, d, page, rank, bits in itertools.product(
+        (32, 64, 128), (64, 128), (8, 16, 32, 48), (2, 4, 8, 16), (2, 4, 8)
+    ):
+        ranges = (bp * rank * d * bits // 8, bp * d, bp * page * rank, bp * 2 * page)
+        want = next(n for n in (1 << k for k in range(20)) if all(r <= n * 128 for r in ranges))
+        assert l2_prefetch_lines(bp, d, page, rank, bits) == want, (bp, d, page, rank, bits)
+
+
+@pytest.mark.parametrize("variant", ["mma", "fma"])
+def test_l2_prefetch_reaches_the_launch(monkeypatch, variant):
+    """Where the device can prefetch, ``l2_prefetch=True`` launches with ``PF_LINES`` of `l2_prefetch_lines`
+    and the default as `score_tiles.L2_PREFETCH` says; ``False`` and a device that cannot, with 0."""
+    from locks_hf.kernels import score
+    from locks_hf.kernels.score_tiles import L2_PREFETCH, l2_prefetch_lines
+
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append(kw)
+
+    kernel = "_locks_mma_kernel" if variant == "mma" else "_locks_fma_kernel"
+    monkeypatch.setattr(score, kernel, Recorder())
+    summ = Summaries(7, rank=4, bits=4, G=4, dtype=torch.float16)
+    run(summ, variant)
+    run(summ, variant, l2_prefetch=False)
+    monkeypatch.setattr(score, "l2_prefetch_runs", lambda device: True)
+    run(summ, variant)
+    run(summ, variant, l2_prefetch=False)
+    run(summ, variant, l2_prefetch=True)
+    lines = l2_prefetch_lines(launches[0]["BP"], summ.d, summ.B, summ.rank, summ.bits)
+    default = lines if L2_PREFETCH else 0
+    assert lines > 0
+    assert [kw["PF_LINES"] for kw in launches] == [default if DEV == "cuda" else 0, 0, default, 0, lines]
+
+
+def test_l2_prefetch_refused_where_it_cannot_run():
+    """``l2_prefetch=True`` on a variant without it, or where the kernels cannot ask the L2 (the CPU, the
+    interpreter), is an error that names the setting, not a silent plain launch."""
+    summ = Summaries(8, rank=4, bits=4, G=4)
+    with pytest.raises(ValueError, match="l2_prefetch: a setting of the Locks variants"):
+        run(summ, "dot", l2_prefetch=True)
+    if DEV != "cuda":
+        with pytest.raises(ValueError, match="l2_prefetch=True needs a CUDA device"):
+            run(summ, "mma", l2_prefetch=True)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="the L2 prefetch is inline PTX: compiled for a CUDA GPU only")
+@pytest.mark.parametrize("variant,G,rank", [("mma", 16, 4), ("mma", 4, 8), ("fma", 4, 4), ("fma", 8, 2)])
+def test_l2_prefetch_leaves_scores_and_partials_unchanged(variant, G, rank):
+    """A hint, not a load: the same scores and partials bit for bit with and without it, and the float64
+    reference's scores, on rows with padding, a hole and no complete page."""
+    summ = Summaries(40 + G + rank, rank=rank, bits=4, G=G, b=3, pages=150, dtype=torch.bfloat16)
+    want = summ.reference()
+    got, part = run(summ, variant, l2_prefetch=True)
+    plain, plain_part = run(summ, variant, l2_prefetch=False)
+    assert torch.equal(got, plain) and torch.equal(part, plain_part)
+    assert_scores(got, want, 1e-5)
+    check_partials(part, summ, want.view(summ.b * summ.h, G, summ.P))
 
 
 @pytest.mark.parametrize("rank,bits,G", [(4, 4, 4), (8, 4, 16), (2, 8, 3)])

@@ -56,11 +56,16 @@ def label_of(s: str) -> tuple[int, int]:
     return int(s[1 : s.index("i")]), int(s[s.index("i") + 1 :])
 
 
-def candidates(G: int, rank: int, bits: int, d: int = 128) -> list[dict]:
-    """The scoring settings tried for a group of ``G`` heads: the old variants' defaults and "mma" tiles
-    (block_pages, head_split, words_per_chunk, num_warps, num_stages; None = the default)."""
-    from locks_hf.kernels.score_tiles import fma_supported
+def candidates(G: int, rank: int, bits: int, d: int = 128, grid: str = "tiles") -> list[dict]:
+    """The scoring settings tried for a group of ``G`` heads. ``grid="tiles"``: the old variants' defaults
+    and "mma" tiles (block_pages, head_split, words_per_chunk, num_warps, num_stages; None = the default);
+    ``"l2"``: the default variant at its default tiles with and without the L2 prefetch of each block."""
+    from locks_hf.kernels.score_dot import LOCKS
+    from locks_hf.kernels.score_tiles import default_variant, fma_supported
 
+    if grid == "l2":
+        variant = default_variant(LOCKS, G, d, B, rank, bits)
+        return [dict(variant=variant, l2_prefetch=True), dict(variant=variant, l2_prefetch=False)]
     GG = 1 << max(0, (G - 1).bit_length())
     out = [dict(variant="dot")]
     if G <= 8 and fma_supported(d, B, rank, bits):
@@ -118,6 +123,7 @@ def cfg_name(cfg: dict) -> str:
         "prefetch": "pf",
         "by_token": "tok",
         "maxnreg": "reg",
+        "l2_prefetch": "l2",
     }
     rest = ",".join(f"{short.get(k, k)}{v}" for k, v in cfg.items() if k != "variant")
     return cfg["variant"] + (f"[{rest}]" if rest else "")
@@ -448,6 +454,13 @@ def main(argv=None):
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--ncu-one", default=None, help="MODEL:LABEL: launch each setting twice and exit")
     ap.add_argument(
+        "--grid",
+        choices=("tiles", "l2"),
+        default="tiles",
+        help="settings tried: 'tiles' (every variant, a grid of mma tiles) or 'l2' (the default variant with "
+        "and without the L2 prefetch of each block)",
+    )
+    ap.add_argument(
         "--cfgs",
         default=None,
         help="JSON list of settings tried instead of the built-in grid, each with the defaults first, e.g. "
@@ -462,7 +475,11 @@ def main(argv=None):
 
     import bench_decode  # noqa: F401  (imports locks_hf with or without transformers)
 
-    plan = {(m, lab): candidates(MODELS[m][0] // MODELS[m][1], *label_of(lab)) for m in models for lab in labels}
+    plan = {
+        (m, lab): candidates(MODELS[m][0] // MODELS[m][1], *label_of(lab), grid=args.grid)
+        for m in models
+        for lab in labels
+    }
     if args.cfgs:
         extra = json.loads(args.cfgs)
         plan = {key: [c for c in cfgs if len(c) == 1] + extra for key, cfgs in plan.items()}

@@ -33,6 +33,7 @@ import triton  # noqa: E402
 from check_quant_attention_compile import SM90_SHARED, compile_sm90, cubin_resources  # noqa: E402
 
 from locks_hf.kernels import score  # noqa: E402
+from locks_hf.kernels.score_tiles import L2_PREFETCH, l2_prefetch_lines  # noqa: E402
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 _DT = {"fp32": F32, "bf16": BF16, "fp16": F16}
@@ -46,6 +47,9 @@ CASES = [
     (BF16, 4, 8, 4, 128, 16),
     (BF16, 16, 8, 4, 128, 16),
 ]
+#: Cases also compiled with the L2 prefetch of each block (`score_parts.prefetch_block`, off by default): its
+#: inline PTX assembles and adds no shared memory.
+L2_CASES = [(BF16, 16, 4, 4, 128, 16)]
 
 
 class _Launch:
@@ -58,8 +62,9 @@ class _Launch:
         return lambda *args, **kw: self.calls.append((args, kw))
 
 
-def launch_args(qdt, G, rank, bits, d, B, h=2, b=1, pages=64):
-    """The arguments `score_pages(variant="mma")` launches its kernel with, on CPU tensors."""
+def launch_args(qdt, G, rank, bits, d, B, h=2, b=1, pages=64, l2_prefetch=L2_PREFETCH):
+    """The arguments `score_pages(variant="mma")` launches its kernel with, on CPU tensors, and on a CUDA
+    device the L2 prefetch if ``l2_prefetch`` (the default's)."""
     per = 8 // bits
     summary = {
         "basis": torch.zeros(b, h, pages, rank, d // per, dtype=torch.uint8 if bits < 8 else torch.int8),
@@ -89,6 +94,8 @@ def launch_args(qdt, G, rank, bits, d, B, h=2, b=1, pages=64):
     finally:
         score._locks_mma_kernel = kernel
     ((args, kw),) = rec.calls
+    # a CUDA launch's L2 prefetch of each block (CPU tensors launch without it)
+    kw["PF_LINES"] = l2_prefetch_lines(kw["BP"], d, B, rank, bits) if l2_prefetch else 0
     return args, kw
 
 
@@ -103,20 +110,21 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.grid:
         cases = [
-            (_DT[t], G, r, bits, args.d, 16)
+            (_DT[t], G, r, bits, args.d, 16, L2_PREFETCH)
             for t in args.dtypes.split(",")
             for G, r, bits in itertools.product((1, 2, 4, 8, 16), [int(r) for r in args.ranks.split(",")], (2, 4, 8))
         ]
     else:
         cases = CASES if args.only is None else [CASES[int(i)] for i in args.only.split(",")]
+        cases = [(*c, L2_PREFETCH) for c in cases] + ([] if args.only is not None else [(*c, True) for c in L2_CASES])
     print(f"Triton {triton.__version__}, sm_90 AOT, shared memory limit {args.limit} B", flush=True)
     bad = 0
     for case in cases:
-        qdt, G, rank, bits, d, B = case
-        label = f"{str(qdt)[6:]} G={G} r{rank}i{bits} d={d} B={B}"
+        qdt, G, rank, bits, d, B, l2 = case
+        label = f"{str(qdt)[6:]} G={G} r{rank}i{bits} d={d} B={B}{' l2_prefetch' if l2 else ''}"
         t0 = time.time()
         try:
-            launch, kw = launch_args(*case)
+            launch, kw = launch_args(*case[:6], l2_prefetch=l2)
             kernel = compile_sm90(score._locks_mma_kernel, launch, kw)
         except Exception as e:  # noqa: BLE001 - report every case
             print(f"FAIL  {label}: {type(e).__name__}: {str(e)[:1500]}", flush=True)
@@ -128,6 +136,7 @@ def main(argv=None) -> int:
         print(
             f"{'OVER' if over else 'ok  '}  {label}: block_pages={kw['BP']} head_split={kw['HS']} "
             f"words_per_chunk={kw['KCW']} num_warps={kw['num_warps']} shared={shared} B "
+            f"l2_prefetches={kernel.asm['ptx'].count('prefetch.global.L2')} "
             f"{cubin_resources(kernel.asm['cubin'])} {time.time() - t0:.1f} s",
             flush=True,
         )

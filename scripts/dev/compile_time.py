@@ -31,7 +31,7 @@ from triton.runtime.jit import MockTensor, create_function_from_signature  # noq
 
 from locks_hf.kernels.score_fma import _locks_fma_kernel as KERNEL  # noqa: E402
 from locks_hf.kernels.score_mma import PAIR_BASE, _locks_mma_kernel  # noqa: E402
-from locks_hf.kernels.score_tiles import mma_tiles  # noqa: E402
+from locks_hf.kernels.score_tiles import L2_PREFETCH, l2_prefetch_lines, mma_tiles  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 TARGET = GPUTarget("cuda", 90, 32)
@@ -95,6 +95,7 @@ def compile_fma(
         0x4B000000,
     ]
     kw = dict(G=G, GG=G, D=d, B=page, R=rank, BITS=bits, BP=bp, num_warps=num_warps, num_stages=1, debug=False)
+    kw["PF_LINES"] = l2_prefetch_lines(bp, d, page, rank, bits) if L2_PREFETCH else 0
     return _aot(KERNEL, args, kw)
 
 
@@ -151,6 +152,7 @@ def compile_mma(
         KCW=kcw,
         DOT_PREC="tf32",
         PREFETCH=True,
+        PF_LINES=l2_prefetch_lines(bp, d, page, rank, bits) if L2_PREFETCH else 0,
         num_warps=nw,
         num_stages=ns,
         debug=False,
