@@ -40,6 +40,7 @@ import argparse
 import gc
 import json
 import os
+import re
 import statistics
 import time
 
@@ -227,6 +228,20 @@ def rewind(cache, n: int = 1) -> None:
             layer.length_t.sub_(n)
 
 
+#: ``--graphs`` modes compiled by inductor (its generated code can be read back).
+INDUCTOR_GRAPHS = ("compile", "compile-cuda")
+#: A matrix product in inductor's generated code: a call of an extern kernel (cuBLAS, oneDNN) or of a template.
+_PRODUCT = re.compile(
+    r"extern_kernels\.(?:mm|addmm|bmm|baddbmm|_int_mm)\(|\b(?:triton|cpp)_tem_\w+\.run\(|\bcpp_tem_\w+\("
+)
+
+
+def matrix_products(codes: list[str]) -> int:
+    """Matrix products that inductor's generated ``codes`` (one string a compiled graph) run: what shows
+    whether a projection the step does not need was dropped (the ``no-attention`` arm must keep ``q_proj``)."""
+    return sum(len(_PRODUCT.findall(code)) for code in codes)
+
+
 class Stepper:
     """One-token forwards on ``cache``: eager, a captured CUDA graph, or torch.compile."""
 
@@ -247,10 +262,17 @@ class Stepper:
             keep = (lambda t: t) if graphs == "compile-cuda" else torch.clone
             self.fn = lambda: keep(compiled(self.token, **self.cache_kw, logits_to_keep=1).logits)
         self.graph = None
+        self.products: int | None = None  # matrix products in the compiled step (`matrix_products`)
 
     def warm_up(self, n: int) -> None:
-        for _ in range(n):
-            self.fn()
+        for i in range(n):
+            if i == 0 and self.graphs in INDUCTOR_GRAPHS:  # the compiling call: keep what inductor generated
+                from torch._inductor.utils import run_and_get_code
+
+                codes = run_and_get_code(self.fn)[1]
+                self.products = matrix_products(codes) if codes else None  # None: no code came back to read
+            else:
+                self.fn()
         if self.graphs in ("cuda", "compile-cuda"):
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -490,6 +512,8 @@ def run_arms(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
                         "host_ms": statistics.median(host) if host else None,
                         "pid": os.getpid(),
                         "captured_steps": step_stats() if args.graphs == "captured" else None,
+                        "matrix_products": stepper.products,
+                        "layers": config.num_hidden_layers,
                     }
                 )
                 if name == NO_ATTENTION:  # the step less its attention, against the weights' read floor
@@ -557,6 +581,12 @@ def report(rows: list[dict], args, dtype: torch.dtype, where: str) -> None:
                 f"{tokens_label(r['context'])} {NO_ATTENTION}: {r['median_ms']:.2f} ms against the weights' read floor "
                 f"{r['weight_floor_ms']:.2f} ms ({r['weight_read_bytes'] / 1e9:.2f} GB at {r['read_tbps']:.2f} TB/s "
                 f"measured): {r['median_ms'] / r['weight_floor_ms']:.2f}x"
+            )
+    for r in rows:
+        if r.get("matrix_products") is not None:
+            print(
+                f"{tokens_label(r['context'])} {r['arm']}: {r['matrix_products']} matrix products in the compiled step "
+                f"({r['layers']} layers)"
             )
     with open(args.out, "w") as f:
         json.dump(

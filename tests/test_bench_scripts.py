@@ -77,16 +77,21 @@ def test_the_glm_shapes_are_transformers_glm(tmp_path):
     assert rows["full"]["attended"] == 1.0 and 0.0 < rows["r4i4"]["attended"] < 0.5
 
 
+def _no_attention_and_full(module, tmp_path, *, graphs: str, context: str, steps: str) -> dict:
+    """The rows, by arm, of ``no-attention`` and ``full`` steps of the tiny model on the CPU."""
+    out = tmp_path / f"na_{graphs}.json"
+    module.main(
+        ["--shape", "tiny", "--device", "cpu", "--contexts", context, "--budget", "64", "--graphs", graphs]
+        + ["--arms", "no-attention,full", "--steps", steps, "--warmup", "1", "--out", str(out)]
+    )
+    return {r["arm"]: r for r in json.loads(out.read_text())["rows"]}
+
+
 def test_the_no_attention_arm_skips_attention_only(tmp_path):
     """``no-attention``: the step without reading K/V (zeros for every attention), faster than dense on the
     same model, and the next arm has its attention back."""
-    out = tmp_path / "na.json"
     module = _load()
-    module.main(
-        ["--shape", "tiny", "--device", "cpu", "--contexts", "2048", "--budget", "64", "--graphs", "none"]
-        + ["--arms", "no-attention,full", "--steps", "3", "--warmup", "1", "--out", str(out)]
-    )
-    rows = {r["arm"]: r for r in json.loads(out.read_text())["rows"]}
+    rows = _no_attention_and_full(module, tmp_path, graphs="none", context="2048", steps="3")
     assert rows["no-attention"]["read_bytes"] == 0 and rows["no-attention"]["attended"] == 0.0
     assert rows["full"]["attended"] == 1.0 and rows["full"]["read_bytes"] > 0
     q = __import__("torch").randn(1, 4, 3, 32, requires_grad=True)
@@ -98,6 +103,18 @@ def test_the_no_attention_arm_skips_attention_only(tmp_path):
     embed = model.model.embed_tokens.weight  # one row of it is read; the LM head (a weight of its own) in full
     assert model.lm_head.weight is not embed
     assert module.weight_read_bytes(model) == sum(p.numel() * 4 for p in model.parameters()) - embed.numel() * 4
+
+
+def test_the_compiled_no_attention_step_keeps_every_projection(tmp_path):
+    """Compiled by inductor, the ``no-attention`` step runs as many matrix products as the dense one: seven a
+    layer (q, k, v, o, gate, up, down) and the LM head. Zeros made from the query's shape alone (the arm's first
+    form) let inductor drop ``q_proj``: 13 instead of 15 for 2 layers. The count is read from inductor's
+    generated code and reported in each compiled row."""
+    module = _load()
+    rows = _no_attention_and_full(module, tmp_path, graphs="compile", context="512", steps="1")
+    layers = rows["full"]["layers"]
+    assert rows["no-attention"]["matrix_products"] == rows["full"]["matrix_products"] == 7 * layers + 1
+    assert module.matrix_products(["extern_kernels.mm(a, b, out=c)", "extern_kernels.addmm(x, a, b)"]) == 2
 
 
 def test_inductor_options_are_for_the_inductor_step_only():
