@@ -322,6 +322,20 @@ def time_steps(stepper: Stepper, steps: int, host: list[float] | None = None) ->
     return times
 
 
+#: Kernel groups of `profile_step`, by name: the library's Triton kernels (``_..._kernel``), inductor's generated
+#: ones, the vendor's matrix products; anything else (copies, torch's own kernels) is "other".
+KERNEL_GROUPS = (
+    ("library", re.compile(r"^_\w+_kernel$")),
+    ("inductor", re.compile(r"^triton_")),
+    ("matrix products", re.compile(r"nvjet|gemv|gemm|cublas|cutlass|splitk|xmma", re.IGNORECASE)),
+)
+
+
+def kernel_group(name: str) -> str:
+    """The `KERNEL_GROUPS` group of a kernel's name."""
+    return next((group for group, pattern in KERNEL_GROUPS if pattern.search(name)), "other")
+
+
 def profile_step(stepper: Stepper, steps: int, top: int = 12) -> dict:
     """Kernels of ``steps`` eager one-token forwards (torch.profiler): count per step and the top ones
     by GPU kernel time, so a step's time can be attributed (graph replays hide their kernels)."""
@@ -341,10 +355,17 @@ def profile_step(stepper: Stepper, steps: int, top: int = 12) -> dict:
         {"name": e.key[:90], "ms_per_step": e.device_time_total / steps / 1e3, "per_step": e.count / steps}
         for e in events[: top or None]
     ]
+    groups: dict[str, dict] = {}
+    for e in events:
+        g = groups.setdefault(kernel_group(e.key), {"ms_per_step": 0.0, "per_step": 0.0})
+        g["ms_per_step"] += e.device_time_total / steps / 1e3
+        g["per_step"] += e.count / steps
     print(f"  profile: {kernels:.0f} kernels/step, {total:.2f} ms GPU kernel time/step")
+    for name, g in groups.items():
+        print(f"    {name}: {g['ms_per_step']:.3f} ms in {g['per_step']:.0f} kernels a step")
     for r in rows:
         print(f"    {r['ms_per_step']:8.3f} ms  x{r['per_step']:5.0f}  {r['name']}")
-    return {"kernels_per_step": kernels, "device_ms_per_step": total, "top": rows}
+    return {"kernels_per_step": kernels, "device_ms_per_step": total, "groups": groups, "top": rows}
 
 
 def host_profile(stepper: Stepper, steps: int, top: int = 15) -> list[dict]:
@@ -529,7 +550,10 @@ def run_arms(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
                 host_note = f", host {rows[-1]['host_ms']:.2f} ms" if host else ""
                 print(rows[-1]["context"], name, f"{med:.2f} ms{host_note}", f"replay diff {diff}", flush=True)
                 if args.profile and device.type == "cuda":
-                    rows[-1]["profile"] = profile_step(stepper, args.profile, args.profile_top)
+                    prof = rows[-1]["profile"] = profile_step(stepper, args.profile, args.profile_top)
+                    # a replayed step's time past its kernels' own: the gaps between them (launch, dependencies)
+                    prof["between_kernels_ms_per_step"] = med - prof["device_ms_per_step"]
+                    print(f"    between kernels: {prof['between_kernels_ms_per_step']:.3f} ms a step", flush=True)
                 if args.host_profile:
                     rows[-1]["host_profile"] = host_profile(stepper, args.host_profile)
                 if args.graphs == "none" and cache is shared:

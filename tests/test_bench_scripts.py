@@ -117,6 +117,16 @@ def test_the_compiled_no_attention_step_keeps_every_projection(tmp_path):
     assert module.matrix_products(["extern_kernels.mm(a, b, out=c)", "extern_kernels.addmm(x, a, b)"]) == 2
 
 
+def test_profile_groups_kernels_by_who_wrote_them():
+    """`--profile` sums a step's kernels by group: the library's, inductor's, the vendor's matrix products."""
+    group = _load().kernel_group
+    assert group("_locks_mma_kernel") == group("_select_merge_kernel") == "library"
+    assert group("triton_poi_fused__to_copy_add_mul_0") == group("triton_red_fused_mean_1") == "inductor"
+    assert group("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT") == "matrix products"
+    assert group("void cublasLt::splitKreduce_kernel<32, 16, int, float>") == "matrix products"
+    assert group("void at::native::vectorized_elementwise_kernel<4>") == "other"
+
+
 def test_inductor_options_are_for_the_inductor_step_only():
     with pytest.raises(SystemExit, match="--graphs compile-cuda"):
         _load().main(["--shape", "tiny", "--device", "cpu", "--inductor-options", '{"max_autotune": true}'])

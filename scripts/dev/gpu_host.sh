@@ -6,6 +6,8 @@
 #   attn1m    the same at 1M, batch 1;  ~2 min
 #   step      the complete GLM-4-9B step at 512K captured by hand in one CUDA graph (`--graphs compile-cuda`):
 #             r4i4, r8i4, dense and the step less its attention (against the weights' read floor) in one run;  ~5 min
+#   profile   the GLM-4-9B r4i4 step of `step` with every kernel listed (`--profile 2 --profile-top 0`): kernel time
+#             by group (the library's, inductor's, the matrix products) and the time between kernels;  ~2 min
 #   host      where `--graphs captured` spends its host time: GLM-4-9B r4i4 at 512K under cProfile;  ~2 min
 #   generate  the one-liner's first generate() at 128K from cold caches, then again with those caches warm:
 #             torch.compile's share and the library's Triton compiles by kernel (`triton_compiles`);  ~3 min
@@ -53,6 +55,10 @@ for part in $PARTS; do
     step)
       run decode_step_glm4-9b_compile-cuda 330 python3 scripts/bench_decode_step.py --graphs compile-cuda --shape glm4-9b \
           --contexts 512K --arms r4i4,r8i4,full,no-attention --steps 20 --out "$OUT/decode_step_glm4-9b_compile-cuda.json" ;;
+    profile)
+      run decode_step_glm4-9b_profile 200 python3 scripts/bench_decode_step.py --graphs compile-cuda --shape glm4-9b \
+          --contexts 512K --arms r4i4,no-attention --steps 20 --profile 2 --profile-top 0 \
+          --out "$OUT/decode_step_glm4-9b_profile.json" ;;
     glmhf)
       run decode_step_glm4-9b-hf_compile-cuda 330 python3 scripts/bench_decode_step.py --graphs compile-cuda \
           --shape glm4-9b-hf --contexts 512K --arms r4i4,r8i4,full,no-attention --steps 20 --profile 2 --profile-top 0 \
@@ -93,6 +99,6 @@ for part in $PARTS; do
       run quant_attention_glm4-9b_512k_batch8_dense 240 python3 scripts/bench_kv_quant.py --shape glm4-9b --batch 8 \
           --contexts 512K --page-sizes 16 --bits 4 --warps 4,8 --tile-pages auto,1,2 --dense --reps 20 \
           --out "$OUT/quant_attention_glm4-9b_512k_batch8_dense.json" ;;
-    *) echo "gpu_host: unknown part '$part' (attn attn1m step glmhf host generate oneliner autotune batch8 short gemv trace quanttile)" >&2; exit 2 ;;
+    *) echo "gpu_host: unknown part '$part' (attn attn1m step profile glmhf host generate oneliner autotune batch8 short gemv trace quanttile)" >&2; exit 2 ;;
   esac
 done
