@@ -167,7 +167,7 @@ def dot_tiles(
 #: Whether the Locks variants ``"fma"`` and ``"mma"`` ask the L2 for a block's bytes at its start by default
 #: (`score_parts.prefetch_block`), where `l2_prefetch_runs`. Off: it scored slower on an H100 at 512K, batch 1
 #: (GLM-4-9B shape r4i4 0.0477 ms against 0.0452 without, r8i4 0.0751 / 0.0732; Llama-3.1-8B shape "fma"
-#: r4i4 0.1011 / 0.0930, r8i4 0.1879 / 0.1717): the prefetches take issue slots from the loads they would hide.
+#: r4i4 0.1011 / 0.0930, r8i4 0.1879 / 0.1717): its requests cost more than the latency they hide.
 L2_PREFETCH = False
 
 
