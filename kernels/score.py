@@ -252,6 +252,7 @@ def score_pages(
             m, GG, B, R, rows * n_pages, by_token, block_pages, sub_blocks, num_warps, num_stages
         )
     span = block_pages * sub_blocks
+    pf_lines = l2_prefetch_lines(block_pages, d, B, R, bits) if l2_prefetch else 0  # "fma" / "mma" only
     n_blk = max(1, triton.cdiv(n_pages, span))
     if out is None:
         out = torch.empty((rows, G, n_pages), dtype=torch.float32, device=q.device)
@@ -296,7 +297,7 @@ def score_pages(
             R=R,
             BITS=bits,
             BP=block_pages,
-            PF_LINES=l2_prefetch_lines(block_pages, d, B, R, bits) if l2_prefetch else 0,
+            PF_LINES=pf_lines,
             num_warps=num_warps,
             num_stages=num_stages,
             **({} if maxnreg is None else {"maxnreg": maxnreg}),
@@ -343,7 +344,7 @@ def score_pages(
             KCW=words_per_chunk,
             DOT_PREC=dot_precision(q.dtype),
             PREFETCH=prefetch,
-            PF_LINES=l2_prefetch_lines(block_pages, d, B, R, bits) if l2_prefetch else 0,
+            PF_LINES=pf_lines,
             num_warps=num_warps,
             num_stages=num_stages,
             **({} if maxnreg is None else {"maxnreg": maxnreg}),
