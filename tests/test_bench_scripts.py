@@ -88,17 +88,17 @@ def _no_attention_and_full(module, tmp_path, *, graphs: str, context: str, steps
 
 
 def test_the_no_attention_arm_skips_attention_only(tmp_path):
-    """``no-attention``: the step without reading K/V (zeros for every attention), faster than dense on the
-    same model, and the next arm has its attention back."""
+    """``no-attention``: the step without reading K/V (every attention's output is its query), faster than dense
+    on the same model, and the next arm has its attention back."""
     module = _load()
     rows = _no_attention_and_full(module, tmp_path, graphs="none", context="2048", steps="3")
     assert rows["no-attention"]["read_bytes"] == 0 and rows["no-attention"]["attended"] == 0.0
     assert rows["full"]["attended"] == 1.0 and rows["full"]["read_bytes"] > 0
-    q = __import__("torch").randn(1, 4, 3, 32, requires_grad=True)
-    zeros = module.skip_attention(None, q, None, None, None)[0]
-    assert zeros.shape == (1, 3, 4, 32) and not zeros.any()
-    # made from the query, so that a compiler keeps the query's projection (zeros of a shape let it drop q_proj)
-    assert zeros.grad_fn is not None
+    torch = __import__("torch")
+    q = torch.randn(1, 4, 3, 32)
+    out, weights = module.skip_attention(None, q, None, None, None)
+    # the query itself (not zeros a compiler could see through): its projection and RoPE stay in the step
+    assert weights is None and out.shape == (1, 3, 4, 32) and torch.equal(out, q.transpose(1, 2))
     model = module.random_model("tiny", __import__("torch").device("cpu"))
     embed = model.model.embed_tokens.weight  # one row of it is read; the LM head (a weight of its own) in full
     assert model.lm_head.weight is not embed
@@ -108,13 +108,28 @@ def test_the_no_attention_arm_skips_attention_only(tmp_path):
 def test_the_compiled_no_attention_step_keeps_every_projection(tmp_path):
     """Compiled by inductor, the ``no-attention`` step runs as many matrix products as the dense one: seven a
     layer (q, k, v, o, gate, up, down) and the LM head. Zeros made from the query's shape alone (the arm's first
-    form) let inductor drop ``q_proj``: 13 instead of 15 for 2 layers. The count is read from inductor's
-    generated code and reported in each compiled row."""
+    form) let inductor drop ``q_proj``: 13 instead of 15 for 2 layers on the CPU; ``query * 0`` (its second) let
+    the CUDA build drop it (242 instead of 282 for GLM-4-9B). The count is read from inductor's generated code and
+    reported in each compiled row."""
     module = _load()
     rows = _no_attention_and_full(module, tmp_path, graphs="compile", context="512", steps="1")
     layers = rows["full"]["layers"]
     assert rows["no-attention"]["matrix_products"] == rows["full"]["matrix_products"] == 7 * layers + 1
     assert module.matrix_products(["extern_kernels.mm(a, b, out=c)", "extern_kernels.addmm(x, a, b)"]) == 2
+    assert module.lost_products(list(rows.values())) == []
+
+
+def test_a_no_attention_row_with_fewer_products_than_dense_is_flagged():
+    """What a CUDA build did to the arm's previous form (``query * 0``): 242 products against dense's 282."""
+    lost_products = _load().lost_products
+    rows = [
+        {"context": 512, "arm": "full", "matrix_products": 282},
+        {"context": 512, "arm": "no-attention", "matrix_products": 242},
+        {"context": 1024, "arm": "no-attention", "matrix_products": 10},  # no dense row of its context
+        {"context": 512, "arm": "r4i4", "matrix_products": 200},  # only the no-attention arm is checked
+    ]
+    assert lost_products(rows) == [rows[1]] and rows[1]["lost_products"] == 40
+    assert lost_products([{"context": 512, "arm": "no-attention", "matrix_products": None}, rows[0]]) == []
 
 
 def test_profile_groups_kernels_by_who_wrote_them():

@@ -5,7 +5,7 @@ against the previous ones, and the complete decode step's launches and time.
 ``--kernels``: one layer at the real attention shapes (synthetic cache, r4i4 summaries built by the
 GPU kernels), CUDA-graph medians over several cache copies (no warm L2), per configuration:
 
-* selection: per-chunk top-k + merge;
+* selection: per-chunk top-k + merge, without and with the page mask a static layer keeps;
 * attention over the selected pages: the split merge in a second launch (the previous layout) vs
   merged by the last split, and a few split counts / tile sizes;
 * score + select + attend as the previous chain and as `decode_step` runs it now, against the
@@ -126,6 +126,12 @@ def kernel_config(model: str, ctx: int, batch: int, budget: int, reps: int, swee
     pages = [sel(i) for i in range(nbuf)]
     t = {}
     t["select_chunks"] = timed([functools.partial(sel, i) for i in range(nbuf)], reps)
+    # as a static layer's step runs it: the launch that writes the lists also overwrites the layer's page mask
+    masks = [torch.ones((rows, sp[i][0].shape[-1]), dtype=torch.bool, device=BD.DEV) for i in range(nbuf)]
+    marked = [sel(i, mask=masks[i]) for i in range(nbuf)]
+    if not all(torch.equal(marked[i], pages[i]) for i in range(nbuf)):
+        log("    select_marked: pages differ from the unmarked selection's")
+    t["select_marked"] = timed([functools.partial(sel, i, mask=masks[i]) for i in range(nbuf)], reps)
     if sweep:  # pages per first-stage program, its warps, the partials it folds per step
         P = sp[0][0].shape[-1]
         for chunk in (512, 1024, 2048, 4096):
@@ -255,7 +261,7 @@ def kernel_config(model: str, ctx: int, batch: int, budget: int, reps: int, swee
         "  " + ", ".join(f"{k} {v:.4f}" for k, v in t.items() if v) + f"; dense {row['dense_ms']} "
         f"({row['dense_backend']})"
     )
-    for held in (sets, sp, pages):  # the closures keep the lists, not their tensors
+    for held in (sets, sp, pages, masks, marked):  # the closures keep the lists, not their tensors
         held.clear()
     gc.collect()
     if BD.DEV == "cuda":
@@ -265,16 +271,16 @@ def kernel_config(model: str, ctx: int, batch: int, budget: int, reps: int, swee
 
 def kernel_table(rows: list[dict]) -> str:
     out = [
-        "| model | ctx | batch | score | select | attend old | attend fused (best) "
+        "| model | ctx | batch | score | select | select marked | attend old | attend fused (best) "
         "| total old | **total new** | dense (backend) | old x | **new x** |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     f = lambda x: "-" if x is None else f"{x:.4f}"  # noqa: E731
     for r in rows:
         t = r["ms"]
         out.append(
             f"| {r['model']} | {BD.fmt_ctx(r['context'])} | {r['batch']} | {f(t.get('score'))} | "
-            f"{f(t.get('select_chunks'))} | "
+            f"{f(t.get('select_chunks'))} | {f(t.get('select_marked'))} | "
             f"{f(t.get('attend_old'))} | {f(t.get('attend_fused'))} ({f(r.get('best_attend_ms'))}) | "
             f"{f(t.get('total_old'))} | **{f(t.get('total_new'))}** | {f(r.get('dense_ms'))} "
             f"({r.get('dense_backend')}; ours, separate merge: {f(r.get('dense_kernel_separate_merge_ms'))}) | "
