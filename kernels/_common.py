@@ -176,10 +176,22 @@ def kth_key(key, K):
     distinct scores is after about log16(N) + 1 rounds rather than 8: each round is a block-wide
     barrier, and the rounds are most of a selection program's time. No sort.
     """
+    return kth_key_of(key, key, K, False)
+
+
+@triton.jit
+def kth_key_of(key, more, K, TWO: tl.constexpr):
+    """`kth_key` of the keys of ``key [N]`` and, with ``TWO``, of a second tile ``more [M]`` taken as one
+    list: ``N + M`` keys whose count is not a power of two need no tile of the next power of two."""
     cand = key != NO_KEY
     lo = tl.min(tl.where(cand, key, 2147483647), axis=0).to(tl.int64)
     hi = tl.max(key, axis=0).to(tl.int64)
     n_cand = tl.sum(cand.to(tl.int32), axis=0)
+    if TWO:
+        cand2 = more != NO_KEY
+        lo = tl.minimum(lo, tl.min(tl.where(cand2, more, 2147483647), axis=0).to(tl.int64))
+        hi = tl.maximum(hi, tl.max(more, axis=0).to(tl.int64))
+        n_cand += tl.sum(cand2.to(tl.int32), axis=0)
     if n_cand <= K:  # keep every candidate: threshold just under the smallest key
         lo = lo - 1
         hi = lo
@@ -189,6 +201,8 @@ def kth_key(key, K):
         step = (hi - lo + 16) >> 4  # ceil((hi - lo + 1) / 16) >= 1
         th = tl.minimum(lo + k16 * step, hi)  # th[0] = lo
         cnt = tl.sum((key[:, None] >= th.to(tl.int32)[None, :]).to(tl.int32), axis=0)
+        if TWO:
+            cnt += tl.sum((more[:, None] >= th.to(tl.int32)[None, :]).to(tl.int32), axis=0)
         best = tl.max(tl.where(cnt >= K, th, lo), axis=0)
         exact = tl.min(tl.where(cnt == K, th, hi + 1), axis=0)
         if exact <= hi:  # the keys >= exact are the top K: t = exact - 1 has none tied with them
@@ -208,10 +222,29 @@ def top_keys(key, K):
     are. The threshold from `kth_key` (every key above it is kept), then a prefix count of the ties at
     the threshold fills the rest.
     """
+    return top_keys_of(key, key, K, False)[0]
+
+
+@triton.jit
+def top_keys_of(key, more, K, TWO: tl.constexpr):
+    """`top_keys` of ``key [N]`` followed, with ``TWO``, by a second tile ``more [M]``: the masks of both
+    (ties: earlier position first, every position of ``key`` before those of ``more``); without
+    ``TWO`` the second mask is the first."""
+    thr = kth_key_of(key, more, K, TWO)
     cand = key != NO_KEY
-    thr = kth_key(key, K)
     above = cand & (key.to(tl.int64) > thr)
     tie = cand & (key.to(tl.int64) == thr)
-    room = K - tl.sum(above.to(tl.int32), axis=0)
+    n_above = tl.sum(above.to(tl.int32), axis=0)
+    if TWO:
+        cand2 = more != NO_KEY
+        above2 = cand2 & (more.to(tl.int64) > thr)
+        tie2 = cand2 & (more.to(tl.int64) == thr)
+        n_above += tl.sum(above2.to(tl.int32), axis=0)
+    room = K - n_above
     rank = tl.cumsum(tie.to(tl.int32), axis=0)
-    return above | (tie & (rank <= room))
+    keep = above | (tie & (rank <= room))
+    keep2 = keep
+    if TWO:
+        rank2 = tl.sum(tie.to(tl.int32), axis=0) + tl.cumsum(tie2.to(tl.int32), axis=0)
+        keep2 = above2 | (tie2 & (rank2 <= room))
+    return keep, keep2

@@ -6,8 +6,8 @@ Two launches, no host sync, fixed-width outputs padded with ``SENTINEL``:
    for the shared rule, each query head's LSE over the candidate pages; computes one key per page
    of its chunk (the share-average ``mean_g exp(s_g - LSE_g)``, or a head's own score for Quest)
    and keeps the chunk's best ``k-2`` by a threshold search (``top_keys``), in page order.
-2. ``_select_merge_kernel`` (grid: rows) takes the best ``k-2`` of the chunk winners the same way
-   and writes ``[sink, recent, winners..., SENTINEL...]``; for Quest it writes each head's list and
+2. ``_select_merge_kernel`` (grid: rows) takes the best ``k-2`` of the chunk winners the same way (in
+   two tiles when the chunk count is not a power of two: `merge_tiles`) and writes ``[sink, recent, winners..., SENTINEL...]``; for Quest it writes each head's list and
    ``_union_kernel`` merges the G lists of a KV head (sort, drop duplicates). Given a page mask, the
    launch that writes the final lists overwrites it with them too (`mark_row`): a static layer's record
    of the pages attended costs no launch of its own.
@@ -31,6 +31,7 @@ from ._common import (
     scalar_at,
     score_key,
     top_keys,
+    top_keys_of,
 )
 
 
@@ -218,28 +219,48 @@ def _select_merge_kernel(
     B: tl.constexpr,
     KP: tl.constexpr,
     M: tl.constexpr,
+    MT: tl.constexpr,
     MARK: tl.constexpr,
     MB: tl.constexpr,
 ):
     vrow = tl.program_id(0)
     K = free_slots(k_ptr, K_MAX)
+    n_in = n_chunk * KP
+    base = vrow * n_in
     e = tl.arange(0, M)
-    inb = e < n_chunk * KP
-    key = tl.load(key_ptr + vrow * n_chunk * KP + e, mask=inb, other=NO_KEY)
-    page = tl.load(page_ptr + vrow * n_chunk * KP + e, mask=inb, other=SENTINEL)
-    keep = top_keys(key, K)
+    key = tl.load(key_ptr + base + e, mask=e < n_in, other=NO_KEY)
+    page = tl.load(page_ptr + base + e, mask=e < n_in, other=SENTINEL)
+    key2 = key
+    page2 = page
+    if MT > 0:  # the chunk lists past the first M entries, in a tile of their own (see `merge_tiles`)
+        t = M + tl.arange(0, MT)
+        key2 = tl.load(key_ptr + base + t, mask=t < n_in, other=NO_KEY)
+        page2 = tl.load(page_ptr + base + t, mask=t < n_in, other=SENTINEL)
+    keep, keep2 = top_keys_of(key, key2, K, MT > 0)
     n = tl.sum(keep.to(tl.int32), axis=0)
     pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    n_all = n
+    pos2 = pos
+    if MT > 0:  # after the first tile's pages: the lists stay in page order
+        n_all += tl.sum(keep2.to(tl.int32), axis=0)
+        pos2 = n + tl.cumsum(keep2.to(tl.int32), axis=0) - 1
     if PER_HEAD:
         tl.store(out_ptr + vrow * KP + pos, page, mask=keep)
+        if MT > 0:
+            tl.store(out_ptr + vrow * KP + pos2, page2, mask=keep2)
         w = tl.arange(0, KP)
-        tl.store(out_ptr + vrow * KP + w, tl.full([KP], SENTINEL, tl.int32), mask=w >= n)
+        tl.store(out_ptr + vrow * KP + w, tl.full([KP], SENTINEL, tl.int32), mask=w >= n_all)
     else:
         sink = tl.load(sink_ptr + vrow)
         last_page = last_page_of(row_start_ptr, len_ptr, vrow, H, B)
-        write_page_list(out_ptr, vrow, W, page, keep, pos, n, sink, last_page, KP)
+        write_page_list(out_ptr, vrow, W, page, keep, pos, n_all, sink, last_page, KP)
+        if MT > 0:
+            tl.store(out_ptr + vrow * W + 2 + pos2, page2, mask=keep2)
         if MARK:
             mark_row(mask_ptr, vrow, P, page, keep, sink, last_page, MB)
+            if MT > 0:  # after mark_row's barrier, as its own ones
+                row_mask = mask_ptr + vrow.to(tl.int64) * P
+                tl.store(row_mask + page2, tl.full([MT], 1, tl.int8), mask=keep2 & (page2 >= 0) & (page2 < P))
 
 
 @triton.jit
@@ -385,6 +406,16 @@ def chunk_size(n_pages: int, kp: int, chunks: int = 16) -> int:
     return max(256, kp, 1 << (per.bit_length() - 1))
 
 
+def merge_tiles(n_chunk: int, kp: int) -> tuple[int, int]:
+    """The merge's two tiles of chunk winners ``(M, MT)``: the first ``M`` entries (the largest power of two of
+    chunks), then the rest, ``MT`` wide (0: none). One tile of the next power of two would be up to twice the
+    entries: a static cache a few pages past a power of two (512K tokens plus headroom: 32,774 pages, 17 chunks of
+    2,048) would have its merge count 4,096 entries a round for 2,176."""
+    first = 1 << (max(n_chunk, 1).bit_length() - 1)
+    rest = (n_chunk - first) * kp
+    return first * kp, next_pow2(rest) if rest else 0
+
+
 def default_partial_block(GG: int) -> int:
     """Scoring partials a selection program folds per step: ``[NBP, GG]`` tiles of about 4096 entries.
     The fold is a dependent loop that every first-stage program runs over all of a row's partials, so
@@ -454,7 +485,7 @@ def select_pages(
     lists = torch.empty((vrows, KP), dtype=torch.int32, device=dev) if per_head else None
     CH = chunk or chunk_size(P, KP)
     n_chunk = max(1, triton.cdiv(P, CH))
-    M = next_pow2(n_chunk) * KP
+    M, MT = merge_tiles(n_chunk, KP)
     keys = torch.empty((vrows, n_chunk, KP), dtype=torch.int32, device=dev)
     pages = torch.empty((vrows, n_chunk, KP), dtype=torch.int32, device=dev)
     launch(
@@ -503,9 +534,10 @@ def select_pages(
         B=page_size,
         KP=KP,
         M=M,
+        MT=MT,
         MARK=marks is not None and not per_head,
         MB=MARK_BLOCK,
-        num_warps=4 if M <= 1024 else 8,
+        num_warps=4 if M + MT <= 1024 else 8,
     )
     if per_head:
         N = next_pow2(G * KP)

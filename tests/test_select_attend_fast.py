@@ -25,7 +25,7 @@ from conftest import page_lists_as_mask  # noqa: E402
 from selector_lists import selectors
 
 from locks_hf import kernels  # noqa: E402
-from locks_hf.kernels._common import top_keys  # noqa: E402
+from locks_hf.kernels._common import top_keys, top_keys_of  # noqa: E402
 from locks_hf.selectors import select_pages as ref_select  # noqa: E402
 
 pytestmark = pytest.mark.interpret
@@ -195,6 +195,90 @@ def test_top_keys_is_a_stable_top_k(kind):
         order = sorted(cand, key=lambda i: (-int(key[r, i]), i))  # ties: the earlier position first
         want[r, order[: int(k[r])]] = True
     assert torch.equal(out.cpu().bool(), want)
+
+
+@triton.jit
+def _top_keys_of_rows(key_ptr, k_ptr, out_ptr, N: tl.constexpr, M: tl.constexpr, TWO: tl.constexpr):
+    i = tl.program_id(0)
+    e = tl.arange(0, N)
+    t = N + tl.arange(0, M)
+    key = tl.load(key_ptr + i * (N + M) + e)
+    more = tl.load(key_ptr + i * (N + M) + t)
+    keep, keep2 = top_keys_of(key, more, tl.load(k_ptr + i), TWO)
+    tl.store(out_ptr + i * (N + M) + e, keep.to(tl.int8))
+    if TWO:
+        tl.store(out_ptr + i * (N + M) + t, keep2.to(tl.int8))
+
+
+@pytest.mark.parametrize("M", [8, 64, 256])
+def test_top_keys_of_two_tiles_is_a_stable_top_k_of_both(M):
+    """The threshold search over a tile of 256 keys and a second tile of ``M`` taken as one list of ``256 + M``:
+    a stable descending sort of the concatenation (ties: the first tile's positions first), with runs of ties
+    across the two tiles and rows whose best keys are all in the second one."""
+    no_key = -(2**31)
+    g = torch.Generator().manual_seed(11)
+    rows, N = 48, 256
+    key = torch.randint(-6, 6, (rows, N + M), generator=g)
+    key[: rows // 2] = torch.randint(-(2**30), 2**30, (rows // 2, N + M), generator=g)
+    key[-4:, N:] += 100  # the second tile holds the best keys
+    key = key.to(torch.int32).masked_fill(torch.rand(rows, N + M, generator=g) < 0.2, no_key)
+    k = torch.randint(0, N + M + 1, (rows,), generator=g, dtype=torch.int32)
+    k[:3] = torch.tensor([0, 1, N + M])
+    k[-4:] = torch.tensor([1, M // 2, M, M + 3])
+    out = torch.zeros(rows, N + M, dtype=torch.int8, device=DEV)
+    _top_keys_of_rows[(rows,)](key.to(DEV), k.to(DEV), out, N=N, M=M, TWO=True)
+    want = torch.zeros(rows, N + M, dtype=torch.bool)
+    for r in range(rows):
+        cand = (key[r] != no_key).nonzero().flatten().tolist()
+        order = sorted(cand, key=lambda i: (-int(key[r, i]), i))
+        want[r, order[: int(k[r])]] = True
+    assert torch.equal(out.cpu().bool(), want)
+    one = torch.zeros_like(out)  # without TWO: the first tile alone, as `top_keys`
+    _top_keys_of_rows[(rows,)](key.to(DEV), k.to(DEV), one, N=N, M=M, TWO=False)
+    for r in range(rows):
+        cand = (key[r, :N] != no_key).nonzero().flatten().tolist()
+        order = sorted(cand, key=lambda i: (-int(key[r, i]), i))
+        assert one[r, :N].cpu().bool().nonzero().flatten().tolist() == sorted(order[: int(k[r])])
+    assert not one[:, N:].any()
+
+
+def test_merge_tiles_cover_the_chunk_lists_with_no_power_of_two_of_padding():
+    """17 chunks of 128 winners (512K tokens plus headroom): 2,048 + 128 entries, not 4,096."""
+    tiles = kernels.select.merge_tiles
+    assert tiles(17, 128) == (2048, 128)
+    assert tiles(16, 128) == (2048, 0) and tiles(1, 128) == (128, 0)
+    assert tiles(24, 128) == (2048, 1024) and tiles(31, 128) == (2048, 2048) and tiles(3, 4) == (8, 4)
+    for n in range(1, 70):
+        M, MT = tiles(n, 16)
+        assert M + MT >= 16 * n and M & (M - 1) == 0 and MT & (MT - 1) == 0 and M >= MT
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize(("pages", "chunk", "chunks"), [(39, 8, 5), (39, 16, 3), (135, 8, 17)])
+def test_selection_over_a_chunk_count_that_is_no_power_of_two(per_head, pages, chunk, chunks):
+    """5, 3 and 17 chunks of a row (a static cache's capacity is rarely a power of two of pages): the merge takes
+    the lists past its first tile in a second one, and the pages, the lists' order and the marked mask are the
+    reference's."""
+    from locks_hf.paged import pages_to_mask
+
+    c = Rows(17, G=4, B=16, pages=pages, pad=(0, 70))
+    scores = c.scores("ties")
+    assert -(-c.P // chunk) == chunks and kernels.select.merge_tiles(chunks, 8)[1] > 0
+    first_tile = kernels.select.merge_tiles(chunks, 8)[0] // 8 * chunk  # pages whose winners fill the first tile
+    scores[..., first_tile:] += 8  # the best candidates are in the second tile (and -inf stays -inf)
+    assert (scores[..., first_tile:] > float("-inf")).sum() >= 4
+    for k in (4, 9):
+        mask = torch.ones(c.b * c.h, c.P, dtype=torch.bool, device=DEV)
+        pages = _select(c, scores, k, per_head=per_head, chunk=chunk, mask=mask)
+        listed = pages_to_mask(pages.cpu().long(), c.P)
+        assert torch.equal(mask.cpu(), listed)
+        chosen = pages.cpu()[:, 2:]
+        real = chosen[chosen != kernels.SENTINEL]
+        assert real.numel() and all((row[row != kernels.SENTINEL].diff() > 0).all() for row in chosen)
+        if not per_head:
+            assert torch.equal(listed.view(c.b, c.h, c.P), c.want(scores, k, False))
+        else:
+            assert torch.equal(listed.view(c.b, c.h, c.P), c.want(scores, k, True))
 
 
 @pytest.mark.parametrize("G", [4, 16])

@@ -5,7 +5,8 @@ against the previous ones, and the complete decode step's launches and time.
 ``--kernels``: one layer at the real attention shapes (synthetic cache, r4i4 summaries built by the
 GPU kernels), CUDA-graph medians over several cache copies (no warm L2), per configuration:
 
-* selection: per-chunk top-k + merge, without and with the page mask a static layer keeps;
+* selection: per-chunk top-k + merge, without and with the page mask a static layer keeps, and (for a chunk
+  count that is not a power of two) with the merge in one tile of the next power of two, as before;
 * attention over the selected pages: the split merge in a second launch (the previous layout) vs
   merged by the last split, and a few split counts / tile sizes;
 * score + select + attend as the previous chain and as `decode_step` runs it now, against the
@@ -38,7 +39,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: bench_decode, bench_decode_step
 import bench_decode as BD  # noqa: E402  (loads locks_hf, with or without transformers)
 
-from locks_hf.kernels import decode as decode_mod  # noqa: E402
+from locks_hf.kernels import (
+    decode as decode_mod,  # noqa: E402
+    select as select_mod,  # noqa: E402
+)
 from locks_hf.kernels.attend import sparse_attention  # noqa: E402
 from locks_hf.kernels.decode import decode_step  # noqa: E402
 from locks_hf.kernels.score import score_pages  # noqa: E402
@@ -56,6 +60,17 @@ def log(msg: str) -> None:
 def save(path: str) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(RESULTS, indent=1, default=str))
+
+
+@contextlib.contextmanager
+def one_tile_merge():
+    """The selection's merge as before `select.merge_tiles`: one tile of the next power of two of chunks."""
+    saved = select_mod.merge_tiles
+    select_mod.merge_tiles = lambda n_chunk, kp: (select_mod.next_pow2(n_chunk) * kp, 0)
+    try:
+        yield
+    finally:
+        select_mod.merge_tiles = saved
 
 
 def timed(fns, reps: int) -> float | None:
@@ -132,6 +147,13 @@ def kernel_config(model: str, ctx: int, batch: int, budget: int, reps: int, swee
     if not all(torch.equal(marked[i], pages[i]) for i in range(nbuf)):
         log("    select_marked: pages differ from the unmarked selection's")
     t["select_marked"] = timed([functools.partial(sel, i, mask=masks[i]) for i in range(nbuf)], reps)
+    n_pages = sp[0][0].shape[-1]
+    n_chunk = -(-n_pages // select_mod.chunk_size(n_pages, select_mod.next_pow2(max(slots - 2, 1))))
+    if select_mod.merge_tiles(n_chunk, 1)[1]:  # a chunk count that is not a power of two: the merge in one tile
+        with one_tile_merge():
+            if not all(torch.equal(sel(i), pages[i]) for i in range(nbuf)):
+                log("    select_one_tile: pages differ from the two-tile merge's")
+            t["select_one_tile"] = timed([functools.partial(sel, i) for i in range(nbuf)], reps)
     if sweep:  # pages per first-stage program, its warps, the partials it folds per step
         P = sp[0][0].shape[-1]
         for chunk in (512, 1024, 2048, 4096):
@@ -271,16 +293,16 @@ def kernel_config(model: str, ctx: int, batch: int, budget: int, reps: int, swee
 
 def kernel_table(rows: list[dict]) -> str:
     out = [
-        "| model | ctx | batch | score | select | select marked | attend old | attend fused (best) "
+        "| model | ctx | batch | score | select | select marked | select, one-tile merge | attend old | attend fused (best) "
         "| total old | **total new** | dense (backend) | old x | **new x** |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     f = lambda x: "-" if x is None else f"{x:.4f}"  # noqa: E731
     for r in rows:
         t = r["ms"]
         out.append(
             f"| {r['model']} | {BD.fmt_ctx(r['context'])} | {r['batch']} | {f(t.get('score'))} | "
-            f"{f(t.get('select_chunks'))} | {f(t.get('select_marked'))} | "
+            f"{f(t.get('select_chunks'))} | {f(t.get('select_marked'))} | {f(t.get('select_one_tile'))} | "
             f"{f(t.get('attend_old'))} | {f(t.get('attend_fused'))} ({f(r.get('best_attend_ms'))}) | "
             f"{f(t.get('total_old'))} | **{f(t.get('total_new'))}** | {f(r.get('dense_ms'))} "
             f"({r.get('dense_backend')}; ours, separate merge: {f(r.get('dense_kernel_separate_merge_ms'))}) | "

@@ -138,14 +138,15 @@ def cases():
             (),
             8,
         )
-    # The second stage at GLM-4-9B 512K (16 chunks of 128 candidates), with and without the page mask it marks.
+    # The second stage at GLM-4-9B 512K (16 chunks of 128 candidates; 17 in a static cache of 512K tokens plus
+    # headroom: a second tile of 128), with and without the page mask it marks, and Quest's per-head lists.
     merge = {n: I32 for n in ("key_ptr", "page_ptr", "sink_ptr", "row_start_ptr", "len_ptr", "k_ptr", "out_ptr")}
-    for mark in (False, True):
+    for per_head, mark, MT in ((False, False, 0), (False, True, 0), (False, True, 128), (True, False, 128)):
         yield (
-            f"selection merge mark={mark}",
+            f"selection merge per_head={per_head} mark={mark} second tile {MT}",
             select._select_merge_kernel,
             {**merge, "mask_ptr": "*i8"},
-            dict(PER_HEAD=False, G=16, B=16, KP=128, M=2048, MARK=mark, MB=select.MARK_BLOCK),
+            dict(PER_HEAD=per_head, G=16, B=16, KP=128, M=2048, MT=MT, MARK=mark, MB=select.MARK_BLOCK),
             (),
             8,
         )
