@@ -7,10 +7,11 @@ Two launches, no host sync, fixed-width outputs padded with ``SENTINEL``:
    of its chunk (the share-average ``mean_g exp(s_g - LSE_g)``, or a head's own score for Quest)
    and keeps the chunk's best ``k-2`` by a threshold search (``top_keys``), in page order.
 2. ``_select_merge_kernel`` (grid: rows) takes the best ``k-2`` of the chunk winners the same way (in
-   two tiles when the chunk count is not a power of two: `merge_tiles`) and writes ``[sink, recent, winners..., SENTINEL...]``; for Quest it writes each head's list and
-   ``_union_kernel`` merges the G lists of a KV head (sort, drop duplicates). Given a page mask, the
-   launch that writes the final lists overwrites it with them too (`mark_row`): a static layer's record
-   of the pages attended costs no launch of its own.
+   two tiles when the chunk count is not a power of two: `merge_tiles`) and writes
+   ``[sink, recent, winners..., SENTINEL...]``; for Quest it writes each head's list and ``_union_kernel``
+   merges the G lists of a KV head (sort, drop duplicates). Given a page mask, the launch that writes the
+   final lists overwrites it with them too (`mark_row`): a static layer's record of the pages attended
+   costs no launch of its own.
 
 Ties break towards the earlier page, as in the reference (a stable descending sort).
 """
