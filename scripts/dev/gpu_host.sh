@@ -8,6 +8,9 @@
 #             r4i4, r8i4, dense and the step less its attention (against the weights' read floor) in one run;  ~5 min
 #   profile   the GLM-4-9B r4i4 step of `step` with every kernel listed (`--profile 2 --profile-top 0`): kernel time
 #             by group (the library's, inductor's, the matrix products) and the time between kernels;  ~2 min
+#   select    the selection alone at GLM-4-9B's shape, 32,774 pages (512K tokens plus a static cache's headroom: 17
+#             chunks) and 32,768: with and without the page mask, and with the merge in one tile against two
+#             (`bench_select.py --kernels`);  ~1.5 min
 #   host      where `--graphs captured` spends its host time: GLM-4-9B r4i4 at 512K under cProfile;  ~2 min
 #   generate  the one-liner's first generate() at 128K from cold caches, then again with those caches warm:
 #             torch.compile's share and the library's Triton compiles by kernel (`triton_compiles`);  ~3 min
@@ -59,6 +62,9 @@ for part in $PARTS; do
       run decode_step_glm4-9b_profile 200 python3 scripts/bench_decode_step.py --graphs compile-cuda --shape glm4-9b \
           --contexts 512K --arms r4i4,no-attention --steps 20 --profile 2 --profile-top 0 \
           --out "$OUT/decode_step_glm4-9b_profile.json" ;;
+    select)
+      run select_glm4-9b_512k 150 python3 scripts/dev/bench_select.py --kernels --configs glm4-9b:524384:1,glm4-9b:512K:1 \
+          --sweep "" --out "$OUT/select_glm4-9b_512k.json" ;;
     glmhf)
       run decode_step_glm4-9b-hf_compile-cuda 330 python3 scripts/bench_decode_step.py --graphs compile-cuda \
           --shape glm4-9b-hf --contexts 512K --arms r4i4,r8i4,full,no-attention --steps 20 --profile 2 --profile-top 0 \
@@ -99,6 +105,6 @@ for part in $PARTS; do
       run quant_attention_glm4-9b_512k_batch8_dense 240 python3 scripts/bench_kv_quant.py --shape glm4-9b --batch 8 \
           --contexts 512K --page-sizes 16 --bits 4 --warps 4,8 --tile-pages auto,1,2 --dense --reps 20 \
           --out "$OUT/quant_attention_glm4-9b_512k_batch8_dense.json" ;;
-    *) echo "gpu_host: unknown part '$part' (attn attn1m step profile glmhf host generate oneliner autotune batch8 short gemv trace quanttile)" >&2; exit 2 ;;
+    *) echo "gpu_host: unknown part '$part' (attn attn1m step profile select glmhf host generate oneliner autotune batch8 short gemv trace quanttile)" >&2; exit 2 ;;
   esac
 done
