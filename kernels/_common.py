@@ -119,7 +119,8 @@ def prefetch_l2(base, n_bytes, LINES: tl.constexpr):
     """Ask the L2 for the first ``n_bytes`` bytes from ``base`` (at most ``LINES`` lines of `L2_LINE`
     bytes): ``prefetch.global.L2`` per line, a hint whose data comes to no register and which nothing
     waits on, meant to put a program's chained loads (a product, then its epilogue) on the way from DRAM
-    at its start (measured slower in the scoring kernels: `score_tiles.L2_PREFETCH`). CUDA only (inline PTX): the launch sets the kernels' flag off elsewhere and in the interpreter."""
+    at its start (measured slower in the scoring kernels: `score_tiles.L2_PREFETCH`). CUDA only (inline
+    PTX): the launch sets the kernels' flag off elsewhere and in the interpreter."""
     off = tl.arange(0, LINES) * L2_LINE
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",

@@ -407,6 +407,12 @@ def chunk_size(n_pages: int, kp: int, chunks: int = 16) -> int:
     return max(256, kp, 1 << (per.bit_length() - 1))
 
 
+def chunks_of(n_pages: int, kp: int, chunk: int | None = None) -> tuple[int, int]:
+    """The first stage's pages a program (``chunk``, else `chunk_size`) and its programs a row."""
+    per = chunk or chunk_size(n_pages, kp)
+    return per, max(1, triton.cdiv(n_pages, per))
+
+
 def merge_tiles(n_chunk: int, kp: int) -> tuple[int, int]:
     """The merge's two tiles of chunk winners ``(M, MT)``: the first ``M`` entries (the largest power of two of
     chunks), then the rest, ``MT`` wide (0: none). One tile of the next power of two would be up to twice the
@@ -484,8 +490,7 @@ def select_pages(
     if out is None:
         out = torch.empty((rows, W), dtype=torch.int32, device=dev)
     lists = torch.empty((vrows, KP), dtype=torch.int32, device=dev) if per_head else None
-    CH = chunk or chunk_size(P, KP)
-    n_chunk = max(1, triton.cdiv(P, CH))
+    CH, n_chunk = chunks_of(P, KP, chunk)
     M, MT = merge_tiles(n_chunk, KP)
     keys = torch.empty((vrows, n_chunk, KP), dtype=torch.int32, device=dev)
     pages = torch.empty((vrows, n_chunk, KP), dtype=torch.int32, device=dev)

@@ -157,7 +157,7 @@ def synthetic_prefill(cache, config, n_tokens: int, device, dtype, page_size: in
 
 
 HF_STATIC = "hf-static"  # transformers' own StaticCache (dense, masked SDPA over the capacity)
-NO_ATTENTION = "no-attention"  # every attention output zero: the step less its attention
+NO_ATTENTION = "no-attention"  # every attention output its query, no K/V read: the step less its attention
 
 
 def skip_attention(module, query, key, value, attention_mask, **kwargs):

@@ -245,6 +245,7 @@ def test_top_keys_of_two_tiles_is_a_stable_top_k_of_both(M):
 def test_merge_tiles_cover_the_chunk_lists_with_no_power_of_two_of_padding():
     """17 chunks of 128 winners (512K tokens plus headroom): 2,048 + 128 entries, not 4,096."""
     tiles = kernels.select.merge_tiles
+    assert kernels.select.chunks_of(32774, 128) == (2048, 17) and kernels.select.chunks_of(40, 8, 16) == (16, 3)
     assert tiles(17, 128) == (2048, 128)
     assert tiles(16, 128) == (2048, 0) and tiles(1, 128) == (128, 0)
     assert tiles(24, 128) == (2048, 1024) and tiles(31, 128) == (2048, 2048) and tiles(3, 4) == (8, 4)

@@ -142,24 +142,23 @@ def kernel_config(model: str, ctx: int, batch: int, budget: int, reps: int, swee
     t = {}
     t["select_chunks"] = timed([functools.partial(sel, i) for i in range(nbuf)], reps)
     # as a static layer's step runs it: the launch that writes the lists also overwrites the layer's page mask
-    masks = [torch.ones((rows, sp[i][0].shape[-1]), dtype=torch.bool, device=BD.DEV) for i in range(nbuf)]
+    n_pages = sp[0][0].shape[-1]
+    masks = [torch.ones((rows, n_pages), dtype=torch.bool, device=BD.DEV) for i in range(nbuf)]
     marked = [sel(i, mask=masks[i]) for i in range(nbuf)]
     if not all(torch.equal(marked[i], pages[i]) for i in range(nbuf)):
         log("    select_marked: pages differ from the unmarked selection's")
     t["select_marked"] = timed([functools.partial(sel, i, mask=masks[i]) for i in range(nbuf)], reps)
-    n_pages = sp[0][0].shape[-1]
-    n_chunk = -(-n_pages // select_mod.chunk_size(n_pages, select_mod.next_pow2(max(slots - 2, 1))))
+    n_chunk = select_mod.chunks_of(n_pages, select_mod.next_pow2(max(slots - 2, 1)))[1]
     if select_mod.merge_tiles(n_chunk, 1)[1]:  # a chunk count that is not a power of two: the merge in one tile
         with one_tile_merge():
             if not all(torch.equal(sel(i), pages[i]) for i in range(nbuf)):
                 log("    select_one_tile: pages differ from the two-tile merge's")
             t["select_one_tile"] = timed([functools.partial(sel, i) for i in range(nbuf)], reps)
     if sweep:  # pages per first-stage program, its warps, the partials it folds per step
-        P = sp[0][0].shape[-1]
         for chunk in (512, 1024, 2048, 4096):
             for nw in (4, 8):
                 for nbp in (64, 256):
-                    if chunk > P:
+                    if chunk > n_pages:
                         continue
                     kw = dict(chunk=chunk, num_warps=nw, partial_block=nbp)
                     same = all(torch.equal(sel(i, **kw), pages[i]) for i in range(nbuf))
