@@ -35,7 +35,7 @@ from ._common import (
 )
 from .score_dot import _oracle_logits
 from .score_parts import page_lse
-from .select import free_slots, last_page_of, sink_and_lse, write_page_list
+from .select import fold_tiles, free_slots, last_page_of, sink_and_lse, write_page_list
 
 
 @triton.jit
@@ -116,11 +116,12 @@ def _rerank_select_kernel(
     B: tl.constexpr,
     MP: tl.constexpr,
     NBP: tl.constexpr,
+    NBR: tl.constexpr,
 ):
     row = tl.program_id(0)
     K = free_slots(k_ptr, K_MAX)
     last_page = last_page_of(row_start_ptr, len_ptr, row, H, B)
-    _, lse = sink_and_lse(part_ptr, row, n_blk, last_page, GG, NBP, True)  # estimated, per head
+    _, lse = sink_and_lse(part_ptr, row, n_blk, last_page, GG, NBP, NBR, True)  # estimated, per head
     e = tl.arange(0, MP)
     pg = tl.load(list_ptr + row * W_in + 2 + e, mask=e < M, other=SENTINEL)
     cand = pg >= 0
@@ -228,6 +229,7 @@ def rerank_pages(
         )
     k_active = as_length(slots if active_slots is None else active_slots, dev)
     MP = next_pow2(max(M, 1))
+    nbp, nbr = fold_tiles(partials.shape[1], 64)
     launch(
         _rerank_select_kernel,
         (rows,),
@@ -250,7 +252,8 @@ def rerank_pages(
         GG=GG,
         B=page_size,
         MP=MP,
-        NBP=64,
+        NBP=nbp,
+        NBR=nbr,
         num_warps=4 if MP <= 1024 else 8,
     )
     return out

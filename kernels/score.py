@@ -36,6 +36,7 @@ from .score_fma import _locks_fma_kernel
 from .score_mma import PAIR_BASE, _locks_mma_kernel
 from .score_tiles import (
     BY_TOKEN_MIN_PAGE_ROWS,
+    FMA_PREFETCH,
     L2_PREFETCH,
     VARIANTS,
     default_variant,
@@ -135,7 +136,7 @@ def score_pages(
     maxnreg: int | None = None,
     head_split: int | None = None,
     words_per_chunk: int | None = None,
-    prefetch: bool = True,
+    prefetch: bool | None = None,
     l2_prefetch: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Score every page of every row and KV head for one decode query.
@@ -157,8 +158,9 @@ def score_pages(
     Tiles (``block_pages``, ``sub_blocks``, ``num_warps``, ``num_stages``) default per method/variant
     (`score_tiles`);
     ``maxnreg`` caps the registers per thread (more programs per SM; ``"fma"`` and ``"mma"``; ``"mma"``
-    defaults to `score_tiles.mma_registers`). ``prefetch`` (``"mma"``): each product loads its next chunk
-    of codes ahead; ``False`` is the plain loop, kept to time one against the other. ``l2_prefetch``
+    defaults to `score_tiles.mma_registers`). ``prefetch`` (``"fma"``, ``"mma"``): each chunk of codes is
+    loaded before the previous chunk's products; ``False`` is the plain loop, kept to time one against the
+    other; default on for ``"mma"``, `score_tiles.FMA_PREFETCH` for ``"fma"``. ``l2_prefetch``
     (``"fma"``, ``"mma"``): each block first asks the L2 for every byte it reads (`score_parts.prefetch_block`);
     default `score_tiles.L2_PREFETCH` where the device can (`score_tiles.l2_prefetch_runs`: CUDA, not the
     interpreter); ``True`` elsewhere is an error.
@@ -191,10 +193,11 @@ def score_pages(
     mma = m == LOCKS and variant == "mma"
     if not mma:
         given = [n for n, v in (("head_split", head_split), ("words_per_chunk", words_per_chunk)) if v is not None]
-        given += [] if prefetch else ["prefetch=False"]
+        given += [] if prefetch is None or fma else [f"prefetch={prefetch}"]
         if given:
             raise ValueError(
-                f"{', '.join(given)}: settings of Locks variant 'mma' only; this call scores with "
+                f"{', '.join(given)}: settings of Locks variant 'mma' only (prefetch: 'fma' and 'mma'); "
+                "this call scores with "
                 f"{'variant ' + repr(variant) if m == LOCKS else repr(method)}: pass variant='mma' or drop them"
             )
     if l2_prefetch and not (fma or mma):
@@ -209,6 +212,8 @@ def score_pages(
         )
     if l2_prefetch is None:
         l2_prefetch = (fma or mma) and L2_PREFETCH and l2_prefetch_runs(q.device)
+    if prefetch is None:
+        prefetch = FMA_PREFETCH if fma else True
     if fma and not fma_supported(d, B, R, bits):
         raise ValueError(
             f"variant 'fma' needs d*bits % 128 == 0, page_size*rank % 16 == 0 and a power-of-two "
@@ -298,6 +303,7 @@ def score_pages(
             BITS=bits,
             BP=block_pages,
             PF_LINES=pf_lines,
+            PREFETCH=prefetch,
             num_warps=num_warps,
             num_stages=num_stages,
             **({} if maxnreg is None else {"maxnreg": maxnreg}),

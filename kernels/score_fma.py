@@ -143,16 +143,23 @@ def _mu_code(mus, JJ: tl.constexpr, K: tl.constexpr, W: tl.constexpr, magic):
 
 
 @triton.jit
-def _locks_fma_chunk(
-    acc, accm, scr, bas, mu, p, pmask, magic, ch, GG: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr
-):
-    """`_locks_fma_proj`'s accumulators after chunk ``ch`` (``4W`` dimensions)."""
-    BP: tl.constexpr = p.shape[0]
+def _chunk_words(bas, mu, p, pmask, ch, D: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr):
+    """The words of chunk ``ch`` (``4W`` dimensions): 16 bytes of each basis row and the centroid bytes of the
+    same dimensions, as `_rows` tuples ``(rows, mus)`` (zero where ``pmask`` is off)."""
     W: tl.constexpr = 32 // BITS
     DW: tl.constexpr = D // W  # words per basis row
     j4 = tl.arange(0, 4)
     rows = _rows(bas, p[:, None] * (R * DW) + ch * 4 + j4[None, :], pmask[:, None], DW, R, BITS)
     mus = _rows(mu, p[:, None] * (D // 4) + ch * W + j4[None, :], pmask[:, None], 4, W // 4, 8)
+    return rows, mus
+
+
+@triton.jit
+def _locks_fma_chunk(acc, accm, scr, words, p, magic, ch, GG: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr):
+    """`_locks_fma_proj`'s accumulators after chunk ``ch``, whose `_chunk_words` are ``words``."""
+    BP: tl.constexpr = p.shape[0]
+    W: tl.constexpr = 32 // BITS
+    rows, mus = words
     for jj in tl.static_range(4):
         for k in tl.static_range(W):
             qv = _qvec(scr + ((ch * 4 + jj) * W + k) * GG, p * 0, GG)  # q[:, d], d = (4ch + jj)W + k
@@ -163,24 +170,42 @@ def _locks_fma_chunk(
 
 @triton.jit
 def _locks_fma_proj(
-    scr, bas, mu, p, pmask, magic, GG: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr
+    scr,
+    bas,
+    mu,
+    p,
+    pmask,
+    magic,
+    GG: tl.constexpr,
+    D: tl.constexpr,
+    R: tl.constexpr,
+    BITS: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """``(q.V_j[:, i] [BP, R, GG], q.mu_j [BP, GG])`` in code units (scales not applied).
 
     One 16-byte chunk of every basis row at a time (``W = 32/BITS`` codes a word, ``4W`` a chunk) and
     the centroid bytes of the same ``4W`` dimensions; each dimension's ``GG`` query values (one vector
-    load from the scratch) feed ``R + 1`` FMAs per head.
+    load from the scratch) feed ``R + 1`` FMAs per head. ``PREFETCH``: each chunk's words are loaded before
+    the previous chunk's FMAs (into registers), so that their load overlaps those FMAs.
     """
     BP: tl.constexpr = p.shape[0]
-    DW: tl.constexpr = D // (32 // BITS)
+    NCH: tl.constexpr = D // (32 // BITS) // 4
     acc = tl.zeros([BP, R, GG], dtype=tl.float32)
     accm = tl.zeros([BP, GG], dtype=tl.float32)
+    if PREFETCH:
+        words_next = _chunk_words(bas, mu, p, pmask, 0, D, R, BITS)
     # A real loop over the chunks, not an unrolled one: unrolled, Triton's coalescing pass (quadratic in the
     # kernel's size) makes r = 4 compile in 22 s instead of 3 s and r = 8 in 42 s instead of 4 s (Triton 3.6,
     # sm_90), and the rolled form is also the faster one on the H200 (r4i4, Llama-3.1-8B shape at 512K:
     # 0.090 ms of scoring against 0.101 unrolled; docs/compile_time.md).
-    for ch in tl.range(DW // 4):
-        acc, accm = _locks_fma_chunk(acc, accm, scr, bas, mu, p, pmask, magic, ch, GG, D, R, BITS)
+    for ch in tl.range(NCH):
+        if PREFETCH:
+            words = words_next
+            words_next = _chunk_words(bas, mu, p, pmask & (ch + 1 < NCH), ch + 1, D, R, BITS)
+        else:
+            words = _chunk_words(bas, mu, p, pmask, ch, D, R, BITS)
+        acc, accm = _locks_fma_chunk(acc, accm, scr, words, p, magic, ch, GG, R, BITS)
     return acc, accm
 
 
@@ -270,6 +295,7 @@ def _locks_fma_kernel(
     BITS: tl.constexpr,
     BP: tl.constexpr,
     PF_LINES: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Locks scores, variant ``"fma"``: the contract of `_score_kernel` (METHOD = LOCKS).
 
@@ -277,7 +303,8 @@ def _locks_fma_kernel(
     strides ``R*D*BITS/32``, ``D/4``, ``B*R/4`` words); ``scr_ptr`` a float32 scratch of ``D*GG`` per program;
     ``nsub`` blocks of ``BP`` pages per program (a run-time value: no recompilation per grid); ``magic``
     is ``0x4B000000`` (see `_field`); ``PF_LINES > 0``: each block first asks the L2 for all it reads
-    (`score_parts.prefetch_block`, up to ``PF_LINES`` lines a range).
+    (`score_parts.prefetch_block`, up to ``PF_LINES`` lines a range); ``PREFETCH``: each chunk of codes is
+    loaded ahead (`_locks_fma_proj`).
     """
     blk, row, bb, hh, rs, n_done, length, last_page = program_row(row_start_ptr, n_complete_ptr, len_ptr, H, B)
     vrow = valid_ptr + bb * valid_sb
@@ -316,7 +343,7 @@ def _locks_fma_kernel(
             prefetch_block(bas, bsc, cf, csc, mu, msc, vrow, rs, p0, n_done, D, B, R, BITS, BP, PF_LINES)
         p = p0 + tl.arange(0, BP)
         pmask = p < n_done
-        acc, accm = _locks_fma_proj(scr, bas, mu, p, pmask, magic, GG, D, R, BITS)
+        acc, accm = _locks_fma_proj(scr, bas, mu, p, pmask, magic, GG, D, R, BITS, PREFETCH)
         bs = tl.load(bsc + p[:, None] * R + tl.arange(0, R)[None, :], mask=pmask[:, None], other=0.0).to(tl.float32)
         proj = acc * tl.reshape(bs * qk2, [BP, R, 1])
         qmu = accm * tl.reshape(tl.load(msc + p, mask=pmask, other=0.0).to(tl.float32) * qk2, [BP, 1])

@@ -53,6 +53,13 @@ def default_variant(method: int, G: int, d: int, page_size: int, rank: int, basi
     return "mma" if mma_supported(d, page_size, rank, basis_bits) else "dot"
 
 
+#: Whether variant ``"fma"`` loads each chunk of a block's codes before the previous chunk's FMAs by default
+#: (`score_fma._locks_fma_proj`). H100, Llama-3.1-8B shape at 512K, batch 1, one run
+#: (``scripts/dev/bench_score.py --grid prefetch``): r8i4 scores in 0.1670 ms against 0.1746, r4i4 in 0.0951 either
+#: way.
+FMA_PREFETCH = True
+
+
 def fma_tiles(block_pages, sub_blocks, num_warps, num_stages) -> tuple[int, int, int, int]:
     """``(block_pages, sub_blocks, num_warps, num_stages)`` of variant ``"fma"``: one page per thread
     per step, short programs (many waves, so no long partial last wave: best on the H200)."""

@@ -2,9 +2,9 @@
 
 Two launches, no host sync, fixed-width outputs padded with ``SENTINEL``:
 
-1. ``_select_chunk_kernel`` (grid: chunks x rows) folds the scoring partials into the sink page and,
-   for the shared rule, each query head's LSE over the candidate pages; computes one key per page
-   of its chunk (the share-average ``mean_g exp(s_g - LSE_g)``, or a head's own score for Quest)
+1. ``_select_chunk_kernel`` (grid: chunks x rows) folds the scoring partials in one pass (`sink_and_lse`)
+   into the sink page and, for the shared rule, each query head's LSE over the candidate pages; computes one
+   key per page of its chunk (the share-average ``mean_g exp(s_g - LSE_g)``, or a head's own score for Quest)
    and keeps the chunk's best ``k-2`` by a threshold search (``top_keys``), in page order.
 2. ``_select_merge_kernel`` (grid: rows) takes the best ``k-2`` of the chunk winners the same way (in
    two tiles when the chunk count is not a power of two: `merge_tiles`) and writes
@@ -37,40 +37,90 @@ from ._common import (
 
 
 @triton.jit
-def sink_and_lse(part_ptr, row, n_blk, last_page, GG: tl.constexpr, NBP: tl.constexpr, WITH_LSE: tl.constexpr):
-    """Fold the scoring partials of ``row``: the sink page and each head's LSE over the candidates."""
+def _fold_tile(base, i, n_blk, aside, aside_s, run_m, run_l, last_page, T: tl.constexpr, GG: tl.constexpr):
+    """Fold partials ``i .. i+T-1`` of a row (``base``) into the running LSE ``(run_m, run_l)``; the smallest
+    first page seen so far (the sink, once all are seen) stays aside with its scores ``aside_s``."""
     gi = tl.arange(0, GG)
-    a = tl.arange(0, NBP)
+    a = tl.arange(0, T)
+    ok = ((i + a) < n_blk)[:, None]
+    ptr = base + (i + a)[:, None] * 4 * GG + gi[None, :]
+    m = tl.load(ptr, mask=ok, other=float("-inf"))
+    l = tl.load(ptr + GG, mask=ok, other=0.0)
+    fs = tl.load(ptr + 2 * GG, mask=ok, other=float("-inf"))
+    f = tl.load(ptr + 3 * GG, mask=ok, other=BIG_PAGE).to(tl.int32)
+    least = tl.minimum(aside, tl.min(tl.min(f, axis=1), axis=0))
+    # the scoring programs cover the pages in order, so the sink is the first real tile's least page and a
+    # later tile never takes its place; where one did, the page put aside before becomes a candidate
+    lost = (least < aside) & (aside != last_page)
+    # a program's first real page is a candidate unless it is the sink or the recent page
+    add = (f != least) & (f != last_page) & (f != BIG_PAGE)
+    fs_add = tl.where(add, fs, float("-inf"))
+    back = tl.where(lost, aside_s, float("-inf"))
+    new_m = tl.maximum(tl.maximum(run_m, back), tl.maximum(tl.max(m, axis=0), tl.max(fs_add, axis=0)))
+    safe = tl.where(new_m == float("-inf"), 0.0, new_m)
+    run_l = (
+        run_l * tl.exp(run_m - safe)
+        + tl.sum(l * tl.exp(m - safe[None, :]), axis=0)
+        + tl.sum(tl.exp(fs_add - safe[None, :]), axis=0)
+        + tl.exp(back - safe)
+    )
+    here_s = tl.max(tl.where(f == least, fs, float("-inf")), axis=0)
+    aside_s = tl.where(least < aside, here_s, aside_s)
+    return least, aside_s, new_m, run_l
+
+
+@triton.jit
+def _least_first(base, i, n_blk, least, T: tl.constexpr, GG: tl.constexpr):
+    """The smallest of ``least`` and the first pages of partials ``i .. i+T-1`` of a row (``base``)."""
+    a = tl.arange(0, T)
+    f = tl.load(base + (i + a) * 4 * GG + 3 * GG, mask=(i + a) < n_blk, other=BIG_PAGE)
+    return tl.minimum(least, tl.min(f.to(tl.int32), axis=0))
+
+
+@triton.jit
+def sink_and_lse(
+    part_ptr,
+    row,
+    n_blk,
+    last_page,
+    GG: tl.constexpr,
+    NBP: tl.constexpr,
+    NBR: tl.constexpr,
+    WITH_LSE: tl.constexpr,
+):
+    """Fold the scoring partials of ``row`` in one pass: the sink page and each head's LSE over the candidates.
+
+    ``NBP`` partials a step, then the last ``n_blk % NBP`` in a tile of ``NBR`` (0: none; `fold_tiles`): a
+    row of 513 partials folds in two steps of 256 and one of 1, not three of 256."""
     base = part_ptr + row * n_blk * 4 * GG
-    sink = tl.full([], BIG_PAGE, tl.int32)
-    for i in range(0, n_blk, NBP):
-        f = tl.load(base + (i + a) * 4 * GG + 3 * GG, mask=(i + a) < n_blk, other=BIG_PAGE)
-        sink = tl.minimum(sink, tl.min(f.to(tl.int32), axis=0))
-    sink = tl.where(sink == BIG_PAGE, last_page, sink)
+    n_full = n_blk - n_blk % NBP
+    least = tl.full([], BIG_PAGE, tl.int32)
     lse = tl.full([GG], float("-inf"), tl.float32)
     if WITH_LSE:
+        aside_s = tl.full([GG], float("-inf"), tl.float32)
         run_m = tl.full([GG], float("-inf"), tl.float32)
         run_l = tl.zeros([GG], dtype=tl.float32)
-        for i in range(0, n_blk, NBP):
-            ok = ((i + a) < n_blk)[:, None]
-            ptr = base + (i + a)[:, None] * 4 * GG + gi[None, :]
-            m = tl.load(ptr, mask=ok, other=float("-inf"))
-            l = tl.load(ptr + GG, mask=ok, other=0.0)
-            fs = tl.load(ptr + 2 * GG, mask=ok, other=float("-inf"))
-            f = tl.load(ptr + 3 * GG, mask=ok, other=BIG_PAGE).to(tl.int32)
-            # a program's first real page is a candidate unless it is the sink or the recent page
-            add = (f != sink) & (f != last_page) & (f != BIG_PAGE)
-            fs = tl.where(add, fs, float("-inf"))
-            new_m = tl.maximum(run_m, tl.maximum(tl.max(m, axis=0), tl.max(fs, axis=0)))
-            safe = tl.where(new_m == float("-inf"), 0.0, new_m)
-            run_l = (
-                run_l * tl.exp(run_m - safe)
-                + tl.sum(l * tl.exp(m - safe[None, :]), axis=0)
-                + tl.sum(tl.exp(fs - safe[None, :]), axis=0)
+        for i in range(0, n_full, NBP):
+            least, aside_s, run_m, run_l = _fold_tile(base, i, n_blk, least, aside_s, run_m, run_l, last_page, NBP, GG)
+        if NBR > 0:
+            least, aside_s, run_m, run_l = _fold_tile(
+                base, n_full, n_blk, least, aside_s, run_m, run_l, last_page, NBR, GG
             )
-            run_m = new_m
         lse = tl.where(run_l > 0, run_m + tl.log(run_l), float("-inf"))
-    return sink, lse
+    else:
+        for i in range(0, n_full, NBP):
+            least = _least_first(base, i, n_blk, least, NBP, GG)
+        if NBR > 0:
+            least = _least_first(base, n_full, n_blk, least, NBR, GG)
+    return tl.where(least == BIG_PAGE, last_page, least), lse
+
+
+def fold_tiles(n_blk: int, nbp: int) -> tuple[int, int]:
+    """`sink_and_lse`'s tiles ``(NBP, NBR)`` for ``n_blk`` partials a row: ``nbp`` (a power of two) a step, then
+    the remainder's own tile (the next power of two of ``n_blk % nbp``; 0 when there is none). A static cache
+    of 512K tokens plus headroom leaves 513 partials a row, whose last one would otherwise cost a step of 256."""
+    rest = n_blk % nbp
+    return nbp, next_pow2(rest) if rest else 0
 
 
 @triton.jit
@@ -98,6 +148,7 @@ def _row_keys(
     GG: tl.constexpr,
     B: tl.constexpr,
     NBP: tl.constexpr,
+    NBR: tl.constexpr,
 ):
     """Selection keys of pages ``p`` of virtual row ``vrow`` (a (row, KV head), or a (row, KV head,
     query head) for Quest): the share-average ``mean_g exp(s_g - LSE_g)`` (a head's own score for
@@ -111,7 +162,7 @@ def _row_keys(
         head = 0
     rs = tl.load(row_start_ptr + row // H)
     last_page = (tl.load(len_ptr) - 1 - rs) // B
-    sink, lse = sink_and_lse(part_ptr, row, n_blk, last_page, GG, NBP, not PER_HEAD)
+    sink, lse = sink_and_lse(part_ptr, row, n_blk, last_page, GG, NBP, NBR, not PER_HEAD)
     if first_prog:
         tl.store(sink_ptr + row, sink)
     srow = score_ptr + row * G * P
@@ -147,17 +198,18 @@ def _chunk_keys(
     B: tl.constexpr,
     CH: tl.constexpr,
     NBP: tl.constexpr,
+    NBR: tl.constexpr,
 ):
     """Program (chunk, vrow) of a first-stage kernel: its ``CH`` pages and their `_row_keys`."""
     chunk = tl.program_id(0)
     vrow = tl.program_id(1)
     if PER_HEAD:
-        first_prog = (chunk == 0) & (vrow % G == 0)
+        first = (chunk == 0) & (vrow % G == 0)
     else:
-        first_prog = chunk == 0
+        first = chunk == 0
     p = chunk * CH + tl.arange(0, CH)
     key = _row_keys(
-        score_ptr, part_ptr, n_blk, row_start_ptr, len_ptr, H, P, p, sink_ptr, first_prog, vrow, PER_HEAD, G, GG, B, NBP
+        score_ptr, part_ptr, n_blk, row_start_ptr, len_ptr, H, P, p, sink_ptr, first, vrow, PER_HEAD, G, GG, B, NBP, NBR
     )
     return chunk, vrow, p, key
 
@@ -184,9 +236,10 @@ def _select_chunk_kernel(
     CH: tl.constexpr,
     KP: tl.constexpr,
     NBP: tl.constexpr,
+    NBR: tl.constexpr,
 ):
     chunk, vrow, p, key = _chunk_keys(
-        score_ptr, part_ptr, n_blk, row_start_ptr, len_ptr, H, P, sink_ptr, PER_HEAD, G, GG, B, CH, NBP
+        score_ptr, part_ptr, n_blk, row_start_ptr, len_ptr, H, P, sink_ptr, PER_HEAD, G, GG, B, CH, NBP, NBR
     )
     K = free_slots(k_ptr, K_MAX)
     keep = top_keys(key, K)
@@ -426,7 +479,7 @@ def merge_tiles(n_chunk: int, kp: int) -> tuple[int, int]:
 def default_partial_block(GG: int) -> int:
     """Scoring partials a selection program folds per step: ``[NBP, GG]`` tiles of about 4096 entries.
     The fold is a dependent loop that every first-stage program runs over all of a row's partials, so
-    its step count, not its bytes, sets its time (at GLM-4-9B 512K, 512 partials a row: 8 steps of 64)."""
+    its step count, not its bytes, sets its time (GLM-4-9B at 512K: 512 partials a row, 2 steps of 256)."""
     return max(64, 4096 // max(GG, 1))
 
 
@@ -492,6 +545,7 @@ def select_pages(
     lists = torch.empty((vrows, KP), dtype=torch.int32, device=dev) if per_head else None
     CH, n_chunk = chunks_of(P, KP, chunk)
     M, MT = merge_tiles(n_chunk, KP)
+    nbp, nbr = fold_tiles(n_blk, partial_block or default_partial_block(GG))
     keys = torch.empty((vrows, n_chunk, KP), dtype=torch.int32, device=dev)
     pages = torch.empty((vrows, n_chunk, KP), dtype=torch.int32, device=dev)
     launch(
@@ -516,7 +570,8 @@ def select_pages(
         B=page_size,
         CH=CH,
         KP=KP,
-        NBP=partial_block or default_partial_block(GG),
+        NBP=nbp,
+        NBR=nbr,
         num_warps=num_warps or (4 if CH <= 1024 else 8),
     )
     launch(

@@ -256,11 +256,46 @@ def test_mma_default_tiles_keep_the_code_tile_within_shared_memory():
         assert mma_tiles(GG, None, None, None, None, None, rank=rank, basis_bits=4, query_bytes=2) == want
 
 
-@pytest.mark.parametrize("kw", [dict(head_split=2), dict(words_per_chunk=2), dict(prefetch=False)])
-def test_mma_settings_refused_for_other_variants(kw):
+@pytest.mark.parametrize(
+    "variant,kw",
+    [
+        ("fma", dict(head_split=2)),
+        ("fma", dict(words_per_chunk=2)),
+        ("dot", dict(prefetch=False)),
+        ("dot", dict(prefetch=True)),
+    ],
+)
+def test_mma_settings_refused_for_other_variants(variant, kw):
     summ = Summaries(3, rank=4, bits=4, G=4, pages=4)
     with pytest.raises(ValueError, match="variant 'mma' only"):
-        run(summ, "fma", **kw)
+        run(summ, variant, **kw)
+
+
+@pytest.mark.parametrize("rank,bits,G", [(4, 4, 4), (8, 4, 4), (4, 2, 8), (2, 8, 3)])
+def test_fma_codes_loaded_ahead_give_the_same_scores(monkeypatch, rank, bits, G):
+    """Variant "fma" with each chunk of codes loaded before the previous chunk's FMAs: the float64 reference's
+    scores, and bit for bit the plain loop's scores and partials (the same products in the same order), on
+    rows with padding, a hole and no complete page; the default as `score_tiles.FMA_PREFETCH` says."""
+    from locks_hf.kernels import score
+    from locks_hf.kernels.score_tiles import FMA_PREFETCH
+
+    summ = Summaries(60 + rank + bits + G, rank=rank, bits=bits, G=G, b=3, pages=40)
+    want = summ.reference()
+    ahead, ahead_part = run(summ, "fma", prefetch=True)
+    plain, plain_part = run(summ, "fma", prefetch=False)
+    assert torch.equal(ahead, plain) and torch.equal(ahead_part, plain_part)
+    assert_scores(ahead, want, 1e-5)
+    check_partials(ahead_part, summ, want.view(summ.b * summ.h, G, summ.P))
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append(kw)
+
+    monkeypatch.setattr(score, "_locks_fma_kernel", Recorder())
+    run(summ, "fma")
+    run(summ, "fma", prefetch=not FMA_PREFETCH)
+    assert [kw["PREFETCH"] for kw in launches] == [FMA_PREFETCH, not FMA_PREFETCH]
 
 
 def test_mma_register_cap_only_where_measured():

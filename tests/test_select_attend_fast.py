@@ -296,6 +296,62 @@ def test_selection_folds_the_partials_in_steps_of_any_width(G):
         assert torch.equal(page_lists_as_mask(pages, c.b, c.h, c.P), want), nbp
 
 
+@triton.jit
+def _fold_rows(part_ptr, n_blk, last_ptr, sink_ptr, lse_ptr, GG: tl.constexpr, NBP: tl.constexpr, NBR: tl.constexpr):
+    row = tl.program_id(0)
+    sink, lse = kernels.select.sink_and_lse(part_ptr, row, n_blk, tl.load(last_ptr + row), GG, NBP, NBR, True)
+    tl.store(sink_ptr + row, sink)
+    tl.store(lse_ptr + row * GG + tl.arange(0, GG), lse)
+
+
+@pytest.mark.parametrize(("n_blk", "nbp"), [(13, 4), (16, 8), (5, 16), (33, 16)])
+def test_partials_fold_in_one_pass_to_the_sink_and_lse(n_blk, nbp):
+    """`sink_and_lse` in steps of ``nbp`` and a remainder tile, against float64: the sink is the least first
+    page (the recent page when there is none), and the LSE takes every partial's sum and the other first pages
+    except the recent one. Rows whose first pages come in page order (as the scoring kernels leave them, with
+    empty programs before the first real page), in any order (the page put aside is replaced), with the sink
+    in the remainder tile, with the recent page among the first pages, and with no real page at all."""
+    g = torch.Generator().manual_seed(n_blk * 100 + nbp)
+    G = GG = 4
+    rows = 6
+    part = torch.empty(rows, n_blk, 4, GG)
+    part[:, :, 0] = torch.randn(rows, n_blk, GG, generator=g) * 3
+    part[:, :, 1] = torch.rand(rows, n_blk, GG, generator=g) * 5 + 0.5
+    part[:, :, 2] = torch.randn(rows, n_blk, GG, generator=g) * 3
+    first = torch.arange(n_blk, dtype=torch.float32)[None].repeat(rows, 1) * 7 + 3
+    first[1] = first[1].flip(0)  # any order: each step's least page replaces the one put aside
+    first[4] = first[4, torch.randperm(n_blk, generator=g)]
+    first[2, : n_blk - 1] = BIG_PAGE  # the sink in the last partial (the remainder tile when there is one)
+    part[2, : n_blk - 1, 0] = float("-inf")
+    part[2, : n_blk - 1, 1] = 0.0
+    first[3, :2] = BIG_PAGE  # empty programs first
+    first[5] = BIG_PAGE  # no real page
+    part[5, :, 0] = float("-inf")
+    part[5, :, 1] = 0.0
+    part[:, :, 3] = first[:, :, None]
+    last = torch.full((rows,), 10**6, dtype=torch.int32)
+    last[4] = int(first[4, n_blk // 2])  # the recent page is one program's first page
+    last[1] = int(first[1, min(nbp, n_blk) - 1])  # the first step's least page, later replaced
+    sink = torch.empty(rows, dtype=torch.int32, device=DEV)
+    lse = torch.empty(rows, GG, device=DEV)
+    nbp_, nbr = kernels.select.fold_tiles(n_blk, nbp)
+    assert nbr == (0 if n_blk % nbp == 0 else 1 << (n_blk % nbp - 1).bit_length())
+    _fold_rows[(rows,)](part.to(DEV), n_blk, last.to(DEV), sink, lse, GG=GG, NBP=nbp_, NBR=nbr)
+    p = part.double()
+    for r in range(rows):
+        f = p[r, :, 3, 0]
+        real = f[f < BIG_PAGE]
+        want_sink = int(real.min()) if len(real) else int(last[r])
+        assert int(sink[r]) == want_sink, r
+        add = ((f != want_sink) & (f != int(last[r])) & (f < BIG_PAGE))[:, None]
+        terms = torch.cat([p[r, :, 0, :G] + torch.log(p[r, :, 1, :G]), torch.where(add, p[r, :, 2, :G], float("-inf"))])
+        want = torch.logsumexp(terms, 0)
+        got = lse[r].double().cpu()
+        assert torch.equal(torch.isfinite(got), torch.isfinite(want)), r
+        fin = torch.isfinite(want)
+        assert torch.allclose(got[fin], want[fin], rtol=1e-6, atol=1e-5), (r, got, want)
+
+
 def test_selection_rejects_bad_input():
     c = Rows(1, pages=4)
     scores = c.scores()

@@ -59,13 +59,17 @@ def label_of(s: str) -> tuple[int, int]:
 def candidates(G: int, rank: int, bits: int, d: int = 128, grid: str = "tiles") -> list[dict]:
     """The scoring settings tried for a group of ``G`` heads. ``grid="tiles"``: the old variants' defaults
     and "mma" tiles (block_pages, head_split, words_per_chunk, num_warps, num_stages; None = the default);
-    ``"l2"``: the default variant at its default tiles with and without the L2 prefetch of each block."""
+    ``"l2"``: the default variant at its default tiles with and without the L2 prefetch of each block;
+    ``"prefetch"``: the default variant with and without each chunk of codes loaded ahead."""
     from locks_hf.kernels.score_dot import LOCKS
     from locks_hf.kernels.score_tiles import default_variant, fma_supported
 
     if grid == "l2":
         variant = default_variant(LOCKS, G, d, B, rank, bits)
         return [dict(variant=variant, l2_prefetch=True), dict(variant=variant, l2_prefetch=False)]
+    if grid == "prefetch":
+        variant = default_variant(LOCKS, G, d, B, rank, bits)
+        return [dict(variant=variant, prefetch=True), dict(variant=variant, prefetch=False)]
     GG = 1 << max(0, (G - 1).bit_length())
     out = [dict(variant="dot")]
     if G <= 8 and fma_supported(d, B, rank, bits):
@@ -455,10 +459,11 @@ def main(argv=None):
     ap.add_argument("--ncu-one", default=None, help="MODEL:LABEL: launch each setting twice and exit")
     ap.add_argument(
         "--grid",
-        choices=("tiles", "l2"),
+        choices=("tiles", "l2", "prefetch"),
         default="tiles",
-        help="settings tried: 'tiles' (every variant, a grid of mma tiles) or 'l2' (the default variant with "
-        "and without the L2 prefetch of each block)",
+        help="settings tried: 'tiles' (every variant, a grid of mma tiles), 'l2' (the default variant with "
+        "and without the L2 prefetch of each block) or 'prefetch' (the default variant with and without each "
+        "chunk of codes loaded ahead)",
     )
     ap.add_argument(
         "--cfgs",

@@ -128,16 +128,20 @@ def cases():
         "sink_ptr": I32,
     }
     # The first selection stage at 512K with its default chunk (2048 pages, 8 warps) and partials tile: at the
-    # register cap (the threshold search's [2048, 16] count tile), without spilling on Triton 3.6 or 3.9.
+    # register cap (the threshold search's [2048, 16] count tile), without spilling on Triton 3.6 or 3.9. The
+    # partials' remainder tile: none (512 a row), one (513: a static cache of 512K tokens plus headroom), and
+    # nearly a whole step's.
     for G, GG in ((16, 16), (4, 4)):
-        yield (
-            f"selection chunks G={G} partials tile {select.default_partial_block(GG)}",
-            select._select_chunk_kernel,
-            sel,
-            dict(PER_HEAD=False, G=G, GG=GG, B=16, CH=2048, KP=128, NBP=select.default_partial_block(GG)),
-            (),
-            8,
-        )
+        nbp = select.default_partial_block(GG)
+        for nbr in (0, 1, nbp // 2):
+            yield (
+                f"selection chunks G={G} partials tile {nbp} remainder tile {nbr}",
+                select._select_chunk_kernel,
+                sel,
+                dict(PER_HEAD=False, G=G, GG=GG, B=16, CH=2048, KP=128, NBP=nbp, NBR=nbr),
+                (),
+                8,
+            )
     # The second stage at GLM-4-9B 512K (16 chunks of 128 candidates; 17 in a static cache of 512K tokens plus
     # headroom: a second tile of 128), with and without the page mask it marks, and Quest's per-head lists.
     merge = {n: I32 for n in ("key_ptr", "page_ptr", "sink_ptr", "row_start_ptr", "len_ptr", "k_ptr", "out_ptr")}

@@ -31,7 +31,7 @@ from triton.runtime.jit import MockTensor, create_function_from_signature  # noq
 
 from locks_hf.kernels.score_fma import _locks_fma_kernel as KERNEL  # noqa: E402
 from locks_hf.kernels.score_mma import PAIR_BASE, _locks_mma_kernel  # noqa: E402
-from locks_hf.kernels.score_tiles import L2_PREFETCH, l2_prefetch_lines, mma_tiles  # noqa: E402
+from locks_hf.kernels.score_tiles import FMA_PREFETCH, L2_PREFETCH, l2_prefetch_lines, mma_tiles  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 TARGET = GPUTarget("cuda", 90, 32)
@@ -74,6 +74,7 @@ def compile_fma(
     pages: int = 32768,
     kv_heads: int = 8,
     num_warps: int = 4,
+    prefetch: bool = FMA_PREFETCH,
 ):
     """Compile one specialization; returns (compiled kernel, seconds)."""
     bp = 32 * num_warps
@@ -96,6 +97,7 @@ def compile_fma(
     ]
     kw = dict(G=G, GG=G, D=d, B=page, R=rank, BITS=bits, BP=bp, num_warps=num_warps, num_stages=1, debug=False)
     kw["PF_LINES"] = l2_prefetch_lines(bp, d, page, rank, bits) if L2_PREFETCH else 0
+    kw["PREFETCH"] = prefetch
     return _aot(KERNEL, args, kw)
 
 
@@ -179,6 +181,7 @@ def main(argv=None):
     ap.add_argument("--ranks", default="4,8")
     ap.add_argument("--bits", default="4")
     ap.add_argument("--groups", default="4", help="GQA group sizes (mma)")
+    ap.add_argument("--prefetch", default=str(int(FMA_PREFETCH)), help="fma: 0, 1 or 0,1 (codes loaded a chunk ahead)")
     args = ap.parse_args(argv)
     stages = {}
     try:  # per-stage times where this Triton has the compilation listener (3.4+)
@@ -195,14 +198,15 @@ def main(argv=None):
     for bits in [int(b) for b in args.bits.split(",")]:
         for rank in [int(r) for r in args.ranks.split(",")]:
             if args.kernel == "fma":
-                k, seconds = compile_fma(rank, bits)
-                print(
-                    f"rank {rank} bits {bits}: {seconds:.1f} s",
-                    resources(k.asm["cubin"]),
-                    "stages (s):",
-                    stages or "n/a",
-                    flush=True,
-                )
+                for pf in [bool(int(x)) for x in args.prefetch.split(",")]:
+                    k, seconds = compile_fma(rank, bits, prefetch=pf)
+                    print(
+                        f"rank {rank} bits {bits} prefetch {int(pf)}: {seconds:.1f} s",
+                        resources(k.asm["cubin"]),
+                        "stages (s):",
+                        stages or "n/a",
+                        flush=True,
+                    )
                 continue
             for G in [int(g) for g in args.groups.split(",")]:
                 k, seconds, tiles = compile_mma(rank, bits, G=G)
