@@ -24,5 +24,6 @@ fi
 { rm -rf /tmp/pk && mkdir -p /tmp/pk && cp -r locks_hf /tmp/pk/ && cp -r kernels /tmp/pk/locks_hf/kernels \
     && cp -r eval /tmp/pk/locks_hf/eval; } || { echo "gpu_env: copying the tree to /tmp/pk failed" >&2; return 1; }
 export PYTHONPATH=$SITE:/tmp/pk
-python3 -c "import torch, transformers, locks_hf; print(f'gpu_env: torch {torch.__version__}, transformers {transformers.__version__}, locks_hf from {locks_hf.__file__}')" \
+# (from /tmp: `python3 -c` puts the working folder first on the path, and the repository's locks_hf/ has no kernels)
+(cd /tmp && python3 -c "import torch, transformers, locks_hf.kernels; print(f'gpu_env: torch {torch.__version__}, transformers {transformers.__version__}, locks_hf from {locks_hf.__file__}')") \
     || { echo "gpu_env: importing locks_hf from /tmp/pk failed" >&2; return 1; }
