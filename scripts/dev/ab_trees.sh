@@ -36,10 +36,7 @@ case $mode in
     for dir in .ab/*/; do
       [ -d "${dir}kernels" ] || continue
       name=$(basename "$dir")
-      rm -rf "/tmp/ab/$name" && mkdir -p "/tmp/ab/$name" && cp -r "${dir}locks_hf" "/tmp/ab/$name/" \
-        && rm -rf "/tmp/ab/$name/locks_hf/kernels" "/tmp/ab/$name/locks_hf/eval" \
-        && cp -r "${dir}kernels" "/tmp/ab/$name/locks_hf/kernels" && cp -r "${dir}eval" "/tmp/ab/$name/locks_hf/eval" \
-        || { echo "ab_trees: cannot stage $dir" >&2; exit 1; }
+      stage_package "${dir%/}" "/tmp/ab/$name" || { echo "ab_trees: cannot stage $dir" >&2; exit 1; }
       trees+=("$name")
     done
     echo "ab_trees: trees ${trees[*]} on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || echo 'no GPU')"

@@ -21,8 +21,12 @@ if [ "${GPU_TRANSFORMERS:-0}" = 1 ]; then
         || { echo "gpu_env: installing the wheels of .whl/tf/ failed" >&2; return 1; }
     SITE=/tmp/site-tf:/tmp/site
 fi
-{ rm -rf /tmp/pk && mkdir -p /tmp/pk && cp -r locks_hf /tmp/pk/ && cp -r kernels /tmp/pk/locks_hf/kernels \
-    && cp -r eval /tmp/pk/locks_hf/eval; } || { echo "gpu_env: copying the tree to /tmp/pk failed" >&2; return 1; }
+# stage_package TREE DEST: TREE's locks_hf/, kernels/ and eval/ as the installed package DEST/locks_hf
+stage_package() {
+    rm -rf "$2" && mkdir -p "$2" && cp -r "$1/locks_hf" "$2/" && rm -rf "$2/locks_hf/kernels" "$2/locks_hf/eval" \
+        && cp -r "$1/kernels" "$2/locks_hf/kernels" && cp -r "$1/eval" "$2/locks_hf/eval"
+}
+stage_package . /tmp/pk || { echo "gpu_env: copying the tree to /tmp/pk failed" >&2; return 1; }
 export PYTHONPATH=$SITE:/tmp/pk
 # (from /tmp: `python3 -c` puts the working folder first on the path, and the repository's locks_hf/ has no kernels)
 (cd /tmp && python3 -c "import torch, transformers, locks_hf.kernels; print(f'gpu_env: torch {torch.__version__}, transformers {transformers.__version__}, locks_hf from {locks_hf.__file__}')") \
