@@ -6,6 +6,8 @@
 #   attn1m    the same at 1M, batch 1;  ~2 min
 #   step      the complete GLM-4-9B step at 512K captured by hand in one CUDA graph (`--graphs compile-cuda`):
 #             r4i4, r8i4, dense and the step less its attention (against the weights' read floor) in one run;  ~5 min
+#   llamastep the complete Llama-3.1-8B step at 512K the same way: r4i4, r8i4 and dense in one run (needs more
+#             than an H100's 80 GB);  ~5 min
 #   profile   the GLM-4-9B r4i4 step of `step` with every kernel listed (`--profile 2 --profile-top 0`): kernel time
 #             by group (the library's, inductor's, the matrix products) and the time between kernels;  ~2 min
 #   select    the selection alone at GLM-4-9B's shape, 32,774 pages (512K tokens plus a static cache's headroom: 17
@@ -58,6 +60,10 @@ for part in $PARTS; do
     step)
       run decode_step_glm4-9b_compile-cuda 330 python3 scripts/bench_decode_step.py --graphs compile-cuda --shape glm4-9b \
           --contexts 512K --arms r4i4,r8i4,full,no-attention --steps 20 --out "$OUT/decode_step_glm4-9b_compile-cuda.json" ;;
+    llamastep)
+      run decode_step_llama3.1-8b_compile-cuda 330 python3 scripts/bench_decode_step.py --graphs compile-cuda \
+          --shape llama3.1-8b --contexts 512K --arms r4i4,r8i4,full --steps 20 \
+          --out "$OUT/decode_step_llama3.1-8b_compile-cuda.json" ;;
     profile)
       run decode_step_glm4-9b_profile 200 python3 scripts/bench_decode_step.py --graphs compile-cuda --shape glm4-9b \
           --contexts 512K --arms r4i4,no-attention --steps 20 --profile 2 --profile-top 0 \
