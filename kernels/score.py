@@ -136,6 +136,7 @@ def score_pages(
     maxnreg: int | None = None,
     head_split: int | None = None,
     words_per_chunk: int | None = None,
+    centroid_words_per_chunk: int | None = None,
     prefetch: bool | None = None,
     l2_prefetch: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,7 +154,8 @@ def score_pages(
     ``"fma"`` (one thread per page, CUDA-core FMAs; ``block_pages`` must be a multiple of
     ``32*num_warps``, the pages a thread scores per step being the quotient; see `fma_supported`) or
     ``"mma"`` (tensor-core projections, one (page, head group) pair per thread in the epilogue:
-    ``head_split`` threads per page, ``words_per_chunk`` int32 words of each packed row per product; see
+    ``head_split`` threads per page, ``words_per_chunk`` int32 words of each packed row per product
+    (``centroid_words_per_chunk`` of each centroid row, default ``words_per_chunk``); see
     `score_tiles.mma_tiles`, `mma_supported`); default (``None``): `score_tiles.default_variant`.
     Tiles (``block_pages``, ``sub_blocks``, ``num_warps``, ``num_stages``) default per method/variant
     (`score_tiles`);
@@ -192,7 +194,9 @@ def score_pages(
     fma = m == LOCKS and variant == "fma"
     mma = m == LOCKS and variant == "mma"
     if not mma:
-        given = [n for n, v in (("head_split", head_split), ("words_per_chunk", words_per_chunk)) if v is not None]
+        mma_only = (("head_split", head_split), ("words_per_chunk", words_per_chunk))
+        mma_only += (("centroid_words_per_chunk", centroid_words_per_chunk),)
+        given = [n for n, v in mma_only if v is not None]
         given += [] if prefetch is None or fma else [f"prefetch={prefetch}"]
         if given:
             raise ValueError(
@@ -231,6 +235,13 @@ def score_pages(
             basis_bits=bits,
             query_bytes=q.element_size(),
         )
+        if centroid_words_per_chunk is None:
+            centroid_words_per_chunk = words_per_chunk
+        if centroid_words_per_chunk < 2 or (d // 4) % centroid_words_per_chunk:
+            raise ValueError(
+                f"variant 'mma': centroid_words_per_chunk must be at least 2 and divide the centroid's {d // 4} "
+                f"int32 words (d={d}), got {centroid_words_per_chunk}"
+            )
         if not mma_supported(d, B, R, bits, words_per_chunk):
             raise ValueError(
                 f"variant 'mma' needs d*bits % (32*words_per_chunk) == 0, d % (4*words_per_chunk) "
@@ -348,6 +359,7 @@ def score_pages(
             BP=block_pages,
             HS=head_split,
             KCW=words_per_chunk,
+            KCWM=centroid_words_per_chunk,
             DOT_PREC=dot_precision(q.dtype),
             PREFETCH=prefetch,
             PF_LINES=pf_lines,

@@ -207,6 +207,7 @@ def _locks_mma_kernel(
     BP: tl.constexpr,
     HS: tl.constexpr,
     KCW: tl.constexpr,
+    KCWM: tl.constexpr,
     DOT_PREC: tl.constexpr,
     PREFETCH: tl.constexpr,
     PF_LINES: tl.constexpr,
@@ -217,7 +218,9 @@ def _locks_mma_kernel(
     ``R*D*BITS/32``, ``D/4``, ``B*R/4`` words); ``nsub`` blocks of ``BP`` pages per program (run time);
     ``magic`` is ``0x4B000000`` (float32 code trick of the epilogue), ``bmagic`` the `PAIR_BASE` of the
     query's 16-bit type (bf16 for a float32 query).
-    ``HS`` threads share a page, each with ``GG/HS`` of its heads; ``KCW`` words per row per product;
+    ``HS`` threads share a page, each with ``GG/HS`` of its heads; ``KCW`` words per basis row per product,
+    ``KCWM`` per centroid row (a centroid product has ``BP`` rows to the basis's ``BP*R``: wider chunks, fewer
+    dependent steps);
     ``PREFETCH``: each product loads its next chunk ahead (`_mma_project`); ``PF_LINES > 0``: each block
     first asks the L2 for all it reads (`score_parts.prefetch_block`, up to ``PF_LINES`` lines a range).
     """
@@ -263,7 +266,7 @@ def _locks_mma_kernel(
         rows = tl.reshape(p[:, None] * R + i[None, :], [BP * R])
         rmask = tl.reshape(pmask[:, None] & (i < R)[None, :], [BP * R])
         acc = _mma_project(bas, q_base, q_sh, rows, rmask, D * BITS // 32, KCW, G, GG, BITS, DOT_PREC, bmagic, PREFETCH)
-        accm = _mma_project(mu, q_base, q_sh, p, pmask, D // 4, KCW, G, GG, 8, DOT_PREC, bmagic, PREFETCH)
+        accm = _mma_project(mu, q_base, q_sh, p, pmask, D // 4, KCWM, G, GG, 8, DOT_PREC, bmagic, PREFETCH)
         bs = tl.load(bsc + rows, mask=rmask, other=0.0).to(tl.float32) * qk2
         ms = tl.load(msc + p, mask=pmask, other=0.0).to(tl.float32) * qk2
         # (page, head group) pairs: [BV, R, GT] and [BV, GT]

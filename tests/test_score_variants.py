@@ -215,6 +215,9 @@ def test_mma_16_bit_queries(dtype, G):
         dict(num_warps=2, block_pages=16, head_split=4),
         dict(prefetch=False),
         dict(prefetch=False, words_per_chunk=8, maxnreg=128),
+        dict(centroid_words_per_chunk=8),
+        dict(centroid_words_per_chunk=16, words_per_chunk=2),
+        dict(centroid_words_per_chunk=2, prefetch=False),
     ],
 )
 def test_mma_tiles_give_the_same_scores(tiles):
@@ -261,6 +264,7 @@ def test_mma_default_tiles_keep_the_code_tile_within_shared_memory():
     [
         ("fma", dict(head_split=2)),
         ("fma", dict(words_per_chunk=2)),
+        ("fma", dict(centroid_words_per_chunk=8)),
         ("dot", dict(prefetch=False)),
         ("dot", dict(prefetch=True)),
     ],
@@ -465,6 +469,9 @@ def test_mma_refuses_what_it_cannot_score():
         run(summ, "mma", block_pages=48)
     with pytest.raises(ValueError, match="words_per_chunk"):
         run(summ, "mma", words_per_chunk=16)  # an int4 row of d = 64 holds 8 words
+    for bad in (1, 3, 32):  # an int8 centroid of d = 64 holds 16 words; a product takes at least 2
+        with pytest.raises(ValueError, match="centroid_words_per_chunk must be at least 2 and divide"):
+            run(summ, "mma", centroid_words_per_chunk=bad)
     with pytest.raises(ValueError, match="variant must be one of"):
         run(summ, "tensor")
     assert not mma_supported(64, 16, 3, 4) and not mma_supported(32, 16, 4, 2) and mma_supported(64, 16, 4, 2)

@@ -60,13 +60,16 @@ def candidates(G: int, rank: int, bits: int, d: int = 128, grid: str = "tiles") 
     """The scoring settings tried for a group of ``G`` heads. ``grid="tiles"``: the old variants' defaults
     and "mma" tiles (block_pages, head_split, words_per_chunk, num_warps, num_stages; None = the default);
     ``"l2"``: the default variant at its default tiles with and without the L2 prefetch of each block;
-    ``"prefetch"``: the default variant with and without each chunk of codes loaded ahead."""
+    ``"prefetch"``: the default variant with and without each chunk of codes loaded ahead; ``"centroid"``:
+    "mma" with the default (4), 8 and 16 words of each centroid row a product."""
     from locks_hf.kernels.score_dot import LOCKS
     from locks_hf.kernels.score_tiles import default_variant, fma_supported
 
     if grid == "l2":
         variant = default_variant(LOCKS, G, d, B, rank, bits)
         return [dict(variant=variant, l2_prefetch=True), dict(variant=variant, l2_prefetch=False)]
+    if grid == "centroid":
+        return [dict(variant="mma")] + [dict(variant="mma", centroid_words_per_chunk=w) for w in (8, 16)]
     if grid == "prefetch":
         variant = default_variant(LOCKS, G, d, B, rank, bits)
         return [dict(variant=variant, prefetch=True), dict(variant=variant, prefetch=False)]
@@ -121,6 +124,7 @@ def cfg_name(cfg: dict) -> str:
         "block_pages": "bp",
         "head_split": "hs",
         "words_per_chunk": "kw",
+        "centroid_words_per_chunk": "cw",
         "num_warps": "nw",
         "num_stages": "ns",
         "sub_blocks": "sb",
@@ -459,11 +463,11 @@ def main(argv=None):
     ap.add_argument("--ncu-one", default=None, help="MODEL:LABEL: launch each setting twice and exit")
     ap.add_argument(
         "--grid",
-        choices=("tiles", "l2", "prefetch"),
+        choices=("tiles", "l2", "prefetch", "centroid"),
         default="tiles",
         help="settings tried: 'tiles' (every variant, a grid of mma tiles), 'l2' (the default variant with "
         "and without the L2 prefetch of each block) or 'prefetch' (the default variant with and without each "
-        "chunk of codes loaded ahead)",
+        "chunk of codes loaded ahead) or 'centroid' (\"mma\" with 4, 8 and 16 words of each centroid row a product)",
     )
     ap.add_argument(
         "--cfgs",

@@ -62,7 +62,7 @@ class _Launch:
         return lambda *args, **kw: self.calls.append((args, kw))
 
 
-def launch_args(qdt, G, rank, bits, d, B, h=2, b=1, pages=64, l2_prefetch=L2_PREFETCH):
+def launch_args(qdt, G, rank, bits, d, B, h=2, b=1, pages=64, l2_prefetch=L2_PREFETCH, centroid_words=None):
     """The arguments `score_pages(variant="mma")` launches its kernel with, on CPU tensors, and on a CUDA
     device the L2 prefetch if ``l2_prefetch`` (the default's)."""
     per = 8 // bits
@@ -96,6 +96,8 @@ def launch_args(qdt, G, rank, bits, d, B, h=2, b=1, pages=64, l2_prefetch=L2_PRE
     ((args, kw),) = rec.calls
     # a CUDA launch's L2 prefetch of each block (CPU tensors launch without it)
     kw["PF_LINES"] = l2_prefetch_lines(kw["BP"], d, B, rank, bits) if l2_prefetch else 0
+    if centroid_words:
+        kw["KCWM"] = centroid_words
     return args, kw
 
 
@@ -107,6 +109,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="fp32,bf16", help="query dtypes of --grid")
     ap.add_argument("--d", type=int, default=128, help="head dim of --grid")
     ap.add_argument("--ranks", default="2,4,8", help="ranks of --grid (16 at 2 bits, float32: half the warps)")
+    ap.add_argument("--centroid-words", type=int, default=None, help="words of each centroid row a product")
     args = ap.parse_args(argv)
     if args.grid:
         cases = [
@@ -124,7 +127,7 @@ def main(argv=None) -> int:
         label = f"{str(qdt)[6:]} G={G} r{rank}i{bits} d={d} B={B}{' l2_prefetch' if l2 else ''}"
         t0 = time.time()
         try:
-            launch, kw = launch_args(*case[:6], l2_prefetch=l2)
+            launch, kw = launch_args(*case[:6], l2_prefetch=l2, centroid_words=args.centroid_words)
             kernel = compile_sm90(score._locks_mma_kernel, launch, kw)
         except Exception as e:  # noqa: BLE001 - report every case
             print(f"FAIL  {label}: {type(e).__name__}: {str(e)[:1500]}", flush=True)

@@ -152,6 +152,7 @@ def compile_mma(
         BP=bp,
         HS=hs,
         KCW=kcw,
+        KCWM=kcw,
         DOT_PREC="tf32",
         PREFETCH=True,
         PF_LINES=l2_prefetch_lines(bp, d, page, rank, bits) if L2_PREFETCH else 0,
