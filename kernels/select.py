@@ -505,6 +505,12 @@ def default_partial_block(GG: int) -> int:
     return max(64, 4096 // max(GG, 1))
 
 
+def _winner_lists(rows: int, lists: int, kp: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and pages of ``lists`` lists of ``kp`` winners a row (int32 ``[rows, lists, kp]`` each)."""
+    keys = torch.empty((rows, lists, kp), dtype=torch.int32, device=device)
+    return keys, torch.empty_like(keys)
+
+
 def page_list_width(per_head: bool, slots: int, group: int) -> int:
     """Width ``W`` of `select_pages`' lists: ``k``, or ``G*(k-2) + 2`` for a per-head union."""
     return group * max(slots - 2, 0) + 2 if per_head else slots
@@ -575,8 +581,7 @@ def select_pages(
             f"select_pages: group must be a power of two >= 2 (chunk lists a middle program merges), got {group}"
         )
     nbp, nbr = fold_tiles(n_blk, partial_block or default_partial_block(GG))
-    keys = torch.empty((vrows, n_chunk, KP), dtype=torch.int32, device=dev)
-    pages = torch.empty((vrows, n_chunk, KP), dtype=torch.int32, device=dev)
+    keys, pages = _winner_lists(vrows, n_chunk, KP, dev)
     launch(
         _select_chunk_kernel,
         (n_chunk, vrows),
@@ -605,8 +610,7 @@ def select_pages(
     )
     if group is not None and n_chunk > 1:  # the middle stage: groups of chunk lists, each to one list
         n_group = triton.cdiv(n_chunk, group)
-        keys2 = torch.empty((vrows, n_group, KP), dtype=torch.int32, device=dev)
-        pages2 = torch.empty((vrows, n_group, KP), dtype=torch.int32, device=dev)
+        keys2, pages2 = _winner_lists(vrows, n_group, KP, dev)
         launch(
             _select_group_kernel,
             (n_group, vrows),
