@@ -1,6 +1,7 @@
 """Page selection (kernel 2): top-(k-2) pages per row with the forced sink and recent pages.
 
-Two launches, no host sync, fixed-width outputs padded with ``SENTINEL``:
+Two launches (three with a middle stage: ``select_pages(group=...)``, `_select_group_kernel`), no host sync,
+fixed-width outputs padded with ``SENTINEL``:
 
 1. ``_select_chunk_kernel`` (grid: chunks x rows) folds the scoring partials in one pass (`sink_and_lse`)
    into the sink page and, for the shared rule, each query head's LSE over the candidate pages; computes one
@@ -241,16 +242,37 @@ def _select_chunk_kernel(
     chunk, vrow, p, key = _chunk_keys(
         score_ptr, part_ptr, n_blk, row_start_ptr, len_ptr, H, P, sink_ptr, PER_HEAD, G, GG, B, CH, NBP, NBR
     )
-    K = free_slots(k_ptr, K_MAX)
-    keep = top_keys(key, K)
+    keep = top_keys(key, free_slots(k_ptr, K_MAX))
+    keep_winners(key_ptr, page_ptr, (vrow * n_chunk + chunk) * KP, key, p, keep, KP)
 
+
+@triton.jit
+def keep_winners(key_ptr, page_ptr, out, key, page, keep, KP: tl.constexpr):
+    """The kept entries of ``key``/``page`` in their order at ``out``, a list of ``KP``; ``NO_KEY`` past them
+    (their pages are left as they were: nothing reads a page whose key is ``NO_KEY``)."""
     n = tl.sum(keep.to(tl.int32), axis=0)
     pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1
-    out = (vrow * n_chunk + chunk) * KP
     tl.store(key_ptr + out + pos, key, mask=keep)
-    tl.store(page_ptr + out + pos, p, mask=keep)
+    tl.store(page_ptr + out + pos, page, mask=keep)
     e = tl.arange(0, KP)
     tl.store(key_ptr + out + e, tl.full([KP], NO_KEY, tl.int32), mask=e >= n)
+
+
+@triton.jit
+def _select_group_kernel(
+    key_ptr, page_ptr, n_chunk, k_ptr, K_MAX, key_out, page_out, n_group, KP: tl.constexpr, GRP: tl.constexpr
+):
+    """Program (group, vrow) of the middle stage: the best ``k-2`` of ``GRP`` consecutive chunk lists, as one
+    list of the same form (the chunks are in page order, so the group's winners are too)."""
+    grp = tl.program_id(0)
+    vrow = tl.program_id(1)
+    e = grp * GRP * KP + tl.arange(0, GRP * KP)
+    ok = e < n_chunk * KP
+    base = vrow * n_chunk * KP
+    key = tl.load(key_ptr + base + e, mask=ok, other=NO_KEY)
+    page = tl.load(page_ptr + base + e, mask=ok, other=SENTINEL)
+    keep = top_keys(key, free_slots(k_ptr, K_MAX))
+    keep_winners(key_out, page_out, (vrow * n_group + grp) * KP, key, page, keep, KP)
 
 
 @triton.jit
@@ -483,6 +505,12 @@ def default_partial_block(GG: int) -> int:
     return max(64, 4096 // max(GG, 1))
 
 
+def _winner_lists(rows: int, lists: int, kp: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and pages of ``lists`` lists of ``kp`` winners a row (int32 ``[rows, lists, kp]`` each)."""
+    keys = torch.empty((rows, lists, kp), dtype=torch.int32, device=device)
+    return keys, torch.empty_like(keys)
+
+
 def page_list_width(per_head: bool, slots: int, group: int) -> int:
     """Width ``W`` of `select_pages`' lists: ``k``, or ``G*(k-2) + 2`` for a per-head union."""
     return group * max(slots - 2, 0) + 2 if per_head else slots
@@ -504,6 +532,7 @@ def select_pages(
     num_warps: int | None = None,
     partial_block: int | None = None,
     mask: torch.Tensor | None = None,
+    group: int | None = None,
 ) -> torch.Tensor:
     """Page lists ``[b*h, W]`` int32 (``SENTINEL``-padded) from ``score_pages``' outputs.
 
@@ -519,6 +548,9 @@ def select_pages(
     partials each of its programs folds per step (a power of two; default `default_partial_block`).
     ``mask`` (optional, contiguous bool or int8 ``[b*h, P]``): overwritten with the listed pages, as
     `mark_lists` would, by the launch that writes the lists.
+    ``group`` (optional, a power of two): a middle stage between the chunks and the merge, each of its programs
+    merging ``group`` consecutive chunk lists into one, so that many short chunks (more programs a row) leave
+    the merge as few lists as long chunks would.
     """
     if scores.dim() != 3 or scores.dtype != torch.float32 or partials.dtype != torch.float32 or partials.dim() != 4:
         raise ValueError(
@@ -544,10 +576,12 @@ def select_pages(
         out = torch.empty((rows, W), dtype=torch.int32, device=dev)
     lists = torch.empty((vrows, KP), dtype=torch.int32, device=dev) if per_head else None
     CH, n_chunk = chunks_of(P, KP, chunk)
-    M, MT = merge_tiles(n_chunk, KP)
+    if group is not None and (group < 2 or group & (group - 1)):
+        raise ValueError(
+            f"select_pages: group must be a power of two >= 2 (chunk lists a middle program merges), got {group}"
+        )
     nbp, nbr = fold_tiles(n_blk, partial_block or default_partial_block(GG))
-    keys = torch.empty((vrows, n_chunk, KP), dtype=torch.int32, device=dev)
-    pages = torch.empty((vrows, n_chunk, KP), dtype=torch.int32, device=dev)
+    keys, pages = _winner_lists(vrows, n_chunk, KP, dev)
     launch(
         _select_chunk_kernel,
         (n_chunk, vrows),
@@ -574,6 +608,26 @@ def select_pages(
         NBR=nbr,
         num_warps=num_warps or (4 if CH <= 1024 else 8),
     )
+    if group is not None and n_chunk > 1:  # the middle stage: groups of chunk lists, each to one list
+        n_group = triton.cdiv(n_chunk, group)
+        keys2, pages2 = _winner_lists(vrows, n_group, KP, dev)
+        launch(
+            _select_group_kernel,
+            (n_group, vrows),
+            keys,
+            pages,
+            n_chunk,
+            k_active,
+            K,
+            keys2,
+            pages2,
+            n_group,
+            KP=KP,
+            GRP=group,
+            num_warps=4 if group * KP <= 1024 else 8,
+        )
+        keys, pages, n_chunk = keys2, pages2, n_group
+    M, MT = merge_tiles(n_chunk, KP)
     launch(
         _select_merge_kernel,
         (vrows,),

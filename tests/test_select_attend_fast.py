@@ -282,6 +282,28 @@ def test_selection_over_a_chunk_count_that_is_no_power_of_two(per_head, pages, c
             assert torch.equal(listed.view(c.b, c.h, c.P), c.want(scores, k, True))
 
 
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize(("chunk", "group"), [(8, 2), (8, 4), (16, 8), (4, 16)])
+def test_selection_with_a_middle_stage_is_the_reference(per_head, chunk, group):
+    """Short chunks whose lists a middle stage merges ``group`` at a time before the final merge (10, 10, 5 and
+    19 chunks of a row: whole groups, a partial last group, a single group): the reference's pages, in page
+    order, with runs of tied scores across the groups, at budgets that a chunk, a group or neither can hold."""
+    from locks_hf.paged import pages_to_mask
+
+    c = Rows(23, G=4, B=16, pages=70, pad=(0, 70))
+    scores = c.scores("ties")
+    for k in (3, 20):
+        pages = _select(c, scores, k, per_head=per_head, chunk=chunk, group=group)
+        if k == 3:
+            assert torch.equal(pages, _select(c, scores, k, per_head=per_head, chunk=chunk)), "as without it"
+        listed = pages_to_mask(pages.cpu().long(), c.P)
+        chosen = pages.cpu()[:, 2:]
+        assert all((row[row != kernels.SENTINEL].diff() > 0).all() for row in chosen)
+        assert torch.equal(listed.view(c.b, c.h, c.P), c.want(scores, k, per_head)), k
+    with pytest.raises(ValueError, match="group must be a power of two"):
+        _select(c, scores, 4, chunk=chunk, group=3)
+
+
 @pytest.mark.parametrize("G", [4, 16])
 def test_selection_folds_the_partials_in_steps_of_any_width(G):
     """Many scoring partials a row (one per 2 pages): folded a few per step (a long dependent loop), in

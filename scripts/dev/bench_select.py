@@ -154,18 +154,25 @@ def kernel_config(model: str, ctx: int, batch: int, budget: int, reps: int, swee
             if not all(torch.equal(sel(i), pages[i]) for i in range(nbuf)):
                 log("    select_one_tile: pages differ from the two-tile merge's")
             t["select_one_tile"] = timed([functools.partial(sel, i) for i in range(nbuf)], reps)
-    if sweep:  # pages per first-stage program, its warps, the partials it folds per step
+
+    def time_setting(key, **kw):  # the selection with other settings: timed, and its pages checked
+        if not all(torch.equal(sel(i, **kw), pages[i]) for i in range(nbuf)):
+            log(f"    {key}: pages differ from the default's")
+        t[key] = timed([functools.partial(sel, i, **kw) for i in range(nbuf)], reps)
+
+    if sweep:  # pages per first-stage program, its warps, the partials it folds per step; a middle stage
         for chunk in (512, 1024, 2048, 4096):
             for nw in (4, 8):
                 for nbp in (64, 256):
                     if chunk > n_pages:
                         continue
-                    kw = dict(chunk=chunk, num_warps=nw, partial_block=nbp)
-                    same = all(torch.equal(sel(i, **kw), pages[i]) for i in range(nbuf))
-                    key = f"select_ch{chunk}_w{nw}_nbp{nbp}"
-                    t[key] = timed([functools.partial(sel, i, **kw) for i in range(nbuf)], reps)
-                    if not same:
-                        log(f"    {key}: pages differ from the default's")
+                    time_setting(f"select_ch{chunk}_w{nw}_nbp{nbp}", chunk=chunk, num_warps=nw, partial_block=nbp)
+        # short chunks (more programs a row) with a middle stage that merges their lists `group` at a time
+        for chunk, group in ((256, 8), (512, 4), (512, 8), (512, 16), (1024, 4), (1024, 8)):
+            if chunk > n_pages:
+                continue
+            for nw in (4, 8):
+                time_setting(f"select_ch{chunk}_w{nw}_group{group}", chunk=chunk, num_warps=nw, group=group)
 
     def att(i, **kw):
         s = sets[i]

@@ -142,6 +142,16 @@ def cases():
                 (),
                 8,
             )
+    # The middle stage of short chunks (`select_pages(group=...)`): 8 and 16 lists of 128 winners a program.
+    for grp in (8, 16):
+        yield (
+            f"selection middle stage, groups of {grp} chunk lists",
+            select._select_group_kernel,
+            {n: I32 for n in ("key_ptr", "page_ptr", "k_ptr", "key_out", "page_out")},
+            dict(KP=128, GRP=grp),
+            (),
+            4 if grp * 128 <= 1024 else 8,
+        )
     # The second stage at GLM-4-9B 512K (16 chunks of 128 candidates; 17 in a static cache of 512K tokens plus
     # headroom: a second tile of 128), with and without the page mask it marks, and Quest's per-head lists.
     merge = {n: I32 for n in ("key_ptr", "page_ptr", "sink_ptr", "row_start_ptr", "len_ptr", "k_ptr", "out_ptr")}
