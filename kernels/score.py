@@ -45,6 +45,7 @@ from .score_tiles import (
     fma_tiles,
     l2_prefetch_lines,
     l2_prefetch_runs,
+    mma_centroid_words,
     mma_registers,
     mma_supported,
     mma_tiles,
@@ -155,7 +156,7 @@ def score_pages(
     ``32*num_warps``, the pages a thread scores per step being the quotient; see `fma_supported`) or
     ``"mma"`` (tensor-core projections, one (page, head group) pair per thread in the epilogue:
     ``head_split`` threads per page, ``words_per_chunk`` int32 words of each packed row per product
-    (``centroid_words_per_chunk`` of each centroid row, default ``words_per_chunk``); see
+    (``centroid_words_per_chunk`` of each centroid row, default `score_tiles.mma_centroid_words`); see
     `score_tiles.mma_tiles`, `mma_supported`); default (``None``): `score_tiles.default_variant`.
     Tiles (``block_pages``, ``sub_blocks``, ``num_warps``, ``num_stages``) default per method/variant
     (`score_tiles`);
@@ -236,7 +237,7 @@ def score_pages(
             query_bytes=q.element_size(),
         )
         if centroid_words_per_chunk is None:
-            centroid_words_per_chunk = words_per_chunk
+            centroid_words_per_chunk = mma_centroid_words(block_pages, d, q.element_size())
         if centroid_words_per_chunk < 2 or (d // 4) % centroid_words_per_chunk:
             raise ValueError(
                 f"variant 'mma': centroid_words_per_chunk must be at least 2 and divide the centroid's {d // 4} "

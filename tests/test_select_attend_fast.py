@@ -304,6 +304,39 @@ def test_selection_with_a_middle_stage_is_the_reference(per_head, chunk, group):
         _select(c, scores, 4, chunk=chunk, group=3)
 
 
+def test_selection_stages_add_a_middle_stage_only_where_long_chunks_leave_few_programs():
+    """The default plan: long chunks on few rows (GLM-4-9B at 512K: 2 KV heads, 32,774 pages) become chunks half
+    as long whose lists a middle stage merges; many rows, short chunks or given settings keep two stages."""
+    from locks_hf.kernels import select
+
+    assert select.selection_stages(32774, 128, 2) == (1024, 33, select.MIDDLE_GROUP)
+    assert select.selection_stages(65542, 128, 2) == (2048, 33, select.MIDDLE_GROUP)
+    assert select.selection_stages(32774, 128, 8) == (2048, 17, None)  # 136 programs already
+    assert select.selection_stages(16390, 128, 2) == (1024, 17, None)  # chunks already short
+    assert select.selection_stages(32774, 128, 2, chunk=2048) == (2048, 17, None)
+    assert select.selection_stages(32774, 128, 2, group=4) == (2048, 17, 4)
+    assert select.selection_stages(300, 128, 2, group=4) == (256, 2, 4)
+    assert select.selection_stages(200, 128, 2, group=4) == (256, 1, None)  # one chunk: nothing to merge
+    with pytest.raises(ValueError, match="group must be a power of two"):
+        select.selection_stages(32774, 128, 2, group=6)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_default_selection_of_a_long_cache_on_two_rows_is_the_reference(per_head):
+    """32,774 pages on two KV heads, where the default plan adds a middle stage (the shared rule; Quest's per-head
+    rows are many and keep two stages): the reference's pages, the same as two stages of 2,048-page chunks."""
+    from locks_hf.paged import pages_to_mask
+
+    c = Rows(41, b=1, h=2, G=2, B=16, pages=32770, pad=(0,), d=4)
+    scores = c.scores("ties")
+    scores[..., -4:] += 20  # winners in the last chunk, alone in the last group
+    k = 130
+    pages = _select(c, scores, k, per_head=per_head, span=256)
+    assert torch.equal(pages, _select(c, scores, k, per_head=per_head, span=256, chunk=2048))
+    listed = pages_to_mask(pages.cpu().long(), c.P)
+    assert torch.equal(listed.view(c.b, c.h, c.P), c.want(scores, k, per_head))
+
+
 @pytest.mark.parametrize("G", [4, 16])
 def test_selection_folds_the_partials_in_steps_of_any_width(G):
     """Many scoring partials a row (one per 2 pages): folded a few per step (a long dependent loop), in

@@ -148,8 +148,9 @@ def kernel_config(model: str, ctx: int, batch: int, budget: int, reps: int, swee
     if not all(torch.equal(marked[i], pages[i]) for i in range(nbuf)):
         log("    select_marked: pages differ from the unmarked selection's")
     t["select_marked"] = timed([functools.partial(sel, i, mask=masks[i]) for i in range(nbuf)], reps)
-    n_chunk = select_mod.chunks_of(n_pages, select_mod.next_pow2(max(slots - 2, 1)))[1]
-    if select_mod.merge_tiles(n_chunk, 1)[1]:  # a chunk count that is not a power of two: the merge in one tile
+    _, n_chunk, group = select_mod.selection_stages(n_pages, select_mod.next_pow2(max(slots - 2, 1)), rows)
+    n_lists = n_chunk if group is None else -(-n_chunk // group)  # the lists the merge takes
+    if select_mod.merge_tiles(n_lists, 1)[1]:  # a chunk count that is not a power of two: the merge in one tile
         with one_tile_merge():
             if not all(torch.equal(sel(i), pages[i]) for i in range(nbuf)):
                 log("    select_one_tile: pages differ from the two-tile merge's")
