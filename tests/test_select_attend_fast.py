@@ -313,6 +313,7 @@ def test_selection_stages_add_a_middle_stage_only_where_long_chunks_leave_few_pr
     assert select.selection_stages(65542, 128, 2) == (2048, 33, select.MIDDLE_GROUP)
     assert select.selection_stages(32774, 128, 8) == (2048, 17, None)  # 136 programs already
     assert select.selection_stages(16390, 128, 2) == (1024, 17, None)  # chunks already short
+    assert select.selection_stages(40000, 2048, 2) == (2048, 20, None)  # a half chunk would not hold k-2 pages
     assert select.selection_stages(32774, 128, 2, chunk=2048) == (2048, 17, None)
     assert select.selection_stages(32774, 128, 2, group=4) == (2048, 17, 4)
     assert select.selection_stages(300, 128, 2, group=4) == (256, 2, 4)
