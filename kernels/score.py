@@ -195,8 +195,11 @@ def score_pages(
     fma = m == LOCKS and variant == "fma"
     mma = m == LOCKS and variant == "mma"
     if not mma:
-        mma_only = (("head_split", head_split), ("words_per_chunk", words_per_chunk))
-        mma_only += (("centroid_words_per_chunk", centroid_words_per_chunk),)
+        mma_only = (
+            ("head_split", head_split),
+            ("words_per_chunk", words_per_chunk),
+            ("centroid_words_per_chunk", centroid_words_per_chunk),
+        )
         given = [n for n, v in mma_only if v is not None]
         given += [] if prefetch is None or fma else [f"prefetch={prefetch}"]
         if given:

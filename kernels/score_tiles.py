@@ -103,6 +103,7 @@ def mma_centroid_words(block_pages: int, d: int, query_bytes: int) -> int:
     """Default ``centroid_words_per_chunk`` of variant ``"mma"``: `MMA_CENTROID_WORDS`, halved (down to 2) until
     it divides the ``d/4`` words of a centroid row and the chunk's codes fit `MMA_CODE_TILE_BYTES`."""
     cw = MMA_CENTROID_WORDS
+    # 8 codes a word, as `mma_chunk_words` counts an int8 row (two nibbles a byte)
     while cw > 2 and ((d // 4) % cw or block_pages * cw * 8 * query_bytes > MMA_CODE_TILE_BYTES):
         cw //= 2
     return cw

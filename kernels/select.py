@@ -505,7 +505,7 @@ def selection_stages(
     stage). With neither ``chunk`` nor ``group`` given: `chunks_of`'s chunks, or where they leave the first stage
     fewer than `FEW_PROGRAMS` programs, half as long with a middle stage of `MIDDLE_GROUP`."""
     per, n_chunk = chunks_of(n_pages, kp, chunk)
-    short = per // 2 >= max(kp, 256) and per >= SHORT_CHUNK_FROM  # a half chunk still holds a whole list
+    short = per >= SHORT_CHUNK_FROM and per // 2 >= kp  # a half chunk still holds a whole list
     if chunk is None and group is None and short and vrows * n_chunk < FEW_PROGRAMS:
         per, n_chunk = chunks_of(n_pages, kp, per // 2)
         group = MIDDLE_GROUP
