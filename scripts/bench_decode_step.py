@@ -51,6 +51,7 @@ from transformers import (
     AutoModelForCausalLM,
     GlmConfig,
     LlamaConfig,
+    Phi3Config,
     PretrainedConfig,
     PreTrainedModel,
     StaticCache,
@@ -98,8 +99,24 @@ SHAPES = {
     # defaults are GLM-4-9B's): q/k/v projections with biases, gate and up in one projection, RoPE on half of
     # each head. Six projections a layer against the Llama block's seven.
     "glm4-9b-hf": dict(model_type="glm"),
+    # GLM-4-9B-Chat-1M's own modules (the paper's model as THUDM/glm-4-9b-chat-1m ships it): q, k and v in one
+    # projection (``query_key_value``) and gate and up in one (``dense_h_to_4h``), RoPE on half of each head. Four
+    # projections a layer, as transformers' Phi-3 block has them (its q/k/v projection has no bias, which costs a
+    # decode step nothing measurable); the layout a gpt-fast-style step of the model runs.
+    "glm4-9b-fused": dict(
+        model_type="phi3",
+        hidden_size=4096,
+        intermediate_size=13696,
+        num_hidden_layers=40,
+        num_attention_heads=32,
+        num_key_value_heads=2,
+        vocab_size=151552,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        pad_token_id=0,
+    ),
     "tiny": TINY,
     "tiny-glm": dict(TINY, model_type="glm", pad_token_id=0),
+    "tiny-fused": dict(TINY, model_type="phi3", pad_token_id=0, bos_token_id=0, eos_token_id=0),
 }
 
 
@@ -107,7 +124,7 @@ def model_config(shape: str, **fields) -> PretrainedConfig:
     """The config of ``SHAPES[shape]`` (a Llama block unless the entry names another ``model_type``), with
     a 2M-token position range and ``fields`` on top."""
     spec = dict(SHAPES[shape])
-    config_class = {"llama": LlamaConfig, "glm": GlmConfig}[spec.pop("model_type", "llama")]
+    config_class = {"llama": LlamaConfig, "glm": GlmConfig, "phi3": Phi3Config}[spec.pop("model_type", "llama")]
     return config_class(**{**spec, "max_position_embeddings": 2**21, **fields})
 
 

@@ -77,6 +77,29 @@ def test_the_glm_shapes_are_transformers_glm(tmp_path):
     assert rows["full"]["attended"] == 1.0 and 0.0 < rows["r4i4"]["attended"] < 0.5
 
 
+def test_the_fused_glm_shape_has_four_projections_a_layer(tmp_path):
+    """``glm4-9b-fused`` is GLM-4-9B's own layout (q/k/v in one projection, gate and up in one, RoPE on half of
+    each head) at its size; its small twin runs a dense, a sparse and an attention-free step on the CPU."""
+    module = _load()
+    config = module.model_config("glm4-9b-fused")
+    assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (4096, 13696, 40)
+    assert (config.num_attention_heads, config.num_key_value_heads) == (32, 2)
+    assert config.rope_parameters["partial_rotary_factor"] == 0.5
+    torch = __import__("torch")
+    model = module.random_model("tiny-fused", torch.device("cpu"))
+    layer = model.model.layers[0]
+    linears = [m for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 4 and hasattr(layer.self_attn, "qkv_proj") and hasattr(layer.mlp, "gate_up_proj")
+    out = tmp_path / "fused.json"
+    module.main(
+        ["--shape", "tiny-fused", "--device", "cpu", "--contexts", "512", "--budget", "64"]
+        + ["--arms", "full,r4i4,no-attention", "--steps", "2", "--warmup", "1", "--out", str(out)]
+    )
+    rows = {r["arm"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["full"]["attended"] == 1.0 and 0.0 < rows["r4i4"]["attended"] < 0.5
+    assert rows["no-attention"]["attended"] == 0.0
+
+
 def _no_attention_and_full(module, tmp_path, *, graphs: str, context: str, steps: str) -> dict:
     """The rows, by arm, of ``no-attention`` and ``full`` steps of the tiny model on the CPU."""
     out = tmp_path / f"na_{graphs}.json"

@@ -6,6 +6,8 @@
 #   attn1m    the same at 1M, batch 1;  ~2 min
 #   step      the complete GLM-4-9B step at 512K captured by hand in one CUDA graph (`--graphs compile-cuda`):
 #             r4i4, r8i4, dense and the step less its attention (against the weights' read floor) in one run;  ~5 min
+#   fusedstep the same step on GLM-4-9B's own four projections a layer (`--shape glm4-9b-fused`: q/k/v in one, gate
+#             and up in one): r4i4, r8i4, dense and the step less its attention;  ~5 min
 #   llamastep the complete Llama-3.1-8B step at 512K the same way: r4i4, r8i4 and dense in one run (needs more
 #             than an H100's 80 GB);  ~5 min
 #   profile   the GLM-4-9B r4i4 step of `step` with every kernel listed (`--profile 2 --profile-top 0`): kernel time
@@ -60,6 +62,10 @@ for part in $PARTS; do
     step)
       run decode_step_glm4-9b_compile-cuda 330 python3 scripts/bench_decode_step.py --graphs compile-cuda --shape glm4-9b \
           --contexts 512K --arms r4i4,r8i4,full,no-attention --steps 20 --out "$OUT/decode_step_glm4-9b_compile-cuda.json" ;;
+    fusedstep)
+      run decode_step_glm4-9b-fused_compile-cuda 330 python3 scripts/bench_decode_step.py --graphs compile-cuda \
+          --shape glm4-9b-fused --contexts 512K --arms r4i4,r8i4,full,no-attention --steps 20 \
+          --out "$OUT/decode_step_glm4-9b-fused_compile-cuda.json" ;;
     llamastep)
       run decode_step_llama3.1-8b_compile-cuda 330 python3 scripts/bench_decode_step.py --graphs compile-cuda \
           --shape llama3.1-8b --contexts 512K --arms r4i4,r8i4,full --steps 20 \
@@ -111,6 +117,6 @@ for part in $PARTS; do
       run quant_attention_glm4-9b_512k_batch8_dense 240 python3 scripts/bench_kv_quant.py --shape glm4-9b --batch 8 \
           --contexts 512K --page-sizes 16 --bits 4 --warps 4,8 --tile-pages auto,1,2 --dense --reps 20 \
           --out "$OUT/quant_attention_glm4-9b_512k_batch8_dense.json" ;;
-    *) echo "gpu_host: unknown part '$part' (attn attn1m step profile select glmhf host generate oneliner autotune batch8 short gemv trace quanttile)" >&2; exit 2 ;;
+    *) echo "gpu_host: unknown part '$part' (attn attn1m step fusedstep llamastep profile select glmhf host generate oneliner autotune batch8 short gemv trace quanttile)" >&2; exit 2 ;;
   esac
 done
