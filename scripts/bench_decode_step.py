@@ -110,6 +110,7 @@ SHAPES = {
         num_hidden_layers=40,
         num_attention_heads=32,
         num_key_value_heads=2,
+        head_dim=128,
         vocab_size=151552,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
         pad_token_id=0,
