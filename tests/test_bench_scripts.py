@@ -83,7 +83,8 @@ def test_the_fused_glm_shape_has_four_projections_a_layer(tmp_path):
     module = _load()
     config = module.model_config("glm4-9b-fused")
     assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (4096, 13696, 40)
-    assert (config.num_attention_heads, config.num_key_value_heads) == (32, 2)
+    # (the prefill reads config.head_dim, which Phi3Config does not set by itself)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (32, 2, 128)
     assert config.rope_parameters["partial_rotary_factor"] == 0.5
     torch = __import__("torch")
     model = module.random_model("tiny-fused", torch.device("cpu"))
