@@ -74,6 +74,16 @@ TINY = dict(  # (head_dim 32: quantized-KV arms need a value group of 32 channel
     vocab_size=256,
 )
 
+GLM4_9B = dict(
+    hidden_size=4096,
+    intermediate_size=13696,
+    num_hidden_layers=40,
+    num_attention_heads=32,
+    num_key_value_heads=2,
+    head_dim=128,
+    vocab_size=151552,
+)
+
 SHAPES = {
     "llama3.1-8b": dict(
         hidden_size=4096,
@@ -86,32 +96,18 @@ SHAPES = {
     ),
     # GLM-4-9B-Chat-1M: the paper's headline efficiency model (40 layers, 32 query / 2 KV heads); a Llama
     # block of its shape (GLM's partial RoPE does not change the cost of a decode step).
-    "glm4-9b": dict(
-        hidden_size=4096,
-        intermediate_size=13696,
-        num_hidden_layers=40,
-        num_attention_heads=32,
-        num_key_value_heads=2,
-        head_dim=128,
-        vocab_size=151552,
-    ),
+    "glm4-9b": GLM4_9B,
     # The same model as transformers builds it from THUDM/glm-4-9b-chat-1m-hf (``GlmForCausalLM``, whose config
     # defaults are GLM-4-9B's): q/k/v projections with biases, gate and up in one projection, RoPE on half of
     # each head. Six projections a layer against the Llama block's seven.
     "glm4-9b-hf": dict(model_type="glm"),
     # GLM-4-9B-Chat-1M's own modules (the paper's model as THUDM/glm-4-9b-chat-1m ships it): q, k and v in one
     # projection (``query_key_value``) and gate and up in one (``dense_h_to_4h``), RoPE on half of each head. Four
-    # projections a layer, as transformers' Phi-3 block has them (its q/k/v projection has no bias, which costs a
+    # projections a layer, as transformers' Phi-3 block has them (without GLM-4's q/k/v bias, which costs a
     # decode step nothing measurable); the layout a gpt-fast-style step of the model runs.
     "glm4-9b-fused": dict(
+        GLM4_9B,
         model_type="phi3",
-        hidden_size=4096,
-        intermediate_size=13696,
-        num_hidden_layers=40,
-        num_attention_heads=32,
-        num_key_value_heads=2,
-        head_dim=128,
-        vocab_size=151552,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
         pad_token_id=0,
     ),
