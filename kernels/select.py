@@ -38,9 +38,17 @@ from ._common import (
 
 
 @triton.jit
-def _fold_tile(base, i, n_blk, aside, aside_s, run_m, run_l, last_page, T: tl.constexpr, GG: tl.constexpr):
-    """Fold partials ``i .. i+T-1`` of a row (``base``) into the running LSE ``(run_m, run_l)``; the smallest
-    first page seen so far (the sink, once all are seen) stays aside with its scores ``aside_s``."""
+def _first_pages(base, i, n_blk, T: tl.constexpr, GG: tl.constexpr):
+    """The first pages of partials ``i .. i+T-1`` of a row (``base``): ``BIG_PAGE`` past the last one and for a
+    program that saw no real page."""
+    a = tl.arange(0, T)
+    return tl.load(base + (i + a) * 4 * GG + 3 * GG, mask=(i + a) < n_blk, other=BIG_PAGE).to(tl.int32)
+
+
+@triton.jit
+def _partials(base, i, n_blk, T: tl.constexpr, GG: tl.constexpr):
+    """Partials ``i .. i+T-1`` of a row (``base``): each head's running max and sum, the score of the first page
+    and the first page (`_first_pages`)."""
     gi = tl.arange(0, GG)
     a = tl.arange(0, T)
     ok = ((i + a) < n_blk)[:, None]
@@ -48,34 +56,47 @@ def _fold_tile(base, i, n_blk, aside, aside_s, run_m, run_l, last_page, T: tl.co
     m = tl.load(ptr, mask=ok, other=float("-inf"))
     l = tl.load(ptr + GG, mask=ok, other=0.0)
     fs = tl.load(ptr + 2 * GG, mask=ok, other=float("-inf"))
-    f = tl.load(ptr + 3 * GG, mask=ok, other=BIG_PAGE).to(tl.int32)
-    least = tl.minimum(aside, tl.min(tl.min(f, axis=1), axis=0))
-    # the scoring programs cover the pages in order, so the sink is the first real tile's least page and a
-    # later tile never takes its place; where one did, the page put aside before becomes a candidate
-    lost = (least < aside) & (aside != last_page)
-    # a program's first real page is a candidate unless it is the sink or the recent page
-    add = (f != least) & (f != last_page) & (f != BIG_PAGE)
-    fs_add = tl.where(add, fs, float("-inf"))
-    back = tl.where(lost, aside_s, float("-inf"))
-    new_m = tl.maximum(tl.maximum(run_m, back), tl.maximum(tl.max(m, axis=0), tl.max(fs_add, axis=0)))
-    safe = tl.where(new_m == float("-inf"), 0.0, new_m)
-    run_l = (
-        run_l * tl.exp(run_m - safe)
-        + tl.sum(l * tl.exp(m - safe[None, :]), axis=0)
-        + tl.sum(tl.exp(fs_add - safe[None, :]), axis=0)
-        + tl.exp(back - safe)
-    )
-    here_s = tl.max(tl.where(f == least, fs, float("-inf")), axis=0)
-    aside_s = tl.where(least < aside, here_s, aside_s)
-    return least, aside_s, new_m, run_l
+    return m, l, fs, _first_pages(base, i, n_blk, T, GG)
 
 
 @triton.jit
-def _least_first(base, i, n_blk, least, T: tl.constexpr, GG: tl.constexpr):
-    """The smallest of ``least`` and the first pages of partials ``i .. i+T-1`` of a row (``base``)."""
-    a = tl.arange(0, T)
-    f = tl.load(base + (i + a) * 4 * GG + 3 * GG, mask=(i + a) < n_blk, other=BIG_PAGE)
-    return tl.minimum(least, tl.min(f.to(tl.int32), axis=0))
+def _fold_lanes(m, l, fs, f, lane_f, lane_s, run_m, run_l, last_page):
+    """Fold a tile of `_partials` into as many lanes, elementwise: no exchange between threads, which
+    `_lanes_lse` does once after the last tile. A lane keeps its least first page so far aside (``lane_f``, its
+    scores ``lane_s``) and the running LSE ``(run_m, run_l)`` of everything else it has seen but the recent
+    page: each partial's own sums, the first pages that are not its least, and a page put aside before once a
+    smaller one takes its place."""
+    aside = f < lane_f  # this first page goes aside; the one aside before leaves it
+    out_f = tl.where(aside, lane_f, f)
+    out_s = tl.where(aside[:, None], lane_s, fs)
+    out_s = tl.where(((out_f != last_page) & (out_f != BIG_PAGE))[:, None], out_s, float("-inf"))
+    lane_s = tl.where(aside[:, None], fs, lane_s)
+    new_m = tl.maximum(run_m, tl.maximum(m, out_s))
+    safe = tl.where(new_m == float("-inf"), 0.0, new_m)
+    run_l = run_l * tl.exp(run_m - safe) + l * tl.exp(m - safe) + tl.exp(out_s - safe)
+    return tl.minimum(lane_f, f), lane_s, new_m, run_l
+
+
+@triton.jit
+def _lanes_lse(lane_f, lane_s, run_m, run_l, sink, last_page):
+    """Each head's ``(max, sum)`` over a tile of lanes: their running sums and the pages still aside, but for
+    the sink and the recent page."""
+    keep = (lane_f != sink) & (lane_f != last_page) & (lane_f != BIG_PAGE)
+    back = tl.where(keep[:, None], lane_s, float("-inf"))
+    m = tl.maximum(tl.max(run_m, axis=0), tl.max(back, axis=0))
+    safe = tl.where(m == float("-inf"), 0.0, m)
+    return m, tl.sum(run_l * tl.exp(run_m - safe[None, :]), axis=0) + tl.sum(tl.exp(back - safe[None, :]), axis=0)
+
+
+@triton.jit
+def _lanes(T: tl.constexpr, GG: tl.constexpr):
+    """Empty lanes for `_fold_lanes`: no page aside, nothing summed."""
+    return (
+        tl.full([T], BIG_PAGE, tl.int32),
+        tl.full([T, GG], float("-inf"), tl.float32),
+        tl.full([T, GG], float("-inf"), tl.float32),
+        tl.zeros([T, GG], dtype=tl.float32),
+    )
 
 
 @triton.jit
@@ -91,35 +112,51 @@ def sink_and_lse(
 ):
     """Fold the scoring partials of ``row`` in one pass: the sink page and each head's LSE over the candidates.
 
-    ``NBP`` partials a step, then the last ``n_blk % NBP`` in a tile of ``NBR`` (0: none; `fold_tiles`): a
-    row of 513 partials folds in two steps of 256 and one of 1, not three of 256."""
+    ``NBP`` partials a step into as many lanes, then the last ``n_blk % NBP`` in a tile of lanes of its own,
+    ``NBR`` wide (0: none; `fold_tiles`): a row of 513 partials folds in two steps of 256 and one of 1, not three
+    of 256. The steps are elementwise; the lanes meet once, after the last (the sink is their least page)."""
     base = part_ptr + row * n_blk * 4 * GG
-    n_full = n_blk - n_blk % NBP
-    least = tl.full([], BIG_PAGE, tl.int32)
+    n_full = n_blk - n_blk % NBP if NBR > 0 else n_blk  # (without a remainder tile the last step is masked)
     lse = tl.full([GG], float("-inf"), tl.float32)
     if WITH_LSE:
-        aside_s = tl.full([GG], float("-inf"), tl.float32)
-        run_m = tl.full([GG], float("-inf"), tl.float32)
-        run_l = tl.zeros([GG], dtype=tl.float32)
+        if NBR > 0:  # loaded first: its wait overlaps the steps (a static cache's 513 partials: 2 steps, then 1)
+            rm, rl, rfs, rf = _partials(base, n_full, n_blk, NBR, GG)
+        lane_f, lane_s, run_m, run_l = _lanes(NBP, GG)
         for i in range(0, n_full, NBP):
-            least, aside_s, run_m, run_l = _fold_tile(base, i, n_blk, least, aside_s, run_m, run_l, last_page, NBP, GG)
+            m, l, fs, f = _partials(base, i, n_blk, NBP, GG)
+            lane_f, lane_s, run_m, run_l = _fold_lanes(m, l, fs, f, lane_f, lane_s, run_m, run_l, last_page)
+        least = tl.min(lane_f, axis=0)
         if NBR > 0:
-            least, aside_s, run_m, run_l = _fold_tile(
-                base, n_full, n_blk, least, aside_s, run_m, run_l, last_page, NBR, GG
-            )
-        lse = tl.where(run_l > 0, run_m + tl.log(run_l), float("-inf"))
+            rest_f, rest_s, rest_m, rest_l = _lanes(NBR, GG)
+            rest_f, rest_s, rest_m, rest_l = _fold_lanes(rm, rl, rfs, rf, rest_f, rest_s, rest_m, rest_l, last_page)
+            least = tl.minimum(least, tl.min(rest_f, axis=0))
+        m, l = _lanes_lse(lane_f, lane_s, run_m, run_l, least, last_page)
+        if NBR > 0:
+            m2, l2 = _lanes_lse(rest_f, rest_s, rest_m, rest_l, least, last_page)
+            both = tl.maximum(m, m2)
+            safe = tl.where(both == float("-inf"), 0.0, both)
+            l = l * tl.exp(m - safe) + l2 * tl.exp(m2 - safe)
+            m = both
+        lse = tl.where(l > 0, m + tl.log(l), float("-inf"))
     else:
+        lane_f = tl.full([NBP], BIG_PAGE, tl.int32)
         for i in range(0, n_full, NBP):
-            least = _least_first(base, i, n_blk, least, NBP, GG)
+            lane_f = tl.minimum(lane_f, _first_pages(base, i, n_blk, NBP, GG))
+        least = tl.min(lane_f, axis=0)
         if NBR > 0:
-            least = _least_first(base, n_full, n_blk, least, NBR, GG)
+            least = tl.minimum(least, tl.min(_first_pages(base, n_full, n_blk, NBR, GG), axis=0))
     return tl.where(least == BIG_PAGE, last_page, least), lse
 
 
 def fold_tiles(n_blk: int, nbp: int) -> tuple[int, int]:
     """`sink_and_lse`'s tiles ``(NBP, NBR)`` for ``n_blk`` partials a row: ``nbp`` (a power of two) a step, then
     the remainder's own tile (the next power of two of ``n_blk % nbp``; 0 when there is none). A static cache
-    of 512K tokens plus headroom leaves 513 partials a row, whose last one would otherwise cost a step of 256."""
+    of 512K tokens plus headroom leaves 513 partials a row, whose last one would otherwise cost a step of 256.
+    A row of at most ``nbp`` partials folds in one step of the next power of two, with no remainder tile: the
+    remainder's lanes would be as wide as the step's, both held at once (the Llama-3.1-8B shape at 512K: 513
+    partials of 4 heads, steps of 1,024)."""
+    if n_blk <= nbp:
+        return next_pow2(max(n_blk, 1)), 0
     rest = n_blk % nbp
     return nbp, next_pow2(rest) if rest else 0
 

@@ -391,7 +391,10 @@ def test_partials_fold_in_one_pass_to_the_sink_and_lse(n_blk, nbp):
     sink = torch.empty(rows, dtype=torch.int32, device=DEV)
     lse = torch.empty(rows, GG, device=DEV)
     nbp_, nbr = kernels.select.fold_tiles(n_blk, nbp)
-    assert nbr == (0 if n_blk % nbp == 0 else 1 << (n_blk % nbp - 1).bit_length())
+    if n_blk <= nbp:  # one step
+        assert (nbp_, nbr) == (1 << (n_blk - 1).bit_length(), 0)
+    else:
+        assert nbr == (0 if n_blk % nbp == 0 else 1 << (n_blk % nbp - 1).bit_length())
     _fold_rows[(rows,)](part.to(DEV), n_blk, last.to(DEV), sink, lse, GG=GG, NBP=nbp_, NBR=nbr)
     p = part.double()
     for r in range(rows):
