@@ -30,7 +30,6 @@ from ._common import (
     as_length,
     launch,
     next_pow2,
-    scalar_at,
     score_key,
     top_keys,
     top_keys_of,
@@ -200,22 +199,24 @@ def _row_keys(
         head = 0
     rs = tl.load(row_start_ptr + row // H)
     last_page = (tl.load(len_ptr) - 1 - rs) // B
+    srow = score_ptr + row * G * P
+    if not PER_HEAD:
+        # loaded before the partials are folded: their wait overlaps the fold, on which only their use waits
+        gi = tl.arange(0, GG)
+        s_all = tl.load(
+            srow + gi[:, None] * P + p[None, :], mask=(gi < G)[:, None] & (p < P)[None, :], other=float("-inf")
+        )
     sink, lse = sink_and_lse(part_ptr, row, n_blk, last_page, GG, NBP, NBR, not PER_HEAD)
     if first_prog:
         tl.store(sink_ptr + row, sink)
-    srow = score_ptr + row * G * P
     if PER_HEAD:
         s = tl.load(srow + head * P + p, mask=p < P, other=float("-inf"))
         real = s > float("-inf")
         key = score_key(s)
     else:
-        real = tl.load(srow + p, mask=p < P, other=float("-inf")) > float("-inf")
-        comb = tl.zeros(p.shape, dtype=tl.float32)
-        for g in tl.static_range(G):
-            s = tl.load(srow + g * P + p, mask=p < P, other=float("-inf"))
-            lg = scalar_at(tl.where(lse == float("-inf"), 0.0, lse), g, GG)
-            comb += tl.exp(s - lg)
-        key = score_key(comb / G)
+        real = tl.max(tl.where(gi[:, None] == 0, s_all, float("-inf")), axis=0) > float("-inf")
+        lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
+        key = score_key(tl.sum(tl.exp(s_all - lse_safe[:, None]), axis=0) / G)
     cand = real & (p != sink) & (p != last_page)
     return tl.where(cand, key, NO_KEY)
 
