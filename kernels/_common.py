@@ -146,12 +146,6 @@ def take_rows(x, G: tl.constexpr, GP: tl.constexpr):
 
 
 @triton.jit
-def scalar_at(v, i, N: tl.constexpr):
-    """``v[i]`` of a 1-D tensor ``v [N]`` as a scalar (finite entries only)."""
-    return tl.sum(tl.where(tl.arange(0, N) == i, v, 0.0), axis=0)
-
-
-@triton.jit
 def slot_ok(valid_ptr, slot, length):
     """Real, written cache slots: ``0 <= slot < length`` and ``slot_valid[slot]`` (uint8 view)."""
     inside = (slot >= 0) & (slot < length)
