@@ -98,6 +98,11 @@ def _lanes(T: tl.constexpr, GG: tl.constexpr):
     )
 
 
+#: Widest remainder tile of partials `sink_and_lse` loads before its steps: a wider one, held through them
+#: beside a chunk's scores, spills at 16 heads (ptxas, sm_90).
+EARLY_REMAINDER = tl.constexpr(32)
+
+
 @triton.jit
 def sink_and_lse(
     part_ptr,
@@ -118,14 +123,20 @@ def sink_and_lse(
     n_full = n_blk - n_blk % NBP if NBR > 0 else n_blk  # (without a remainder tile the last step is masked)
     lse = tl.full([GG], float("-inf"), tl.float32)
     if WITH_LSE:
-        if NBR > 0:  # loaded first: its wait overlaps the steps (a static cache's 513 partials: 2 steps, then 1)
-            rm, rl, rfs, rf = _partials(base, n_full, n_blk, NBR, GG)
+        # a narrow remainder tile is loaded first, so that its wait overlaps the steps (a static cache's 513
+        # partials: 2 steps, then 1); a wide one after them, where its registers are free
+        EARLY: tl.constexpr = NBR <= EARLY_REMAINDER
+        if NBR > 0:
+            if EARLY:
+                rm, rl, rfs, rf = _partials(base, n_full, n_blk, NBR, GG)
         lane_f, lane_s, run_m, run_l = _lanes(NBP, GG)
         for i in range(0, n_full, NBP):
             m, l, fs, f = _partials(base, i, n_blk, NBP, GG)
             lane_f, lane_s, run_m, run_l = _fold_lanes(m, l, fs, f, lane_f, lane_s, run_m, run_l, last_page)
         least = tl.min(lane_f, axis=0)
         if NBR > 0:
+            if not EARLY:
+                rm, rl, rfs, rf = _partials(base, n_full, n_blk, NBR, GG)
             rest_f, rest_s, rest_m, rest_l = _lanes(NBR, GG)
             rest_f, rest_s, rest_m, rest_l = _fold_lanes(rm, rl, rfs, rf, rest_f, rest_s, rest_m, rest_l, last_page)
             least = tl.minimum(least, tl.min(rest_f, axis=0))
