@@ -18,9 +18,13 @@ more shared memory than ``--limit``. Must run without ``TRITON_INTERPRET=1``; fo
 from __future__ import annotations
 
 import argparse
+import collections
 import itertools
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 
 if os.environ.get("TRITON_INTERPRET") == "1":
@@ -30,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from check_quant_attention_compile import SM90_SHARED, compile_sm90, cubin_resources  # noqa: E402
+from check_quant_attention_compile import BIN, SM90_SHARED, compile_sm90, cubin_resources  # noqa: E402
 
 from locks_hf.kernels import score  # noqa: E402
 from locks_hf.kernels.score_tiles import L2_PREFETCH, l2_prefetch_lines  # noqa: E402
@@ -110,6 +114,12 @@ def main(argv=None) -> int:
     ap.add_argument("--d", type=int, default=128, help="head dim of --grid")
     ap.add_argument("--ranks", default="2,4,8", help="ranks of --grid (16 at 2 bits, float32: half the warps)")
     ap.add_argument("--centroid-words", type=int, default=None, help="words of each centroid row a product")
+    ap.add_argument(
+        "--dump",
+        default=None,
+        help="folder: write each case's TTGIR and SASS there and print its shared-memory round trips "
+        "(local_alloc / local_load) and SASS opcode counts",
+    )
     args = ap.parse_args(argv)
     if args.grid:
         cases = [
@@ -143,7 +153,36 @@ def main(argv=None) -> int:
             f"{cubin_resources(kernel.asm['cubin'])} {time.time() - t0:.1f} s",
             flush=True,
         )
+        if args.dump:
+            dump(kernel, os.path.join(args.dump, label.replace(" ", "_").replace("=", "")))
     return 1 if bad else 0
+
+
+def dump(kernel, stem: str) -> None:
+    """Write the TTGIR and SASS of ``kernel`` to ``stem.ttgir`` / ``stem.sass``; print how its operands go through
+    shared memory and its most frequent SASS opcodes (static counts)."""
+    os.makedirs(os.path.dirname(stem), exist_ok=True)
+    ttgir = kernel.asm["ttgir"]
+    with open(stem + ".ttgir", "w") as f:
+        f.write(ttgir)
+    tool = os.path.join(BIN, "cuobjdump")
+    sass = ""
+    if os.path.exists(tool):
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(kernel.asm["cubin"])
+            f.flush()
+            sass = subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True).stdout
+        with open(stem + ".sass", "w") as f:
+            f.write(sass)
+    ops = collections.Counter(
+        m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
+    )
+    print(
+        f"      {ttgir.count('ttg.local_alloc')} local_alloc, {ttgir.count('ttg.local_load')} local_load, "
+        f"{ttgir.count('ttng.warp_group_dot ')} warp_group_dot; SASS {sum(ops.values())}: "
+        + ", ".join(f"{op} {n}" for op, n in ops.most_common(12)),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
