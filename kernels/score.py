@@ -12,6 +12,9 @@ with the same outputs; `score_tiles` holds the variant choice and the default ti
   basis is stored. The per-token logits exist only in registers ([G, pages, B] per block).
   Variant ``"fma"`` (`_locks_fma_kernel`): one thread per page, CUDA-core FMAs, no layout conversion
   in the page loop (see that module).
+  Variants ``"mma"`` (`score_mma`) and ``"wgmma"`` (`score_wgmma`, Triton's Gluon dialect, H100/H200):
+  the query-basis and query-centroid products on the tensor cores; ``"wgmma"`` takes the unpacked codes
+  into the warpgroup product's register operand without a round trip through shared memory.
 * ``ORACLE`` the exact page LSE, reading every key of the page.
 * ``QUEST``  ``sum_c max(q_c u_c, q_c l_c) = q+ . u + q- . l`` (two tensor-core products).
 
@@ -49,7 +52,11 @@ from .score_tiles import (
     mma_registers,
     mma_supported,
     mma_tiles,
+    wgmma_registers,
+    wgmma_runs,
+    wgmma_supported,
 )
+from .score_wgmma import BP as WGMMA_BLOCK_PAGES, _locks_wgmma_kernel
 
 __all__ = [
     "BY_TOKEN_MIN_PAGE_ROWS",
@@ -112,6 +119,37 @@ def _words(t: torch.Tensor) -> torch.Tensor:
         return t.contiguous().view(torch.int32)
 
 
+def _check_wgmma(q, d, B, R, bits, G, block_pages, num_warps, num_stages, by_token, head_split) -> int:
+    """Refuse what variant ``"wgmma"`` cannot run, saying what to change; returns its head split."""
+    if not wgmma_runs(q.device):
+        raise ValueError(
+            f"variant 'wgmma' runs on a compute capability 9.0 GPU (H100/H200) with Triton's Gluon, outside "
+            f"the interpreter; the query is on {q.device}: pass variant='mma' (or leave the variant to the default)"
+        )
+    if not wgmma_supported(d, B, R, bits, G, q.dtype):
+        raise ValueError(
+            "variant 'wgmma' needs a 4-bit basis, d in (32, 64, 128, 256), rank 1, 2, 4 or 8, a page size "
+            f"divisible by 4, 5-16 query heads per KV head and a float16/bfloat16 query (d={d}, page_size={B}, "
+            f"rank={R}, bits={bits}, G={G}, query {q.dtype}): pass variant='mma'"
+        )
+    fixed = dict(block_pages=(block_pages, WGMMA_BLOCK_PAGES), num_warps=(num_warps, 4), num_stages=(num_stages, 1))
+    bad = [f"{k}={v}" for k, (v, want) in fixed.items() if v is not None and v != want]
+    bad += [f"by_token={by_token}"] if by_token is not None else []
+    if bad:
+        raise ValueError(
+            f"{', '.join(bad)}: variant 'wgmma' runs 64-page blocks on one warpgroup (block_pages=64, "
+            "num_warps=4, num_stages=1): drop them"
+        )
+    GG = next_pow2(G)
+    head_split = 1 if head_split is None else head_split
+    if head_split not in (1, 2, 4) or GG % head_split or GG // head_split < 8:
+        raise ValueError(
+            f"variant 'wgmma': head_split (programs sharing a group's {GG} padded heads, at least 8 heads each) "
+            f"must be {' or '.join(str(h) for h in (1, 2, 4) if GG % h == 0 and GG // h >= 8)}, got {head_split}"
+        )
+    return head_split
+
+
 def score_pages(
     method: str,
     query: torch.Tensor,
@@ -157,11 +195,13 @@ def score_pages(
     ``"mma"`` (tensor-core projections, one (page, head group) pair per thread in the epilogue:
     ``head_split`` threads per page, ``words_per_chunk`` int32 words of each packed row per product
     (``centroid_words_per_chunk`` of each centroid row, default `score_tiles.mma_centroid_words`); see
-    `score_tiles.mma_tiles`, `mma_supported`); default (``None``): `score_tiles.default_variant`.
+    `score_tiles.mma_tiles`, `mma_supported`) or ``"wgmma"`` (the ``"mma"`` products in Gluon on a compute
+    capability 9.0 GPU, 64-page blocks, ``head_split`` programs sharing a group's heads; see
+    `score_tiles.wgmma_supported`); default (``None``): `score_tiles.default_variant`.
     Tiles (``block_pages``, ``sub_blocks``, ``num_warps``, ``num_stages``) default per method/variant
     (`score_tiles`);
-    ``maxnreg`` caps the registers per thread (more programs per SM; ``"fma"`` and ``"mma"``; ``"mma"``
-    defaults to `score_tiles.mma_registers`). ``prefetch`` (``"fma"``, ``"mma"``): each chunk of codes is
+    ``maxnreg`` caps the registers per thread (more programs per SM; ``"fma"``, ``"mma"`` and ``"wgmma"``;
+    ``"mma"`` defaults to `score_tiles.mma_registers`, ``"wgmma"`` to `score_tiles.wgmma_registers`). ``prefetch`` (``"fma"``, ``"mma"``): each chunk of codes is
     loaded before the previous chunk's products; ``False`` is the plain loop, kept to time one against the
     other; default on for ``"mma"``, `score_tiles.FMA_PREFETCH` for ``"fma"``. ``l2_prefetch``
     (``"fma"``, ``"mma"``): each block first asks the L2 for every byte it reads (`score_parts.prefetch_block`);
@@ -191,12 +231,18 @@ def score_pages(
         R = summary["basis"].shape[-2]
         bits = basis_bits
     if variant is None:
-        variant = default_variant(m, G, d, B, R, bits)
+        variant = default_variant(m, G, d, B, R, bits, device=q.device, query_dtype=q.dtype)
     fma = m == LOCKS and variant == "fma"
     mma = m == LOCKS and variant == "mma"
+    wgmma = m == LOCKS and variant == "wgmma"
+    if wgmma:
+        head_split = _check_wgmma(q, d, B, R, bits, G, block_pages, num_warps, num_stages, by_token, head_split)
+        block_pages, sub_blocks = WGMMA_BLOCK_PAGES, 1 if sub_blocks is None else sub_blocks
+        if maxnreg is None:
+            maxnreg = wgmma_registers(R)
     if not mma:
         mma_only = (
-            ("head_split", head_split),
+            ("head_split", None if wgmma else head_split),
             ("words_per_chunk", words_per_chunk),
             ("centroid_words_per_chunk", centroid_words_per_chunk),
         )
@@ -258,7 +304,7 @@ def score_pages(
     rows = b * h
     if fma:
         block_pages, sub_blocks, num_warps, num_stages = fma_tiles(block_pages, sub_blocks, num_warps, num_stages)
-    if m == LOCKS and not (fma or mma):
+    if m == LOCKS and not (fma or mma or wgmma):
         names = ("basis", "basis_scale", "coef", "coef_scale", "mu", "mu_scale")
         xs = [_page_tensor(summary[n]) for n in names]
     elif m == QUEST:
@@ -267,7 +313,7 @@ def score_pages(
         if keys.stride(-1) != 1:
             raise ValueError("keys must have a contiguous last dim")
         xs = [keys]
-    if not (fma or mma):
+    if not (fma or mma or wgmma):
         by_token, block_pages, sub_blocks, num_warps, num_stages = dot_tiles(
             m, GG, B, R, rows * n_pages, by_token, block_pages, sub_blocks, num_warps, num_stages
         )
@@ -279,7 +325,8 @@ def score_pages(
     if partials is None:
         partials = torch.empty((rows, n_blk, 4, GG), dtype=torch.float32, device=q.device)
     len_t = as_length(length, q.device)
-    if fma:
+    if fma or mma or wgmma:
+        # the packed summaries as int32 words, and the arguments the three kernels share
         xs = [
             _words(summary["basis"]),
             _page_tensor(summary["basis_scale"]),
@@ -288,10 +335,7 @@ def score_pages(
             _words(summary["mu"]),
             _page_tensor(summary["mu_scale"]),
         ]
-        scratch = torch.empty((rows * n_blk * d * GG,), dtype=torch.float32, device=q.device)
-        launch(
-            _locks_fma_kernel,
-            (n_blk, rows),
+        common = (
             q,
             q.stride(0),
             q.stride(1),
@@ -307,6 +351,13 @@ def score_pages(
             n_blk,
             h,
             float(scale),
+        )
+    if fma:
+        scratch = torch.empty((rows * n_blk * d * GG,), dtype=torch.float32, device=q.device)
+        launch(
+            _locks_fma_kernel,
+            (n_blk, rows),
+            *common,
             scratch,
             sub_blocks,
             0x4B000000,
@@ -324,33 +375,29 @@ def score_pages(
             **({} if maxnreg is None else {"maxnreg": maxnreg}),
         )
         return out, partials
+    if wgmma:
+        launch(
+            _locks_wgmma_kernel,
+            (n_blk, rows, head_split),
+            *common,
+            sub_blocks,
+            PAIR_BASE["fp16" if q.dtype == torch.float16 else "bf16"],
+            G=G,
+            GG=GG,
+            HS=head_split,
+            D=d,
+            B=B,
+            R=R,
+            F16=q.dtype == torch.float16,
+            num_warps=4,
+            **({} if maxnreg is None else {"maxnreg": maxnreg}),
+        )
+        return out, partials
     if mma:
-        xs = [
-            _words(summary["basis"]),
-            _page_tensor(summary["basis_scale"]),
-            _words(summary["coef"]),
-            _page_tensor(summary["coef_scale"]),
-            _words(summary["mu"]),
-            _page_tensor(summary["mu_scale"]),
-        ]
         launch(
             _locks_mma_kernel,
             (n_blk, rows),
-            q,
-            q.stride(0),
-            q.stride(1),
-            *[a for x in xs for a in (x, x.stride(0), x.stride(1))],
-            _as_u8(slot_valid),
-            slot_valid.stride(0),
-            row_start,
-            n_complete,
-            len_t,
-            out,
-            n_pages,
-            partials,
-            n_blk,
-            h,
-            float(scale),
+            *common,
             sub_blocks,
             0x4B000000,
             PAIR_BASE["fp16" if q.dtype == torch.float16 else "bf16"],

@@ -13,7 +13,7 @@ from ._common import next_pow2
 from .score_dot import LOCKS, ORACLE, QUEST
 
 #: Locks scoring variants (`score.score_pages`' ``variant``).
-VARIANTS = ("dot", "fma", "mma")
+VARIANTS = ("dot", "fma", "mma", "wgmma")
 
 
 def fma_supported(d: int, page_size: int, rank: int, basis_bits: int) -> bool:
@@ -41,15 +41,76 @@ def mma_supported(d: int, page_size: int, rank: int, basis_bits: int, words_per_
     )
 
 
-def default_variant(method: int, G: int, d: int, page_size: int, rank: int, basis_bits: int) -> str:
+def wgmma_supported(d: int, page_size: int, rank: int, basis_bits: int, G: int, query_dtype: torch.dtype) -> bool:
+    """Whether variant ``"wgmma"`` (`score_wgmma`) handles these summaries: a 4-bit basis, whole 32-dim chunks
+    in a power-of-two head dim (32-256), whole coefficient words, rank 1-8, 5-16 heads a group, 16-bit
+    queries. The device must also run it (`wgmma_runs`)."""
+    return (
+        basis_bits == 4
+        and d in (32, 64, 128, 256)
+        and rank in (1, 2, 4, 8)
+        and page_size % 4 == 0
+        and 4 < G <= 16
+        and query_dtype in (torch.float16, torch.bfloat16)
+    )
+
+
+def wgmma_runs(device: torch.device) -> bool:
+    """Whether variant ``"wgmma"`` runs on ``device``: a compute capability 9.0 GPU (the warpgroup MMA of
+    sm_90a), outside Triton's interpreter (which has no Gluon), with a Triton that has Gluon."""
+    from .score_wgmma import wgmma_available
+
+    return (
+        wgmma_available()
+        and device.type == "cuda"
+        and os.environ.get("TRITON_INTERPRET") != "1"
+        and torch.cuda.get_device_capability(device) == (9, 0)
+    )
+
+
+#: Register caps of variant ``"wgmma"`` by rank where it is the default (`default_variant`): 4 programs an SM at
+#: rank 4 (a few spilled bytes, still the faster), 3 at rank 8. H100, GLM-4-9B shape at 512K, batch 1, two runs
+#: (``scripts/dev/bench_score.py --cfgs``): r4i4 0.0403-0.0407 ms against "mma"'s 0.0412-0.0418 (168 registers:
+#: 0.0433-0.0435), r8i4 0.0638-0.0642 against 0.0681-0.0685 (128 registers: 0.0796).
+WGMMA_REGISTERS = {4: 128, 8: 168}
+
+
+def wgmma_registers(rank: int) -> int | None:
+    """The default register cap of variant ``"wgmma"`` at ``rank`` (``None``: the compiler's choice)."""
+    return WGMMA_REGISTERS.get(rank)
+
+
+def default_variant(
+    method: int,
+    G: int,
+    d: int,
+    page_size: int,
+    rank: int,
+    basis_bits: int,
+    *,
+    device: torch.device | None = None,
+    query_dtype: torch.dtype | None = None,
+) -> str:
     """Locks: ``"fma"`` where it applies and the GQA group has at most 8 heads (H200, 512K, Llama shape
-    G=4: 0.097 vs 0.213 ms for ``"dot"``), else ``"mma"`` where it applies (groups of 16+: ``"fma"``
-    spills registers, and ``"dot"``'s per-token layout costs ~0.11 ms at GLM-4 512K against a
-    0.008 ms byte floor), else ``"dot"``."""
+    G=4: 0.097 vs 0.213 ms for ``"dot"``); for larger groups ``"wgmma"`` on an H100/H200 (``device``) at the
+    timed shapes (9-16 heads, d = 128, 16-token pages, rank 4 or 8, int4 basis, 16-bit ``query_dtype``: see
+    `WGMMA_REGISTERS`), else ``"mma"`` where it applies (groups of 16+: ``"fma"`` spills registers, and
+    ``"dot"``'s per-token layout costs ~0.11 ms at GLM-4 512K against a 0.008 ms byte floor), else ``"dot"``."""
     if method != LOCKS:
         return "dot"
     if G <= 8 and fma_supported(d, page_size, rank, basis_bits):
         return "fma"
+    if (
+        device is not None
+        and query_dtype is not None
+        and 8 < G <= 16
+        and d == 128
+        and page_size == 16
+        and rank in WGMMA_REGISTERS
+        and wgmma_supported(d, page_size, rank, basis_bits, G, query_dtype)
+        and wgmma_runs(device)
+    ):
+        return "wgmma"
     return "mma" if mma_supported(d, page_size, rank, basis_bits) else "dot"
 
 

@@ -30,7 +30,7 @@ from locks_hf.kernels import _common, attend, page_update, rerank, score, select
 #: Every kernel a decode step may launch, by module.
 KERNELS = {
     page_update: ["_page_update_kernel"],
-    score: ["_locks_fma_kernel", "_locks_mma_kernel", "_score_kernel"],
+    score: ["_locks_fma_kernel", "_locks_mma_kernel", "_locks_wgmma_kernel", "_score_kernel"],
     select: ["_select_chunk_kernel", "_select_merge_kernel", "_union_kernel", "_list_mask_kernel"],
     attend: ["_sparse_attn_kernel", "_combine_kernel"],
     rerank: ["_candidate_lse_kernel", "_rerank_select_kernel"],

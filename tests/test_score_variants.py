@@ -22,14 +22,19 @@ import torch
 from locks_hf import kernels  # noqa: E402
 from locks_hf.kernels.score_tiles import (  # noqa: E402
     MMA_CODE_TILE_BYTES,
+    default_variant,
     fma_supported,
     mma_registers,
     mma_supported,
     mma_tiles,
+    wgmma_runs,
+    wgmma_supported,
 )
 
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 INTERPRETED = DEV == "cpu"
+#: Variant "wgmma" (Gluon, sm_90a) runs here: an H100/H200 with compiled kernels.
+WGMMA = wgmma_runs(torch.device(DEV))
 SCALE = 0.3
 
 
@@ -164,6 +169,12 @@ def run(summ, variant, small=False, **kw):
         **kw,
         **summ.kw(),
     )
+
+
+def page_lists(scores, part, summ):
+    """What the selection kernel keeps (6 slots a row, group-averaged) from a variant's scores and partials."""
+    where = dict(row_start=summ.kw()["row_start"], length=summ.length, page_size=summ.B)
+    return kernels.select_pages(scores, part, slots=6, per_head=False, heads=summ.h, **where).cpu()
 
 
 def assert_scores(got, want, tol):
@@ -446,16 +457,7 @@ def test_variants_agree_and_select_the_same_pages(rank, bits, G):
             continue
         got, part = run(summ, variant)
         assert_scores(got, want, 1e-5)
-        lists[variant] = kernels.select_pages(
-            got,
-            part,
-            slots=6,
-            per_head=False,
-            row_start=summ.kw()["row_start"],
-            length=summ.length,
-            heads=summ.h,
-            page_size=summ.B,
-        ).cpu()
+        lists[variant] = page_lists(got, part, summ)
     ref = lists.pop("mma")
     for variant, pages in lists.items():
         assert torch.equal(pages, ref), variant
@@ -478,3 +480,80 @@ def test_mma_refuses_what_it_cannot_score():
     odd = Summaries(3, rank=2, bits=4, G=4, B=4)  # 4-token pages, rank 2: 8 coefficient bytes a page
     with pytest.raises(ValueError, match="variant 'mma' needs"):
         run(odd, "mma")
+
+
+# (rank, G, page size, d, query dtype, pages, sub_blocks): every rank at the GLM-4 group; groups that are not
+# powers of two (heads past G zeroed); page sizes; head dims 32-256 (1-8 words a thread and basis row);
+# fp16; rows of several 64-page blocks and programs of several blocks.
+WGMMA_CASES = [
+    (4, 16, 16, 128, torch.bfloat16, 9, 1),
+    (1, 16, 16, 128, torch.bfloat16, 9, 1),
+    (2, 16, 16, 64, torch.bfloat16, 9, 1),
+    (8, 16, 16, 128, torch.bfloat16, 9, 1),
+    (4, 12, 16, 128, torch.bfloat16, 9, 1),
+    (4, 8, 16, 64, torch.float16, 9, 1),
+    (4, 5, 8, 32, torch.bfloat16, 9, 1),
+    (8, 16, 32, 256, torch.float16, 9, 1),
+    (4, 16, 16, 128, torch.bfloat16, 150, 1),
+    (4, 16, 16, 128, torch.float16, 150, 2),
+    (8, 6, 4, 64, torch.bfloat16, 200, 3),
+]
+# (head_split, maxnreg): a group's heads over two programs, a register cap
+WGMMA_SPLITS = [(1, None), (2, None), (2, 128), (1, 168)]
+
+
+@pytest.mark.parametrize("split", WGMMA_SPLITS)
+@pytest.mark.parametrize("rank,G,B,d,dtype,pages,sub", WGMMA_CASES)
+def test_wgmma_scores_and_partials_match_float64(rank, G, B, d, dtype, pages, sub, split):
+    if not WGMMA:
+        pytest.skip("variant 'wgmma' runs on a compute capability 9.0 GPU only (the interpreter has no Gluon)")
+    head_split, maxnreg = split
+    if (1 << (G - 1).bit_length()) // head_split < 8:
+        pytest.skip(f"{G} heads do not split over {head_split} programs of 8+")
+    summ = Summaries(
+        rank * 1000 + G * 10 + B + d + pages, rank=rank, bits=4, G=G, B=B, d=d, b=3, pages=pages, dtype=dtype
+    )
+    want = summ.reference()
+    got, part = run(summ, "wgmma", sub_blocks=sub, head_split=head_split, maxnreg=maxnreg)
+    assert got.shape == (summ.b * summ.h, G, summ.P)
+    assert_scores(got, want, 1e-5)
+    check_partials(part, summ, want.view(summ.b * summ.h, G, summ.P))
+    # the same pages as variant "mma" through the selection
+    ref, ref_part = run(summ, "mma")
+    assert torch.equal(page_lists(got, part, summ), page_lists(ref, ref_part, summ))
+
+
+def test_wgmma_refuses_what_it_cannot_run():
+    summ = Summaries(5, rank=4, bits=4, G=16, d=128, dtype=torch.bfloat16)
+    if not WGMMA:
+        with pytest.raises(ValueError, match="variant 'wgmma' runs on a compute capability 9.0 GPU"):
+            run(summ, "wgmma")
+        return
+    for kw in (dict(block_pages=128), dict(num_warps=8), dict(words_per_chunk=4), dict(head_split=3)):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            run(summ, "wgmma", **kw)
+    with pytest.raises(ValueError, match="head_split"):  # 4 programs of 4 heads: below a product's 8
+        run(summ, "wgmma", head_split=4)
+    for odd in (
+        Summaries(5, rank=4, bits=2, G=16, d=128, dtype=torch.bfloat16),  # 2-bit basis
+        Summaries(5, rank=4, bits=4, G=4, d=128, dtype=torch.bfloat16),  # a group of 4: "fma"'s
+        Summaries(5, rank=4, bits=4, G=16, d=128, dtype=torch.float32),  # float32 query
+    ):
+        with pytest.raises(ValueError, match="variant 'wgmma' needs"):
+            run(odd, "wgmma")
+    assert wgmma_supported(128, 16, 4, 4, 16, torch.bfloat16) and not wgmma_supported(96, 16, 4, 4, 16, torch.bfloat16)
+
+
+def test_default_variant_takes_wgmma_only_where_it_was_timed():
+    """The GLM-4 shape (16 heads, d = 128, 16-token pages, r4i4 / r8i4, bf16) on an H100/H200; "mma" elsewhere:
+    off such a device, at other ranks, for float32 queries; "fma" for small groups."""
+    from locks_hf.kernels.score_dot import LOCKS
+
+    dev = torch.device(DEV)
+    for rank in (4, 8):
+        want = "wgmma" if WGMMA else "mma"
+        assert default_variant(LOCKS, 16, 128, 16, rank, 4, device=dev, query_dtype=torch.bfloat16) == want
+    assert default_variant(LOCKS, 16, 128, 16, 2, 4, device=dev, query_dtype=torch.bfloat16) == "mma"
+    assert default_variant(LOCKS, 16, 128, 16, 4, 4, device=dev, query_dtype=torch.float32) == "mma"
+    assert default_variant(LOCKS, 16, 128, 16, 4, 4) == "mma"
+    assert default_variant(LOCKS, 4, 128, 16, 4, 4, device=dev, query_dtype=torch.bfloat16) == "fma"
