@@ -26,15 +26,20 @@ from __future__ import annotations
 
 import math
 
+import triton
 import triton.language as tl
 
 from .score_mma import _pair
 
-try:  # Gluon: Triton >= 3.5 with the Hopper warpgroup MMA
+#: The oldest Triton the kernel was compiled and checked with: Gluon's API changes between releases.
+MIN_TRITON = (3, 6)
+try:
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) < MIN_TRITON:
+        raise ImportError(f"Triton {triton.__version__} < {MIN_TRITON}")
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
-except ImportError:  # pragma: no cover - older Triton: the variant is unavailable (`wgmma_available`)
+except (ImportError, ValueError):  # pragma: no cover - older Triton: the variant is unavailable (`wgmma_available`)
     gluon = None
 
 BIG_PAGE = tl.constexpr(2**30)
@@ -44,7 +49,7 @@ BP = 64
 
 
 def wgmma_available() -> bool:
-    """Whether this Triton has the Gluon dialect the kernel is written in."""
+    """Whether this Triton has the Gluon dialect the kernel is written in (Triton >= `MIN_TRITON`)."""
     return gluon is not None
 
 
@@ -320,3 +325,5 @@ if gluon is not None:
         gl.store(part + GG + gi, run_l)
         gl.store(part + 2 * GG + gi, first_s)
         gl.store(part + 3 * GG + gi, gl.zeros([GP], gl.float32, layout=COLS) + first.to(gl.float32))
+else:  # pragma: no cover - without Gluon `score_pages` refuses the variant before it would launch
+    _locks_wgmma_kernel = None
