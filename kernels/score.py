@@ -201,8 +201,8 @@ def score_pages(
     Tiles (``block_pages``, ``sub_blocks``, ``num_warps``, ``num_stages``) default per method/variant
     (`score_tiles`);
     ``maxnreg`` caps the registers per thread (more programs per SM; ``"fma"``, ``"mma"`` and ``"wgmma"``;
-    ``"mma"`` defaults to `score_tiles.mma_registers`, ``"wgmma"`` to `score_tiles.wgmma_registers`). ``prefetch`` (``"fma"``, ``"mma"``): each chunk of codes is
-    loaded before the previous chunk's products; ``False`` is the plain loop, kept to time one against the
+    ``"mma"`` defaults to `score_tiles.mma_registers`, ``"wgmma"`` to `score_tiles.wgmma_registers`).
+    ``prefetch`` (``"fma"``, ``"mma"``): each chunk of codes is loaded before the previous chunk's products; ``False`` is the plain loop, kept to time one against the
     other; default on for ``"mma"``, `score_tiles.FMA_PREFETCH` for ``"fma"``. ``l2_prefetch``
     (``"fma"``, ``"mma"``): each block first asks the L2 for every byte it reads (`score_parts.prefetch_block`);
     default `score_tiles.L2_PREFETCH` where the device can (`score_tiles.l2_prefetch_runs`: CUDA, not the

@@ -5,12 +5,14 @@ The defaults and the H200 figures that chose them are kept together here.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
 from ._common import next_pow2
 from .score_dot import LOCKS, ORACLE, QUEST
+from .score_wgmma import wgmma_available
 
 #: Locks scoring variants (`score.score_pages`' ``variant``).
 VARIANTS = ("dot", "fma", "mma", "wgmma")
@@ -58,14 +60,18 @@ def wgmma_supported(d: int, page_size: int, rank: int, basis_bits: int, G: int, 
 def wgmma_runs(device: torch.device) -> bool:
     """Whether variant ``"wgmma"`` runs on ``device``: a compute capability 9.0 GPU (the warpgroup MMA of
     sm_90a), outside Triton's interpreter (which has no Gluon), with a Triton that has Gluon."""
-    from .score_wgmma import wgmma_available
-
     return (
         wgmma_available()
         and device.type == "cuda"
         and os.environ.get("TRITON_INTERPRET") != "1"
-        and torch.cuda.get_device_capability(device) == (9, 0)
+        and _capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0)
     )
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    # asked at every default-variant choice of an eager step: once per device is enough
+    return torch.cuda.get_device_capability(index)
 
 
 #: Register caps of variant ``"wgmma"`` by rank where it is the default (`default_variant`): 4 programs an SM at
