@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .score_mma import _pair
+from .score_parts import program_row, row_summaries
 
 #: The oldest Triton the kernel was compiled and checked with: Gluon's API changes between releases.
 MIN_TRITON = (3, 6)
@@ -215,23 +216,15 @@ if gluon is not None:
         RWM: gl.constexpr = D // 4  # words of an int8 centroid
         NCW: gl.constexpr = B * R // 4  # coefficient words of a page
 
-        blk = gl.program_id(0)
-        row = gl.program_id(1)
-        bb = (row // H).to(gl.int64)
-        hh = row % H
-        rs = gl.load(row_start_ptr + bb)
-        n_done = gl.load(n_complete_ptr + bb)
-        length = gl.load(len_ptr)
-        last_page = (length - 1 - rs) // B
+        # the row and summary pointers as the Triton kernels take them (Gluon calls their scalar helpers)
+        blk, row, bb, hh, rs, n_done, length, last_page = program_row(row_start_ptr, n_complete_ptr, len_ptr, H, B)
         vrow = valid_ptr + bb * valid_sb
         g0 = gl.program_id(2) * GP
         q_base = q_ptr + bb * q_sb + (hh * G + g0) * q_sh
-        bas = bas + bb * bas_sb + hh * bas_sh
-        bsc = bsc + bb * bsc_sb + hh * bsc_sh
-        cf = cf + bb * cf_sb + hh * cf_sh
-        csc = csc + bb * csc_sb + hh * csc_sh
-        mu = mu + bb * mu_sb + hh * mu_sh
-        msc = msc + bb * msc_sb + hh * msc_sh
+        bas, bsc, cf, csc, mu, msc = row_summaries(
+            bb, hh, bas, bas_sb, bas_sh, bsc, bsc_sb, bsc_sh, cf, cf_sb, cf_sh, csc, csc_sb, csc_sh, mu, mu_sb, mu_sh,
+            msc, msc_sb, msc_sh,
+        )  # fmt: skip
 
         qb = _stage_query(q_base, q_sh, G - g0, GP, RW // 4, False, DT)
         qm = _stage_query(q_base, q_sh, G - g0, GP, RWM // 4, True, DT)
