@@ -182,7 +182,8 @@ def score_pages(
     """Score every page of every row and KV head for one decode query.
 
     ``query [b, Hq, 1, d]`` (or ``[b, Hq, d]``); ``slot_valid [b, cap]`` real slots; ``row_start [b]``
-    and ``n_complete [b]`` int32 tensors (first slot of page 0, pages summarized); ``length`` slots
+    and ``n_complete [b]`` int32 tensors (first slot of page 0, at least 0; pages summarized: only those
+    wholly inside the written slots are scored); ``length`` slots
     written (an int, or the cache's ``int32 [1]`` device tensor); ``n_pages`` page-axis length ``P``.
     ``summary`` is the selector's tensors ``[b, h, P', ...]``
     (``"locks"``: basis/basis_scale/coef/coef_scale/mu/mu_scale; ``"quest"``: upper/lower);

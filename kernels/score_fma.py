@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, slot_ok
+from ._common import LOG2E
 from .score_parts import empty_partials, fold_scores, prefetch_block, program_row, row_summaries, store_partials
 
 
@@ -81,17 +81,16 @@ def _col(x, K: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
-def _tokens_ok(vrow, s0, length, STEP: tl.constexpr, N: tl.constexpr):
-    """Real slots ``s0 + n*STEP`` (``n < N``) of every page: ``[BP, N]``. One byte load per token: the
-    slots' alignment is unknown, and an unvectorized ``[BP, N]`` load would be spread over N threads."""
+def _tokens_ok(vrow, s0, mask, STEP: tl.constexpr, N: tl.constexpr):
+    """Real slots ``s0 + n*STEP`` (``n < N``) of the complete pages ``mask``: ``[BP, N]`` int8. One byte load
+    per token: the slots' alignment is unknown, and an unvectorized ``[BP, N]`` load would be spread over N
+    threads. No bounds check: a complete page lies inside the written slots (`score_parts.program_row`)."""
     BP: tl.constexpr = s0.shape[0]
     if N == 1:
-        y = tl.reshape(slot_ok(vrow, s0, length).to(tl.int8), [BP, 1])
+        y = tl.reshape((tl.load(vrow + s0, mask=mask, other=0) != 0).to(tl.int8), [BP, 1])
     else:
         y = tl.reshape(
-            tl.join(
-                _tokens_ok(vrow, s0, length, 2 * STEP, N // 2), _tokens_ok(vrow, s0 + STEP, length, 2 * STEP, N // 2)
-            ),
+            tl.join(_tokens_ok(vrow, s0, mask, 2 * STEP, N // 2), _tokens_ok(vrow, s0 + STEP, mask, 2 * STEP, N // 2)),
             [BP, N],
         )
     return y
@@ -210,7 +209,7 @@ def _locks_fma_proj(
 
 
 @triton.jit
-def _locks_fma_lse(proj, qmu, cf, csc, vrow, rs, length, p, pmask, magic, B: tl.constexpr, R: tl.constexpr):
+def _locks_fma_lse(proj, qmu, cf, csc, vrow, rs, p, pmask, magic, B: tl.constexpr, R: tl.constexpr):
     """Page LSE (base 2) of the logits ``qmu + csc_t * proj.c_t`` over the real tokens ``t``, and whether
     the page has one: ``([BP, GG], [BP])``. ``proj [BP, R, GG]``, ``qmu [BP, GG]`` are pre-scaled.
 
@@ -240,7 +239,7 @@ def _locks_fma_lse(proj, qmu, cf, csc, vrow, rs, length, p, pmask, magic, B: tl.
             x = tl.fma(tl.reshape(_col(c, i, R), [BP, TT, 1]), tl.reshape(_col(proj, i, R), [BP, 1, GG]), x)
         cs = tl.load(csc + p[:, None] * B + n * TT + tt[None, :], mask=pmask[:, None], other=0.0).to(tl.float32)
         x = tl.fma(x, tl.reshape(cs, [BP, TT, 1]), tl.reshape(qmu, [BP, 1, GG]))
-        ok = _tokens_ok(vrow, rs + p * B + n * TT, length, 1, TT) & pmask[:, None].to(tl.int8)  # [BP, TT]
+        ok = _tokens_ok(vrow, rs + p * B + n * TT, pmask, 1, TT)  # [BP, TT]
         real = real | tl.max(ok, axis=1)
         x = tl.where(tl.reshape(ok, [BP, TT, 1]) != 0, x, float("-inf"))
         new_m = tl.maximum(m, tl.max(x, axis=1))
@@ -347,7 +346,7 @@ def _locks_fma_kernel(
         bs = tl.load(bsc + p[:, None] * R + tl.arange(0, R)[None, :], mask=pmask[:, None], other=0.0).to(tl.float32)
         proj = acc * tl.reshape(bs * qk2, [BP, R, 1])
         qmu = accm * tl.reshape(tl.load(msc + p, mask=pmask, other=0.0).to(tl.float32) * qk2, [BP, 1])
-        lse2, real = _locks_fma_lse(proj, qmu, cf, csc, vrow, rs, length, p, pmask, magic, B, R)
+        lse2, real = _locks_fma_lse(proj, qmu, cf, csc, vrow, rs, p, pmask, magic, B, R)
         run_m, run_l, first_s, first = fold_scores(
             tl.trans(lse2 / LOG2E), p, real, gi, out_row, P_out, last_page, run_m, run_l, first_s, first, G
         )

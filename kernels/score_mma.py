@@ -273,7 +273,7 @@ def _locks_mma_kernel(
         proj = tl.reshape(tl.permute(tl.reshape(acc * bs[:, None], [BP, R, HS, GT]), (0, 2, 1, 3)), [BV, R, GT])
         qmu = tl.reshape(accm * ms[:, None], [BV, GT])
         pv = (blk * nsub + it) * BP + tl.arange(0, BV) // HS
-        lse2, real = _locks_fma_lse(proj, qmu, cf, csc, vrow, rs, length, pv, pv < n_done, magic, B, R)
+        lse2, real = _locks_fma_lse(proj, qmu, cf, csc, vrow, rs, pv, pv < n_done, magic, B, R)
         s = tl.reshape(lse2, [BP, GG]) / LOG2E
         real = tl.max(tl.reshape(real.to(tl.int32), [BP, HS]), axis=1) > 0
         run_m, run_l, first_s, first = fold_scores(

@@ -16,12 +16,17 @@ from ._common import BIG_PAGE, LOG2E, prefetch_l2
 @triton.jit
 def program_row(row_start_ptr, n_complete_ptr, len_ptr, H, B: tl.constexpr):
     """This program's page block and (row, KV head), the row's first slot, complete pages, the cache
-    length and the row's most recent page (never a candidate)."""
+    length and the row's most recent page (never a candidate).
+
+    The complete pages are capped at those wholly inside the written slots ``row_start .. length-1``, so a
+    kernel reads a complete page's valid flags with no bounds check of its own (``row_start >= 0``, the
+    row's first real slot)."""
     row = tl.program_id(1)
     bb = (row // H).to(tl.int64)  # 64-bit offsets: a batch of long caches passes 2**31 elements
     rs = tl.load(row_start_ptr + bb)
     length = tl.load(len_ptr)
-    return (tl.program_id(0), row, bb, row % H, rs, tl.load(n_complete_ptr + bb), length, (length - 1 - rs) // B)
+    n_done = tl.minimum(tl.load(n_complete_ptr + bb), tl.maximum(length - rs, 0) // B)
+    return (tl.program_id(0), row, bb, row % H, rs, n_done, length, (length - 1 - rs) // B)
 
 
 @triton.jit

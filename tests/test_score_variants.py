@@ -97,8 +97,8 @@ class Summaries:
         f = torch.where(f >= 1 << (bits - 1), f - (1 << bits), f)
         return f.flatten(-2).double()
 
-    def reference(self):
-        """``[b, h, G, P]`` float64 scores: ``-inf`` for pages that are not complete or hold no real token."""
+    def logits(self):
+        """Every slot's logit ``[b, h, G, P, B]`` (float64) and whether the slot is real ``[b, P, B]``."""
         s, b, h, G, B, P = self.summary, self.b, self.h, self.G, self.B, self.P
         basis = self.codes("basis") * s["basis_scale"].double()[..., None]  # [b, h, P, r, d]
         coef = self.codes("coef") * s["coef_scale"].double()[..., None]  # [b, h, P, B, r]
@@ -110,8 +110,13 @@ class Summaries:
         )
         slot = self.row_start.long()[:, None, None] + torch.arange(P)[None, :, None] * B + torch.arange(B)
         real = self.slot_valid.gather(1, slot.clamp(0, self.cap - 1).view(b, -1)).view(b, P, B) & (slot < self.length)
+        return logits, real
+
+    def reference(self):
+        """``[b, h, G, P]`` float64 scores: ``-inf`` for pages that are not complete or hold no real token."""
+        logits, real = self.logits()
         out = torch.logsumexp(logits.masked_fill(~real[:, None, None], float("-inf")), -1)
-        ok = real.any(-1) & (torch.arange(P)[None] < self.n_complete[:, None])  # [b, P]
+        ok = real.any(-1) & (torch.arange(self.P)[None] < self.n_complete[:, None])  # [b, P]
         return out.masked_fill(~ok[:, None, None], float("-inf"))
 
     def folded(self, scores):
@@ -206,6 +211,45 @@ def test_mma_scores_and_partials_match_float64(rank, bits, G, B):
     assert got.shape == (summ.b * summ.h, G, summ.P)
     assert_scores(got, want, 1e-5)
     check_partials(part, summ, want.view(summ.b * summ.h, G, summ.P))
+
+
+@pytest.mark.parametrize(
+    "variant,G", [("fma", 4), ("mma", 4), ("mma", 16), ("dot", 4)] + ([("wgmma", 16)] if WGMMA else [])
+)
+def test_logits_beyond_float32s_exponent_range_within_a_page(variant, G):
+    """Logits spread over hundreds of log2 units inside a page, and padding slots first in a page whose logits
+    lie far above its real tokens': the scores of float64 still, on every page (a page LSE taken against any
+    one logit rather than the running max of the real ones would overflow or underflow here)."""
+    dtype = torch.bfloat16 if variant == "wgmma" else torch.float32
+    summ = Summaries(17 + G, rank=4, bits=4, G=G, b=3, pages=24, dtype=dtype)
+    summ.query = (summ.query.float() * 300).to(dtype)
+    summ.slot_valid[0, 0 : summ.length : 2 * summ.B] = False  # the first slot of every other page of row 0
+    logits, real = summ.logits()
+    log2 = (logits - logits[..., :1]) / math.log(2)  # against the page's first slot
+    top = log2.masked_fill(~real[:, None, None], float("-inf")).amax(-1)  # [b, h, G, P]
+    complete = (torch.arange(summ.P)[None] < summ.n_complete[:, None])[:, None, None]
+    over = (top > 128) & complete
+    under = (top < -64) & ~real[:, None, None, :, 0] & complete
+    assert over.any() and under.any(), "the case must reach both ends of the range"
+    want = summ.reference()
+    got, part = run(summ, variant, small=True)
+    assert_scores(got, want, 1e-5)
+    check_partials(part, summ, want.view(summ.b * summ.h, G, summ.P))
+
+
+@pytest.mark.parametrize(
+    "variant,G", [("fma", 4), ("mma", 4), ("mma", 16), ("dot", 4)] + ([("wgmma", 16)] if WGMMA else [])
+)
+def test_pages_past_the_written_slots_are_not_complete(variant, G):
+    """``n_complete`` counting more pages than lie wholly inside the written slots (a row's page grid moved, or
+    a stale count): the pages that reach ``length`` or past it score ``-inf``, as if the count were capped."""
+    dtype = torch.bfloat16 if variant == "wgmma" else torch.float32
+    summ = Summaries(23 + G, rank=4, bits=4, G=G, b=3, dtype=dtype)
+    capped = summ.reference()
+    summ.n_complete = torch.full_like(summ.n_complete, summ.P)
+    assert (summ.reference().isfinite() & ~capped.isfinite()).any(), "the count must reach a partly written page"
+    got, part = run(summ, variant, small=True)
+    assert_scores(got, capped, 1e-5)
 
 
 @pytest.mark.parametrize("dtype", QUERY_DTYPES[1:])
