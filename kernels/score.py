@@ -353,6 +353,8 @@ def score_pages(
             h,
             float(scale),
         )
+    regs = {} if maxnreg is None else {"maxnreg": maxnreg}
+    pair_base = PAIR_BASE["fp16" if q.dtype == torch.float16 else "bf16"]
     if fma:
         scratch = torch.empty((rows * n_blk * d * GG,), dtype=torch.float32, device=q.device)
         launch(
@@ -373,7 +375,7 @@ def score_pages(
             PREFETCH=prefetch,
             num_warps=num_warps,
             num_stages=num_stages,
-            **({} if maxnreg is None else {"maxnreg": maxnreg}),
+            **regs,
         )
         return out, partials
     if wgmma:
@@ -382,7 +384,7 @@ def score_pages(
             (n_blk, rows, head_split),
             *common,
             sub_blocks,
-            PAIR_BASE["fp16" if q.dtype == torch.float16 else "bf16"],
+            pair_base,
             G=G,
             GG=GG,
             HS=head_split,
@@ -391,7 +393,7 @@ def score_pages(
             R=R,
             F16=q.dtype == torch.float16,
             num_warps=4,
-            **({} if maxnreg is None else {"maxnreg": maxnreg}),
+            **regs,
         )
         return out, partials
     if mma:
@@ -401,7 +403,7 @@ def score_pages(
             *common,
             sub_blocks,
             0x4B000000,
-            PAIR_BASE["fp16" if q.dtype == torch.float16 else "bf16"],
+            pair_base,
             G=G,
             GG=GG,
             D=d,
@@ -417,7 +419,7 @@ def score_pages(
             PF_LINES=pf_lines,
             num_warps=num_warps,
             num_stages=num_stages,
-            **({} if maxnreg is None else {"maxnreg": maxnreg}),
+            **regs,
         )
         return out, partials
     args = []

@@ -213,9 +213,11 @@ def test_mma_scores_and_partials_match_float64(rank, bits, G, B):
     check_partials(part, summ, want.view(summ.b * summ.h, G, summ.P))
 
 
-@pytest.mark.parametrize(
-    "variant,G", [("fma", 4), ("mma", 4), ("mma", 16), ("dot", 4)] + ([("wgmma", 16)] if WGMMA else [])
-)
+#: Every Locks scoring variant at a group size it runs ("wgmma" only where it runs: an H100/H200).
+EVERY_VARIANT = [("fma", 4), ("mma", 4), ("mma", 16), ("dot", 4)] + ([("wgmma", 16)] if WGMMA else [])
+
+
+@pytest.mark.parametrize("variant,G", EVERY_VARIANT)
 def test_logits_beyond_float32s_exponent_range_within_a_page(variant, G):
     """Logits spread over hundreds of log2 units inside a page, and padding slots first in a page whose logits
     lie far above its real tokens': the scores of float64 still, on every page (a page LSE taken against any
@@ -237,9 +239,7 @@ def test_logits_beyond_float32s_exponent_range_within_a_page(variant, G):
     check_partials(part, summ, want.view(summ.b * summ.h, G, summ.P))
 
 
-@pytest.mark.parametrize(
-    "variant,G", [("fma", 4), ("mma", 4), ("mma", 16), ("dot", 4)] + ([("wgmma", 16)] if WGMMA else [])
-)
+@pytest.mark.parametrize("variant,G", EVERY_VARIANT)
 def test_pages_past_the_written_slots_are_not_complete(variant, G):
     """``n_complete`` counting more pages than lie wholly inside the written slots (a row's page grid moved, or
     a stale count): the pages that reach ``length`` or past it score ``-inf``, as if the count were capped."""
