@@ -475,6 +475,7 @@ def main(argv=None):
         help="JSON list of settings tried instead of the built-in grid, each with the defaults first, e.g. "
         '\'[{"variant": "mma", "maxnreg": 128}, {"variant": "mma", "num_stages": 2}]\'',
     )
+    ap.add_argument("--only-cfgs", action="store_true", help="time the --cfgs settings alone, not the defaults first")
     args = ap.parse_args(argv)
     t_start = time.time()
     models, labels = args.models.split(","), args.labels.split(",")
@@ -491,7 +492,7 @@ def main(argv=None):
     }
     if args.cfgs:
         extra = json.loads(args.cfgs)
-        plan = {key: [c for c in cfgs if len(c) == 1] + extra for key, cfgs in plan.items()}
+        plan = {key: ([] if args.only_cfgs else [c for c in cfgs if len(c) == 1]) + extra for key, cfgs in plan.items()}
     if args.dry_run:
         for (m, lab), cfgs in plan.items():
             print(m, lab, len(cfgs), [cfg_name(c) for c in cfgs])

@@ -18,6 +18,7 @@ import argparse
 import os
 import sys
 import time
+import traceback
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     raise SystemExit("check_score_wgmma_compile: unset TRITON_INTERPRET (the interpreter does not compile)")
@@ -85,6 +86,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=None, help="comma-separated indices into CASES")
     ap.add_argument("--maxnreg", type=int, default=None, help="register cap a thread")
     ap.add_argument("--head-split", type=int, default=1, help="programs sharing a group's heads (8+ heads each)")
+    ap.add_argument("--trace", action="store_true", help="print a failing case's whole exception chain")
     ap.add_argument("--dump", default=None, help="folder: each case's TTGIR and SASS, and its SASS opcode counts")
     args = ap.parse_args(argv)
     if not score_wgmma.wgmma_available():
@@ -102,6 +104,8 @@ def main(argv=None) -> int:
             kernel = compile_case(rank, G, B, d, f16, args.maxnreg, args.head_split)
         except Exception as e:  # noqa: BLE001 - report every case
             print(f"FAIL  {label}: {type(e).__name__}: {str(e)[:1500]}", flush=True)
+            if args.trace:  # the compiler's error names the innermost failing call only in its chain
+                traceback.print_exc()
             bad += 1
             continue
         res = cubin_resources(kernel.asm["cubin"])
