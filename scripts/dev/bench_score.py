@@ -477,6 +477,8 @@ def main(argv=None):
     )
     ap.add_argument("--only-cfgs", action="store_true", help="time the --cfgs settings alone, not the defaults first")
     args = ap.parse_args(argv)
+    if args.only_cfgs and not args.cfgs:
+        ap.error("--only-cfgs times the --cfgs settings alone: give --cfgs too")
     t_start = time.time()
     models, labels = args.models.split(","), args.labels.split(",")
     contexts = [parse_ctx(c) for c in args.contexts.split(",")]
