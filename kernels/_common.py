@@ -153,6 +153,19 @@ def slot_ok(valid_ptr, slot, length):
 
 
 @triton.jit
+def arrived_last(tick_ptr, n):
+    """Whether this program is the last of the ``n`` programs that arrive at the counter ``tick_ptr`` (int32,
+    zero before the first arrival): the others' stores before their arrival are then visible to it (read them
+    with ``cache_modifier=".cg"``), so it can carry on with their results in the same launch. The last one
+    sets the counter back to zero, so a counter buffer serves launch after launch (a captured graph's replays
+    included) with no memset of its own."""
+    tl.debug_barrier()  # every thread's stores before the arrival, which the atomic (acq_rel, gpu) releases
+    last = tl.atomic_add(tick_ptr, 1, sem="acq_rel", scope="gpu") == n - 1
+    tl.store(tick_ptr, 0, mask=last)
+    return last
+
+
+@triton.jit
 def score_key(x):
     """Signed int32 key with the order of the float32 ``x`` (larger score -> larger key)."""
     bits = x.to(tl.int32, bitcast=True)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, as_length, dot_precision, launch, next_pow2, slot_ok, sm_count
+from ._common import LOG2E, arrived_last, as_length, dot_precision, launch, next_pow2, slot_ok, sm_count
 
 
 @triton.jit
@@ -119,12 +119,10 @@ def _sparse_attn_kernel(
         acc, l, m, row, split, n_split, part_o_ptr, part_l_ptr, out_ptr, out_sb, out_sh, bb, hh, G, GP, D, SPLIT
     )
     if SPLIT and FUSED:  # the row's last split to finish merges the partials (no second launch)
-        tl.debug_barrier()  # every thread's stores before the arrival (released by the atomic)
-        if tl.atomic_add(sem_ptr + row, 1) == n_split - 1:
+        if arrived_last(sem_ptr + row, n_split):
             _combine_row(
                 part_o_ptr, part_l_ptr, row, n_split, out_ptr + bb * out_sb + hh * G * out_sh, out_sh, G, GP, D, SB
             )
-            tl.store(sem_ptr + row, 0)
 
 
 @triton.jit

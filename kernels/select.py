@@ -1,18 +1,23 @@
 """Page selection (kernel 2): top-(k-2) pages per row with the forced sink and recent pages.
 
-Two launches (three with a middle stage, `_select_group_kernel`: `selection_stages` adds one where long chunks
-would leave the first stage few programs), no host sync, fixed-width outputs padded with ``SENTINEL``:
+One launch, ``_select_kernel`` (grid: chunks x rows), no host sync, fixed-width outputs padded with
+``SENTINEL``. Each program
 
-1. ``_select_chunk_kernel`` (grid: chunks x rows) folds the scoring partials in one pass (`sink_and_lse`)
-   into the sink page and, for the shared rule, each query head's LSE over the candidate pages; computes one
-   key per page of its chunk (the share-average ``mean_g exp(s_g - LSE_g)``, or a head's own score for Quest)
-   and keeps the chunk's best ``k-2`` by a threshold search (``top_keys``), in page order.
-2. ``_select_merge_kernel`` (grid: rows) takes the best ``k-2`` of the chunk winners the same way (in
-   two tiles when the chunk count is not a power of two: `merge_tiles`) and writes
-   ``[sink, recent, winners..., SENTINEL...]``; for Quest it writes each head's list and ``_union_kernel``
-   merges the G lists of a KV head (sort, drop duplicates). Given a page mask, the launch that writes the
-   final lists overwrites it with them too (`mark_row`): a static layer's record of the pages attended
-   costs no launch of its own.
+1. folds the scoring partials in one pass (`sink_and_lse`) into the sink page and, for the shared rule,
+   each query head's LSE over the candidate pages; computes one key per page of its chunk (the
+   share-average ``mean_g exp(s_g - LSE_g)``, or a head's own score for Quest) and keeps the chunk's best
+   ``k-2`` by a threshold search (``top_keys``), in page order;
+2. with a middle stage (`selection_stages`: where long chunks would leave the launch few programs), if it is
+   the last of its group of chunks to finish (`_common.arrived_last`), keeps the group's best ``k-2`` the same
+   way;
+3. if it is the last of its row to finish, takes the best ``k-2`` of the row's lists (in two tiles when their
+   count is not a power of two: `merge_tiles`) and writes ``[sink, recent, winners..., SENTINEL...]``; for
+   Quest it writes its head's list, and the last head of a KV head to finish merges the G lists (sort, drop
+   duplicates). Given a page mask, the program that writes a row's list overwrites the mask's row with it
+   too (`mark_row`): a static layer's record of the pages attended costs no launch of its own.
+
+The later stages run in whichever program finishes last, so they add no launch and wait for no other row;
+their counters (``tickets``) are left zero for the next launch.
 
 Ties break towards the earlier page, as in the reference (a stable descending sort).
 """
@@ -27,6 +32,7 @@ from ._common import (
     BIG_PAGE,
     NO_KEY,
     SENTINEL_C as SENTINEL,
+    arrived_last,
     as_length,
     launch,
     next_pow2,
@@ -188,8 +194,6 @@ def _row_keys(
     H,
     P,
     p,
-    sink_ptr,
-    first_prog,
     vrow,
     PER_HEAD: tl.constexpr,
     G: tl.constexpr,
@@ -201,15 +205,14 @@ def _row_keys(
     """Selection keys of pages ``p`` of virtual row ``vrow`` (a (row, KV head), or a (row, KV head,
     query head) for Quest): the share-average ``mean_g exp(s_g - LSE_g)`` (a head's own score for
     Quest) as `score_key` ints, ``NO_KEY`` for pages that are not candidates (not real, the sink or
-    the recent page). ``first_prog`` stores the row's sink page."""
+    the recent page); with the row's sink page and most recent page."""
     if PER_HEAD:
         row = vrow // G
         head = vrow % G
     else:
         row = vrow
         head = 0
-    rs = tl.load(row_start_ptr + row // H)
-    last_page = (tl.load(len_ptr) - 1 - rs) // B
+    last_page = last_page_of(row_start_ptr, len_ptr, row, H, B)
     srow = score_ptr + row * G * P
     if not PER_HEAD:
         # loaded before the partials are folded: their wait overlaps the fold, on which only their use waits
@@ -218,8 +221,6 @@ def _row_keys(
             srow + gi[:, None] * P + p[None, :], mask=(gi < G)[:, None] & (p < P)[None, :], other=float("-inf")
         )
     sink, lse = sink_and_lse(part_ptr, row, n_blk, last_page, GG, NBP, NBR, not PER_HEAD)
-    if first_prog:
-        tl.store(sink_ptr + row, sink)
     if PER_HEAD:
         s = tl.load(srow + head * P + p, mask=p < P, other=float("-inf"))
         real = s > float("-inf")
@@ -229,43 +230,11 @@ def _row_keys(
         lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
         key = score_key(tl.sum(tl.exp(s_all - lse_safe[:, None]), axis=0) / G)
     cand = real & (p != sink) & (p != last_page)
-    return tl.where(cand, key, NO_KEY)
+    return tl.where(cand, key, NO_KEY), sink, last_page
 
 
 @triton.jit
-def _chunk_keys(
-    score_ptr,
-    part_ptr,
-    n_blk,
-    row_start_ptr,
-    len_ptr,
-    H,
-    P,
-    sink_ptr,
-    PER_HEAD: tl.constexpr,
-    G: tl.constexpr,
-    GG: tl.constexpr,
-    B: tl.constexpr,
-    CH: tl.constexpr,
-    NBP: tl.constexpr,
-    NBR: tl.constexpr,
-):
-    """Program (chunk, vrow) of a first-stage kernel: its ``CH`` pages and their `_row_keys`."""
-    chunk = tl.program_id(0)
-    vrow = tl.program_id(1)
-    if PER_HEAD:
-        first = (chunk == 0) & (vrow % G == 0)
-    else:
-        first = chunk == 0
-    p = chunk * CH + tl.arange(0, CH)
-    key = _row_keys(
-        score_ptr, part_ptr, n_blk, row_start_ptr, len_ptr, H, P, p, sink_ptr, first, vrow, PER_HEAD, G, GG, B, NBP, NBR
-    )
-    return chunk, vrow, p, key
-
-
-@triton.jit
-def _select_chunk_kernel(
+def _select_kernel(
     score_ptr,
     part_ptr,
     n_blk,
@@ -277,8 +246,15 @@ def _select_chunk_kernel(
     K_MAX,
     key_ptr,
     page_ptr,
-    sink_ptr,
     n_chunk,
+    key2_ptr,
+    page2_ptr,
+    n_group,
+    tick_ptr,
+    out_ptr,
+    W,
+    mask_ptr,
+    list_ptr,
     PER_HEAD: tl.constexpr,
     G: tl.constexpr,
     GG: tl.constexpr,
@@ -287,12 +263,48 @@ def _select_chunk_kernel(
     KP: tl.constexpr,
     NBP: tl.constexpr,
     NBR: tl.constexpr,
+    GRP: tl.constexpr,
+    M: tl.constexpr,
+    MT: tl.constexpr,
+    MARK: tl.constexpr,
+    MB: tl.constexpr,
+    N: tl.constexpr,
 ):
-    chunk, vrow, p, key = _chunk_keys(
-        score_ptr, part_ptr, n_blk, row_start_ptr, len_ptr, H, P, sink_ptr, PER_HEAD, G, GG, B, CH, NBP, NBR
+    """Program (chunk, vrow): its ``CH`` pages' keys and their best ``k-2`` (a chunk list); then, if it is the
+    last of its group of ``GRP`` chunks to finish (``GRP > 0``), the group's list; then, if it is the last list
+    of its row, the row's merge (`_finish_row`). Counters at ``tick_ptr``: a group's, then a row's, then (Quest)
+    a KV head's."""
+    chunk = tl.program_id(0)
+    vrow = tl.program_id(1)
+    n_vrow = tl.num_programs(1)
+    p = chunk * CH + tl.arange(0, CH)
+    key, sink, last_page = _row_keys(
+        score_ptr, part_ptr, n_blk, row_start_ptr, len_ptr, H, P, p, vrow, PER_HEAD, G, GG, B, NBP, NBR
     )
-    keep = top_keys(key, free_slots(k_ptr, K_MAX))
-    keep_winners(key_ptr, page_ptr, (vrow * n_chunk + chunk) * KP, key, p, keep, KP)
+    K = free_slots(k_ptr, K_MAX)
+    keep_winners(key_ptr, page_ptr, (vrow * n_chunk + chunk) * KP, key, p, top_keys(key, K), KP)
+    row_tick = tick_ptr + n_vrow * n_group + vrow
+    union_tick = tick_ptr + n_vrow * (n_group + 1) + vrow // G
+    if GRP > 0:
+        grp = chunk // GRP
+        if arrived_last(tick_ptr + vrow * n_group + grp, tl.minimum(GRP, n_chunk - grp * GRP)):
+            e = grp * GRP * KP + tl.arange(0, GRP * KP)
+            ok = e < n_chunk * KP
+            base = vrow * n_chunk * KP
+            gkey = tl.load(key_ptr + base + e, mask=ok, other=NO_KEY, cache_modifier=".cg")
+            gpage = tl.load(page_ptr + base + e, mask=ok, other=SENTINEL, cache_modifier=".cg")
+            keep_winners(key2_ptr, page2_ptr, (vrow * n_group + grp) * KP, gkey, gpage, top_keys(gkey, K), KP)
+            if arrived_last(row_tick, n_group):
+                _finish_row(
+                    key2_ptr, page2_ptr, n_group, vrow, K, sink, last_page, out_ptr, W, mask_ptr, list_ptr, P,
+                    union_tick, PER_HEAD, G, KP, M, MT, MARK, MB, N,
+                )  # fmt: skip
+    else:
+        if arrived_last(row_tick, n_chunk):
+            _finish_row(
+                key_ptr, page_ptr, n_chunk, vrow, K, sink, last_page, out_ptr, W, mask_ptr, list_ptr, P,
+                union_tick, PER_HEAD, G, KP, M, MT, MARK, MB, N,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -308,59 +320,44 @@ def keep_winners(key_ptr, page_ptr, out, key, page, keep, KP: tl.constexpr):
 
 
 @triton.jit
-def _select_group_kernel(
-    key_ptr, page_ptr, n_chunk, k_ptr, K_MAX, key_out, page_out, n_group, KP: tl.constexpr, GRP: tl.constexpr
-):
-    """Program (group, vrow) of the middle stage: the best ``k-2`` of ``GRP`` consecutive chunk lists, as one
-    list of the same form (the chunks are in page order, so the group's winners are too)."""
-    grp = tl.program_id(0)
-    vrow = tl.program_id(1)
-    e = grp * GRP * KP + tl.arange(0, GRP * KP)
-    ok = e < n_chunk * KP
-    base = vrow * n_chunk * KP
-    key = tl.load(key_ptr + base + e, mask=ok, other=NO_KEY)
-    page = tl.load(page_ptr + base + e, mask=ok, other=SENTINEL)
-    keep = top_keys(key, free_slots(k_ptr, K_MAX))
-    keep_winners(key_out, page_out, (vrow * n_group + grp) * KP, key, page, keep, KP)
-
-
-@triton.jit
-def _select_merge_kernel(
+def _finish_row(
     key_ptr,
     page_ptr,
-    sink_ptr,
-    row_start_ptr,
-    len_ptr,
-    H,
-    k_ptr,
-    K_MAX,
-    n_chunk,
+    n_lists,
+    vrow,
+    K,
+    sink,
+    last_page,
     out_ptr,
     W,
     mask_ptr,
+    list_ptr,
     P,
+    union_tick,
     PER_HEAD: tl.constexpr,
     G: tl.constexpr,
-    B: tl.constexpr,
     KP: tl.constexpr,
     M: tl.constexpr,
     MT: tl.constexpr,
     MARK: tl.constexpr,
     MB: tl.constexpr,
+    N: tl.constexpr,
 ):
-    vrow = tl.program_id(0)
-    K = free_slots(k_ptr, K_MAX)
-    n_in = n_chunk * KP
+    """The merge of row ``vrow``'s ``n_lists`` winner lists (in page order) into its best ``k-2``: the row's
+    page list (and its page mask with ``MARK``); for Quest, the head's list, and for the last head of a KV head
+    to get there (`arrived_last` at ``union_tick``), the union of the group's lists (`_union_row`). The lists
+    in two tiles where their count is not a power of two (``M`` entries, then ``MT``; see `merge_tiles`)."""
+    n_in = n_lists * KP
     base = vrow * n_in
     e = tl.arange(0, M)
-    key = tl.load(key_ptr + base + e, mask=e < n_in, other=NO_KEY)
-    page = tl.load(page_ptr + base + e, mask=e < n_in, other=SENTINEL)
+    key = tl.load(key_ptr + base + e, mask=e < n_in, other=NO_KEY, cache_modifier=".cg")
+    page = tl.load(page_ptr + base + e, mask=e < n_in, other=SENTINEL, cache_modifier=".cg")
     key2 = key
     page2 = page
-    if MT > 0:  # the chunk lists past the first M entries, in a tile of their own (see `merge_tiles`)
+    if MT > 0:  # the lists past the first M entries, in a tile of their own (see `merge_tiles`)
         t = M + tl.arange(0, MT)
-        key2 = tl.load(key_ptr + base + t, mask=t < n_in, other=NO_KEY)
-        page2 = tl.load(page_ptr + base + t, mask=t < n_in, other=SENTINEL)
+        key2 = tl.load(key_ptr + base + t, mask=t < n_in, other=NO_KEY, cache_modifier=".cg")
+        page2 = tl.load(page_ptr + base + t, mask=t < n_in, other=SENTINEL, cache_modifier=".cg")
     keep, keep2 = top_keys_of(key, key2, K, MT > 0)
     n = tl.sum(keep.to(tl.int32), axis=0)
     pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1
@@ -370,14 +367,14 @@ def _select_merge_kernel(
         n_all += tl.sum(keep2.to(tl.int32), axis=0)
         pos2 = n + tl.cumsum(keep2.to(tl.int32), axis=0) - 1
     if PER_HEAD:
-        tl.store(out_ptr + vrow * KP + pos, page, mask=keep)
+        tl.store(list_ptr + vrow * KP + pos, page, mask=keep)
         if MT > 0:
-            tl.store(out_ptr + vrow * KP + pos2, page2, mask=keep2)
+            tl.store(list_ptr + vrow * KP + pos2, page2, mask=keep2)
         w = tl.arange(0, KP)
-        tl.store(out_ptr + vrow * KP + w, tl.full([KP], SENTINEL, tl.int32), mask=w >= n_all)
+        tl.store(list_ptr + vrow * KP + w, tl.full([KP], SENTINEL, tl.int32), mask=w >= n_all)
+        if arrived_last(union_tick, G):
+            _union_row(list_ptr, vrow // G, G * KP, sink, last_page, out_ptr, W, mask_ptr, P, N, MARK, MB)
     else:
-        sink = tl.load(sink_ptr + vrow)
-        last_page = last_page_of(row_start_ptr, len_ptr, vrow, H, B)
         write_page_list(out_ptr, vrow, W, page, keep, pos, n_all, sink, last_page, KP)
         if MT > 0:
             tl.store(out_ptr + vrow * W + 2 + pos2, page2, mask=keep2)
@@ -424,34 +421,29 @@ def mark_row(mask_ptr, row, P, pages, keep, sink, last_page, MB: tl.constexpr):
 
 
 @triton.jit
-def _union_kernel(
+def _union_row(
     list_ptr,
+    row,
     n_list,
-    sink_ptr,
-    row_start_ptr,
-    len_ptr,
-    H,
+    sink,
+    last_page,
     out_ptr,
     W,
     mask_ptr,
     P,
-    B: tl.constexpr,
     N: tl.constexpr,
     MARK: tl.constexpr,
     MB: tl.constexpr,
 ):
-    """Union of the G per-head lists of a KV head (``n_list = G*KP <= N`` entries): sort, drop repeats."""
-    row = tl.program_id(0)
+    """Union of the G per-head lists of KV head ``row`` (``n_list = G*KP <= N`` entries): sort, drop repeats."""
     e = tl.arange(0, N)
-    x = tl.load(list_ptr + row * n_list + e, mask=e < n_list, other=SENTINEL)
+    x = tl.load(list_ptr + row * n_list + e, mask=e < n_list, other=SENTINEL, cache_modifier=".cg")
     x = tl.where(x == SENTINEL, BIG_PAGE, x)
     x = tl.sort(x)
     prev = tl.gather(x, tl.maximum(e - 1, 0), 0)
     uniq = (x != BIG_PAGE) & ((e == 0) | (x != prev))
     n = tl.sum(uniq.to(tl.int32), axis=0)
     pos = tl.cumsum(uniq.to(tl.int32), axis=0) - 1
-    sink = tl.load(sink_ptr + row)
-    last_page = last_page_of(row_start_ptr, len_ptr, row, H, B)
     write_page_list(out_ptr, row, W, x, uniq, pos, n, sink, last_page, N)
     if MARK:
         mark_row(mask_ptr, row, P, x, uniq, sink, last_page, MB)
@@ -610,6 +602,7 @@ def select_pages(
     partial_block: int | None = None,
     mask: torch.Tensor | None = None,
     group: int | None = None,
+    tickets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Page lists ``[b*h, W]`` int32 (``SENTINEL``-padded) from ``score_pages``' outputs.
 
@@ -629,6 +622,9 @@ def select_pages(
     merging ``group`` consecutive chunk lists into one, so that many short chunks (more programs a row) leave
     the merge as few lists as long chunks would. With neither ``chunk`` nor ``group`` given, `selection_stages`
     chooses (a middle stage where long chunks would leave the first stage few programs).
+    ``tickets`` (optional, contiguous int32 zeros, ``vrows * (groups + 1)`` entries and one per row for Quest):
+    the counters by which the last program of a group and of a row finds itself (`_common.arrived_last`), left
+    zero by the launch, so a caller can keep one buffer for every step; by default a new zeroed one.
     """
     if scores.dim() != 3 or scores.dtype != torch.float32 or partials.dtype != torch.float32 or partials.dim() != 4:
         raise ValueError(
@@ -645,19 +641,36 @@ def select_pages(
     KP = next_pow2(max(K, 1))
     vrows = rows * G if per_head else rows
     dev = scores.device
-    sink = torch.empty((rows,), dtype=torch.int32, device=dev)
     n_blk = partials.shape[1]
     GG = partials.shape[-1]
     W = page_list_width(per_head, slots, G)
     marks = None if mask is None else _mask_bytes(mask, rows, P, "select_pages")
     if out is None:
         out = torch.empty((rows, W), dtype=torch.int32, device=dev)
-    lists = torch.empty((vrows, KP), dtype=torch.int32, device=dev) if per_head else None
+    lists = torch.empty((vrows, KP), dtype=torch.int32, device=dev) if per_head else out
     CH, n_chunk, group = selection_stages(P, KP, vrows, chunk, group)
+    n_group = triton.cdiv(n_chunk, group) if group is not None else 0
+    n_tick = vrows * (n_group + 1) + (rows if per_head else 0)
+    if tickets is None:
+        tickets = torch.zeros((n_tick,), dtype=torch.int32, device=dev)
+    elif (
+        tickets.dtype != torch.int32 or tickets.device != dev or not tickets.is_contiguous() or tickets.numel() < n_tick
+    ):
+        raise ValueError(
+            f"select_pages: tickets must be a contiguous int32 tensor of at least {n_tick} zeros on {dev}, got "
+            f"{tickets.dtype} {tuple(tickets.shape)} on {tickets.device}"
+        )
     nbp, nbr = fold_tiles(n_blk, partial_block or default_partial_block(GG))
     keys, pages = _winner_lists(vrows, n_chunk, KP, dev)
+    keys2, pages2 = _winner_lists(vrows, n_group, KP, dev) if n_group else (keys, pages)
+    M, MT = merge_tiles(n_group or n_chunk, KP)
+    N = next_pow2(G * KP) if per_head else KP
+    if num_warps is None:
+        # 8 with a middle stage: 1,024-page chunks took 0.0271 ms against 0.0296 with 4 (GLM-4-9B, 512K)
+        wide = CH > 1024 or n_group or M + MT > 1024 or (per_head and N > 1024)
+        num_warps = 8 if wide else 4
     launch(
-        _select_chunk_kernel,
+        _select_kernel,
         (n_chunk, vrows),
         scores,
         partials,
@@ -670,8 +683,15 @@ def select_pages(
         K,
         keys,
         pages,
-        sink,
         n_chunk,
+        keys2,
+        pages2,
+        n_group,
+        tickets,
+        out,
+        W,
+        out if marks is None else marks,
+        lists,
         PER_HEAD=per_head,
         G=G,
         GG=GG,
@@ -680,74 +700,12 @@ def select_pages(
         KP=KP,
         NBP=nbp,
         NBR=nbr,
-        # 8 warps with a middle stage: 1,024-page chunks took 0.0271 ms against 0.0296 with 4 (GLM-4-9B, 512K)
-        num_warps=num_warps or (8 if CH > 1024 or group is not None else 4),
-    )
-    if group is not None:  # the middle stage: groups of chunk lists, each to one list
-        n_group = triton.cdiv(n_chunk, group)
-        keys2, pages2 = _winner_lists(vrows, n_group, KP, dev)
-        launch(
-            _select_group_kernel,
-            (n_group, vrows),
-            keys,
-            pages,
-            n_chunk,
-            k_active,
-            K,
-            keys2,
-            pages2,
-            n_group,
-            KP=KP,
-            GRP=group,
-            num_warps=4 if group * KP <= 1024 else 8,
-        )
-        keys, pages, n_chunk = keys2, pages2, n_group
-    M, MT = merge_tiles(n_chunk, KP)
-    launch(
-        _select_merge_kernel,
-        (vrows,),
-        keys,
-        pages,
-        sink,
-        row_start,
-        length,
-        heads,
-        k_active,
-        K,
-        n_chunk,
-        lists if per_head else out,
-        KP if per_head else W,
-        out if marks is None else marks,
-        P,
-        PER_HEAD=per_head,
-        G=G,
-        B=page_size,
-        KP=KP,
+        GRP=group or 0,
         M=M,
         MT=MT,
-        MARK=marks is not None and not per_head,
+        MARK=marks is not None,
         MB=MARK_BLOCK,
-        num_warps=4 if M + MT <= 1024 else 8,
+        N=N,
+        num_warps=num_warps,
     )
-    if per_head:
-        N = next_pow2(G * KP)
-        launch(
-            _union_kernel,
-            (rows,),
-            lists,
-            G * KP,
-            sink,
-            row_start,
-            length,
-            heads,
-            out,
-            W,
-            out if marks is None else marks,
-            P,
-            B=page_size,
-            N=N,
-            MARK=marks is not None,
-            MB=MARK_BLOCK,
-            num_warps=4 if N <= 1024 else 8,
-        )
     return out

@@ -159,7 +159,7 @@ def test_a_no_attention_row_with_fewer_products_than_dense_is_flagged():
 def test_profile_groups_kernels_by_who_wrote_them():
     """`--profile` sums a step's kernels by group: the library's, inductor's, the vendor's matrix products."""
     group = _load().kernel_group
-    assert group("_locks_mma_kernel") == group("_select_merge_kernel") == "library"
+    assert group("_locks_mma_kernel") == group("_select_kernel") == "library"
     assert group("triton_poi_fused__to_copy_add_mul_0") == group("triton_red_fused_mean_1") == "inductor"
     assert group("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT") == "matrix products"
     assert group("void cublasLt::splitKreduce_kernel<32, 16, int, float>") == "matrix products"

@@ -31,7 +31,7 @@ from locks_hf.kernels import _common, attend, page_update, rerank, score, select
 KERNELS = {
     page_update: ["_page_update_kernel"],
     score: ["_locks_fma_kernel", "_locks_mma_kernel", "_locks_wgmma_kernel", "_score_kernel"],
-    select: ["_select_chunk_kernel", "_select_merge_kernel", "_union_kernel", "_list_mask_kernel"],
+    select: ["_select_kernel", "_list_mask_kernel"],
     attend: ["_sparse_attn_kernel", "_combine_kernel"],
     rerank: ["_candidate_lse_kernel", "_rerank_select_kernel"],
 }
@@ -151,7 +151,7 @@ def test_the_background_compile_is_the_real_step_without_running_it(recorded, se
     assert [("warmup", *rest) for _, *rest in recorded] == warm
     names = {name for _, name, *_ in warm}
     assert ("_page_update_kernel" in names) == (selector != "full") and "_sparse_attn_kernel" in names
-    assert (selector == "full") != bool(names & {"_select_chunk_kernel", "_union_kernel", "_rerank_select_kernel"})
+    assert (selector == "full") != bool(names & {"_select_kernel", "_rerank_select_kernel"})
 
 
 def test_the_cache_compiles_during_the_prefill_and_the_decode_step_joins_it(monkeypatch, recorded):

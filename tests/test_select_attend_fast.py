@@ -304,6 +304,38 @@ def test_selection_with_a_middle_stage_is_the_reference(per_head, chunk, group):
         _select(c, scores, 4, chunk=chunk, group=3)
 
 
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("group", [None, 4])
+def test_selection_is_one_launch_that_leaves_its_tickets_zero(monkeypatch, per_head, group):
+    """The chunks, the middle stage, the merge and Quest's union in one launch: each later stage runs in the
+    last program of its group, row or KV head to finish, found by counters that the launch leaves zero, so one
+    buffer of them serves step after step (a captured graph's replays). The reference's pages each time."""
+    from locks_hf.kernels import select
+    from locks_hf.paged import pages_to_mask
+
+    launched = []
+    real_launch = select.launch
+
+    def counted(kernel, grid, *args, **kw):
+        launched.append(kernel)
+        real_launch(kernel, grid, *args, **kw)
+
+    monkeypatch.setattr(select, "launch", counted)
+    c = Rows(29, G=4, B=16, pages=70, pad=(0, 70))
+    tickets = torch.zeros(256, dtype=torch.int32, device=DEV)
+    for k in (3, 9, 20):
+        scores = c.scores("ties")
+        pages = _select(c, scores, k, per_head=per_head, chunk=8, group=group, tickets=tickets)
+        assert launched == [select._select_kernel] and not tickets.any(), (launched, tickets)
+        launched.clear()
+        listed = pages_to_mask(pages.cpu().long(), c.P)
+        assert torch.equal(listed.view(c.b, c.h, c.P), c.want(scores, k, per_head)), k
+    with pytest.raises(ValueError, match="tickets must be a contiguous int32 tensor of at least"):
+        _select(c, c.scores(), 5, per_head=per_head, chunk=8, group=group, tickets=tickets[:2])
+    with pytest.raises(ValueError, match="tickets must be a contiguous int32 tensor of at least"):
+        _select(c, c.scores(), 5, per_head=per_head, chunk=8, group=group, tickets=tickets.long())
+
+
 def test_selection_stages_add_a_middle_stage_only_where_long_chunks_leave_few_programs():
     """The default plan: long chunks on few rows (GLM-4-9B at 512K: 2 KV heads, 32,774 pages) become chunks half
     as long whose lists a middle stage merges; many rows, short chunks or given settings keep two stages."""

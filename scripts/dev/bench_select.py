@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import functools
 import gc
+import inspect
 import json
 import math
 import statistics
@@ -161,6 +162,9 @@ def kernel_config(model: str, ctx: int, batch: int, budget: int, reps: int, swee
             log(f"    {key}: pages differ from the default's")
         t[key] = timed([functools.partial(sel, i, **kw) for i in range(nbuf)], reps)
 
+    if "tickets" in inspect.signature(select_pages).parameters:
+        # with a counter buffer the caller keeps (left zero by every launch): no zeroed buffer made a call
+        time_setting("select_kept_tickets", tickets=torch.zeros(1 << 16, dtype=torch.int32, device=BD.DEV))
     if sweep:  # pages per first-stage program, its warps, the partials it folds per step; a middle stage
         for chunk in (512, 1024, 2048, 4096):
             for nw in (4, 8):

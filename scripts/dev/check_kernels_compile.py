@@ -118,52 +118,40 @@ def cases():
             4,
         )
     sel = {
-        "score_ptr": F32,
-        "part_ptr": F32,
-        "row_start_ptr": I32,
-        "len_ptr": I32,
-        "k_ptr": I32,
-        "key_ptr": I32,
-        "page_ptr": I32,
-        "sink_ptr": I32,
-    }
-    # The first selection stage at 512K with its default chunk (2048 pages, 8 warps) and partials tile: at the
-    # register cap (the threshold search's [2048, 16] count tile), without spilling on Triton 3.6 or 3.9. The
-    # partials' remainder tile: none (512 a row), one (513: a static cache of 512K tokens plus headroom), and
-    # nearly a whole step's.
-    for G, GG in ((16, 16), (4, 4)):
+        n: I32
+        for n in (
+            "row_start_ptr", "len_ptr", "k_ptr", "key_ptr", "page_ptr", "key2_ptr", "page2_ptr", "tick_ptr",
+            "out_ptr", "list_ptr",
+        )
+    }  # fmt: skip
+    sel.update(score_ptr=F32, part_ptr=F32, mask_ptr="*i8")
+    # The selection launches of a decode step at 512K (32,774 pages of a static cache of 512K tokens plus
+    # headroom, budget 2,048): GLM-4-9B's two KV heads in 1,024-page chunks merged 8 at a time (33 chunks: 5
+    # group lists, merged in tiles of 512 and 128 entries), with and without the page mask it marks; the
+    # Llama-3.1-8B shape's 8 KV heads in 2,048-page chunks (17 lists: tiles of 2,048 and 128); Quest's per-head
+    # rows at the GLM-4-9B shape (17 lists a head, then the union of 16 heads' lists). The partials' remainder
+    # tile: none (512 a row), one (513) and nearly a whole step's. At the register cap (the threshold search's
+    # [2048, 16] count tile) without spilling.
+    for G, GG, CH, GRP, M, per_head, marks in (
+        (16, 16, 1024, 8, 512, False, (False, True)),
+        (4, 4, 2048, 0, 2048, False, (True,)),
+        (16, 16, 2048, 0, 2048, True, (True,)),
+    ):
         nbp = select.default_partial_block(GG)
         for nbr in (0, 1, nbp // 2):
-            yield (
-                f"selection chunks G={G} partials tile {nbp} remainder tile {nbr}",
-                select._select_chunk_kernel,
-                sel,
-                dict(PER_HEAD=False, G=G, GG=GG, B=16, CH=2048, KP=128, NBP=nbp, NBR=nbr),
-                (),
-                8,
-            )
-    # The middle stage of short chunks (`select_pages(group=...)`): 8 and 16 lists of 128 winners a program.
-    for grp in (8, 16):
-        yield (
-            f"selection middle stage, groups of {grp} chunk lists",
-            select._select_group_kernel,
-            {n: I32 for n in ("key_ptr", "page_ptr", "k_ptr", "key_out", "page_out")},
-            dict(KP=128, GRP=grp),
-            (),
-            4 if grp * 128 <= 1024 else 8,
-        )
-    # The second stage at GLM-4-9B 512K (16 chunks of 128 candidates; 17 in a static cache of 512K tokens plus
-    # headroom: a second tile of 128), with and without the page mask it marks, and Quest's per-head lists.
-    merge = {n: I32 for n in ("key_ptr", "page_ptr", "sink_ptr", "row_start_ptr", "len_ptr", "k_ptr", "out_ptr")}
-    for per_head, mark, MT in ((False, False, 0), (False, True, 0), (False, True, 128), (True, False, 128)):
-        yield (
-            f"selection merge per_head={per_head} mark={mark} second tile {MT}",
-            select._select_merge_kernel,
-            {**merge, "mask_ptr": "*i8"},
-            dict(PER_HEAD=per_head, G=16, B=16, KP=128, M=2048, MT=MT, MARK=mark, MB=select.MARK_BLOCK),
-            (),
-            8,
-        )
+            for mark in marks:
+                yield (
+                    f"selection G={G} chunks {CH} groups {GRP} per_head={per_head} mark={mark} partials tile "
+                    f"{nbp} remainder tile {nbr}",
+                    select._select_kernel,
+                    sel,
+                    dict(
+                        PER_HEAD=per_head, G=G, GG=GG, B=16, CH=CH, KP=128, NBP=nbp, NBR=nbr, GRP=GRP, M=M, MT=128,
+                        MARK=mark, MB=select.MARK_BLOCK, N=2048 if per_head else 128,
+                    ),
+                    (),
+                    8,
+                )  # fmt: skip
     yield (
         "page mask from lists",
         select._list_mask_kernel,

@@ -8,7 +8,7 @@ source scripts/dev/gpu_env.sh || exit 1
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 # anchored: the dense baseline that bench_decode times first has its own '..._combine_kernel'
-KERNELS='regex:^_(locks_fma|locks_mma|locks_wgmma|score|select_chunk|select_merge|sparse_attn|combine|list_mask|union|quant_attn)_kernel'
+KERNELS='regex:^_(locks_fma|locks_mma|locks_wgmma|score|select|sparse_attn|combine|list_mask|quant_attn)_kernel'
 METRICS=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
 METRICS=$METRICS,sm__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active
 METRICS=$METRICS,launch__grid_size,launch__block_size,launch__registers_per_thread,launch__shared_mem_per_block_static

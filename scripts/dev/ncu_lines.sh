@@ -11,7 +11,7 @@ OUT=${OUT:-out}
 mkdir -p "$OUT"
 SHAPE=${SHAPE:-glm4-9b}
 LABEL=${LABEL:-r4i4}
-KERNELS=${KERNELS:-regex:^_(locks_fma|locks_mma|locks_wgmma|select_chunk|select_merge)_kernel}
+KERNELS=${KERNELS:-regex:^_(locks_fma|locks_mma|locks_wgmma|select)_kernel}
 rep="$OUT/lines_${SHAPE}_${LABEL}"
 if [ -n "$REPORT" ]; then rep="${REPORT%.ncu-rep}"; else
 # one launch of each kernel past bench_decode's warm-up ones (--launch-skip), sparse arm only
