@@ -44,6 +44,7 @@ def decode_step(
     row_counts: torch.Tensor | None = None,
     pad: torch.Tensor | None = None,
     selection: torch.Tensor | None = None,
+    tickets: torch.Tensor | None = None,
     per_head: bool = False,
     rerank: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,7 +62,8 @@ def decode_step(
     The rest lets a static cache's layer keep its bookkeeping in the step: ``row_counts`` (int64
     ``[b, 2]``) and ``pad`` (int32 ``[b]``): the per-row statistics (see `sparse_attention`; ``counts``
     needed); ``selection`` (bool ``[b, h, P]``): overwritten with the pages attended (not for
-    ``"full"``).
+    ``"full"``); ``tickets``: the selection's counters, zeros that its launch leaves zero (see
+    `select.select_pages`; ``None``: a new zeroed buffer).
     """
     length = as_length(length, query.device)  # one device tensor for the three kernels
     pages = choose_pages(
@@ -81,6 +83,7 @@ def decode_step(
         basis_bits=basis_bits,
         active_slots=active_slots,
         selection=selection,
+        tickets=tickets,
         per_head=per_head,
         rerank=rerank,
     )
@@ -118,6 +121,7 @@ def quantized_decode_step(
     row_counts: torch.Tensor | None = None,
     pad: torch.Tensor | None = None,
     selection: torch.Tensor | None = None,
+    tickets: torch.Tensor | None = None,
     per_head: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`decode_step` over KIVI-packed K/V: the pages chosen from the summaries as there (``"locks"`` /
@@ -146,6 +150,7 @@ def quantized_decode_step(
         basis_bits=basis_bits,
         active_slots=active_slots,
         selection=selection,
+        tickets=tickets,
         per_head=per_head,
     )
     out = quantized_attention(
@@ -175,6 +180,7 @@ def choose_pages(
     selection: torch.Tensor | None,
     per_head: bool,
     rerank: int = 0,
+    tickets: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Steps 1-2 of a decode step: the page lists ``[b*h, W]`` (``None`` for ``"full"``: every page),
     marked in ``selection`` when given. ``keys`` (the key buffer) for the oracle and re-ranking."""
@@ -201,7 +207,14 @@ def choose_pages(
         # the short list: rerank * k candidates (+ the forced pages), at the budget in use
         wide = None if active_slots is None else active_slots * rerank + 2
         shortlist = select_pages(
-            page_scores, partials, slots=rerank * slots + 2, per_head=False, heads=heads, active_slots=wide, **where
+            page_scores,
+            partials,
+            slots=rerank * slots + 2,
+            per_head=False,
+            heads=heads,
+            active_slots=wide,
+            tickets=tickets,
+            **where,
         )
         pages = rerank_pages(
             query,
@@ -230,6 +243,7 @@ def choose_pages(
             heads=heads,
             active_slots=active_slots,
             mask=marks if fused else None,
+            tickets=tickets,
             **where,
         )
         if marks is not None and not fused:

@@ -31,7 +31,7 @@ def _launched(device: torch.device, kernel, *args, **kwargs):
         return kernel(*args, **kwargs)
 
 
-@torch.library.custom_op("locks_hf::decode_step", mutates_args=("counts", "row_counts", "selection"))
+@torch.library.custom_op("locks_hf::decode_step", mutates_args=("counts", "row_counts", "selection", "tickets"))
 def decode_step_op(
     method: str,
     query: torch.Tensor,
@@ -52,13 +52,15 @@ def decode_step_op(
     row_counts: torch.Tensor | None,
     pad: torch.Tensor | None,
     selection: torch.Tensor | None,
+    tickets: torch.Tensor | None,
     per_head: bool,
     rerank: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`decode.decode_step` with the summary passed as the list ``SUMMARY_NAMES[method]``; ``counts[0]``
     (int64) grows by the tokens attended. ``slots`` sizes the page lists; ``active_slots`` (``int32 [1]``
     or ``None`` for ``slots``) is the budget selected with, read on the device. ``row_counts``, ``pad``
-    and ``selection``: a static layer's buffers (see `decode.decode_step`); ``per_head`` and ``rerank``
+    and ``selection``: a static layer's buffers (see `decode.decode_step`), ``tickets`` its selection counters
+    (or ``None``); ``per_head`` and ``rerank``
     what the selector declares (per-head lists; the candidate multiple of exact re-ranking, 0 for none).
 
     The mutated arguments have no defaults on purpose: torch before 2.12 drops trailing arguments equal
@@ -86,6 +88,7 @@ def decode_step_op(
         row_counts=row_counts,
         pad=pad,
         selection=selection,
+        tickets=tickets,
         per_head=per_head,
         rerank=rerank,
     )
@@ -112,6 +115,7 @@ def _(
     row_counts,
     pad,
     selection,
+    tickets,
     per_head,
     rerank=0,
 ):
@@ -257,7 +261,9 @@ def _(query, pages, *args, n_pages=None, ring=0):
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("locks_hf::quantized_decode_step", mutates_args=("counts", "row_counts", "selection"))
+@torch.library.custom_op(
+    "locks_hf::quantized_decode_step", mutates_args=("counts", "row_counts", "selection", "tickets")
+)
 def quantized_decode_step_op(
     method: str,
     query: torch.Tensor,
@@ -288,6 +294,7 @@ def quantized_decode_step_op(
     row_counts: torch.Tensor | None,
     pad: torch.Tensor | None,
     selection: torch.Tensor | None,
+    tickets: torch.Tensor | None,
     per_head: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`decode.quantized_decode_step`: `decode_step_op` over a quantized layer's packed storage (the
@@ -328,6 +335,7 @@ def quantized_decode_step_op(
         row_counts=row_counts,
         pad=pad,
         selection=selection,
+        tickets=tickets,
         per_head=per_head,
     )
 
@@ -363,6 +371,7 @@ def _(
     row_counts,
     pad,
     selection,
+    tickets,
     per_head,
 ):
     b, hq, d = query.shape[0], query.shape[1], query.shape[-1]

@@ -512,6 +512,11 @@ def mark_lists(mask: torch.Tensor, pages: torch.Tensor, block: int = 4096) -> to
 MARK_BLOCK = 2048
 
 
+#: Fewest pages a first-stage program takes by default (`chunk_size`); a buffer of counters sized for it
+#: (`locks_hf.buffers.selection_tickets`) serves every budget.
+MIN_CHUNK = 256
+
+
 def chunk_size(n_pages: int, kp: int, chunks: int = 16) -> int:
     """Pages per first-stage program: the power of two at or below ``n_pages / chunks`` (so about
     ``chunks`` to ``2 * chunks`` chunks a row), at least 256 and ``kp`` pages.
@@ -520,7 +525,7 @@ def chunk_size(n_pages: int, kp: int, chunks: int = 16) -> int:
     otherwise get chunks twice as long and half as many programs (32,773 pages: 4,096-page chunks
     and 9 programs a row, against 2,048 and 16 at 32,768)."""
     per = max(1, n_pages // chunks)
-    return max(256, kp, 1 << (per.bit_length() - 1))
+    return max(MIN_CHUNK, kp, 1 << (per.bit_length() - 1))
 
 
 def chunks_of(n_pages: int, kp: int, chunk: int | None = None) -> tuple[int, int]:

@@ -12,6 +12,17 @@ def mark_static(*tensors: torch.Tensor) -> None:
         torch._dynamo.mark_static(t)
 
 
+#: Pages of the shortest chunk a selection program takes (`locks_hf.kernels.select.MIN_CHUNK`).
+SELECTION_MIN_CHUNK = 256
+
+
+def selection_tickets(lists: int, n_pages: int) -> int:
+    """Counters enough for a selection launch over ``lists`` page lists of ``n_pages`` pages each (a static
+    layer's rows x KV heads, the shared rule): one per chunk list at most and one per list (see the
+    ``tickets`` of `locks_hf.kernels.select.select_pages`). The launch leaves them zero."""
+    return lists * (-(-n_pages // SELECTION_MIN_CHUNK) + 1)
+
+
 def resized(t: torch.Tensor, dim: int, size: int, fill=0) -> torch.Tensor:
     """A new tensor: ``t`` with axis ``dim`` cut or extended (with ``fill``) to ``size``."""
     keep = min(size, t.shape[dim])

@@ -195,8 +195,9 @@ class PagedLayer(ABC):
         ``n_pages``, ``width`` / ``active`` (`page_slots`), ``counts`` (`count_buffer`); and the buffers
         in which the launches keep the layer's bookkeeping, or ``None`` where the glue keeps it:
         ``row_counts`` (per-row statistics), ``pad`` (padding slots per row) and ``selection`` (the
-        page mask). Where they are given and the selector keeps summaries, ``n_complete`` is the buffer the
-        per-step page update writes."""
+        page mask); ``tickets``, the selection launch's counters (`locks_hf.buffers.selection_tickets`), or
+        ``None`` for a new zeroed buffer a step. Where they are given and the selector keeps summaries,
+        ``n_complete`` is the buffer the per-step page update writes."""
         keys, values = self.kv_buffers()
         row_start, n_complete = self.row_tensors()
         width, active = self.page_slots()
@@ -215,6 +216,7 @@ class PagedLayer(ABC):
             "row_counts": None,
             "pad": None,
             "selection": None,
+            "tickets": None,
         }
 
     def page_slots(self) -> tuple[int, torch.Tensor | None]:

@@ -34,7 +34,7 @@ import torch
 from transformers.cache_utils import StaticLayer
 from transformers.utils import is_torchdynamo_compiling
 
-from .buffers import mark_static, resized
+from .buffers import mark_static, resized, selection_tickets
 from .config import LocksConfig
 from .errors import LocksConfigError
 from .kv_quant import check_same_kv
@@ -82,7 +82,7 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         # k <= max_slots, so that configs differing only in budget share one compiled graph.
         self.max_slots = max(config.page_slots, max_slots or 0)
         # tensors from lazy_initialization on
-        self.counts = self.last_selection = self.row_counts = self.slots_t = None
+        self.counts = self.last_selection = self.row_counts = self.slots_t = self.tickets = None
         self.n_complete = None
         self.refresh_backend()
         # Summaries of the layouts not in use (`set_config`), each with the length up to which its
@@ -104,6 +104,8 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         self.last_selection = torch.zeros((b, h, P), dtype=torch.bool, device=dev)
         self.slots_t = torch.full((1,), self.config.page_slots, dtype=torch.int32, device=dev)
         self.n_complete = torch.zeros(b, dtype=torch.int32, device=dev)  # written by the kernels' page update
+        # the selection launch's counters, which it leaves zero: kept here, not zeroed anew every step
+        self.tickets = torch.zeros(selection_tickets(b * h, P), dtype=torch.int32, device=dev)
         self.refresh_backend()
         self.summary = self._new_summary()
         if not is_torchdynamo_compiling():
@@ -125,6 +127,7 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
             self.length_t,
             self.counts,
             self.slots_t,
+            self.tickets,
         )
 
     def step_tensors(self) -> dict[str, Any]:
@@ -148,6 +151,7 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
             "row_counts": self.row_counts,
             "pad": self.pad,
             "selection": self.last_selection,
+            "tickets": self.tickets,
         }
 
     def _row_state(self) -> dict[str, torch.Tensor]:
@@ -353,6 +357,7 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
         }
         self.cumulative_length, self.length_t = self.cumulative_length.clone(), self.length_t.clone()
         self.counts, self.slots_t = self.counts.clone(), self.slots_t.clone()
+        self.tickets = self.tickets.new_zeros(selection_tickets(self.batch_size * self.kv_heads, P))
         self._mark_static()
         for summary, _ in self._stored_layouts.values():
             mark_static(*summary.values())

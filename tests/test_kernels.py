@@ -558,6 +558,7 @@ def test_decode_step_op_schema_and_fake_match_what_selectors_declare(monkeypatch
         io["row_counts"],
         io["pad"],
         None if declared.dense else io["selection"],
+        plan.tickets(io),
         declared.per_head,
         cfg.rerank or 0,
     )

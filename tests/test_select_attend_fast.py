@@ -336,6 +336,22 @@ def test_selection_is_one_launch_that_leaves_its_tickets_zero(monkeypatch, per_h
         _select(c, c.scores(), 5, per_head=per_head, chunk=8, group=group, tickets=tickets.long())
 
 
+def test_a_static_layers_counters_cover_every_selection_of_its_lists():
+    """`locks_hf.buffers.selection_tickets` (a static layer's counter buffer) holds the counters of the default
+    selection plan at any page count and budget, with or without a middle stage."""
+    from locks_hf.buffers import SELECTION_MIN_CHUNK, selection_tickets
+    from locks_hf.kernels import select
+
+    assert SELECTION_MIN_CHUNK == select.MIN_CHUNK
+    for rows in (1, 2, 8, 64):
+        for n_pages in (1, 255, 256, 257, 4097, 32774, 65542, 131078):
+            for slots in (3, 66, 130, 258, 2050, 8194):
+                kp = select.next_pow2(max(slots - 2, 1))
+                _, n_chunk, group = select.selection_stages(n_pages, kp, rows)
+                n_group = -(-n_chunk // group) if group else 0
+                assert rows * (n_group + 1) <= selection_tickets(rows, n_pages), (rows, n_pages, slots)
+
+
 def test_selection_stages_add_a_middle_stage_only_where_long_chunks_leave_few_programs():
     """The default plan: long chunks on few rows (GLM-4-9B at 512K: 2 KV heads, 32,774 pages) become chunks half
     as long whose lists a middle stage merges; many rows, short chunks or given settings keep two stages."""
@@ -625,6 +641,7 @@ def test_static_layer_step_keeps_its_bookkeeping_in_the_launches(monkeypatch, se
     if selector != "full":  # the launches overwrite the whole mask, not only the pages they list
         layer.last_selection.fill_(True)
     got = kernel_decode(layer, q, 0.3)
+    assert layer.step_tensors()["tickets"] is layer.tickets and not layer.tickets.any()  # left zero for the next
     got_sel, got_counts, got_rows = layer.last_selection.clone(), layer.counts.clone(), layer.row_counts.clone()
     layer.reset_stats()
     layer.last_selection.fill_(True)

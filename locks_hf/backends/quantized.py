@@ -77,6 +77,7 @@ def quantized_kernel_decode(layer: PagedLayer, query: torch.Tensor, scale: float
             row_counts=io["row_counts"],
             pad=io["pad"],
             selection=None if plan.dense else io["selection"],
+            tickets=plan.tickets(io),
         )
         return recorded(layer, io, out, pages)
     pages, taken, valid = select_pages(layer, query, scale)

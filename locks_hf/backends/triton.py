@@ -51,6 +51,7 @@ def kernel_decode(layer: PagedLayer, query: torch.Tensor, scale: float) -> torch
         row_counts=io["row_counts"],
         pad=io["pad"],
         selection=None if plan.dense else io["selection"],
+        tickets=plan.tickets(io),
     )
     return recorded(layer, io, out, pages)
 
@@ -86,6 +87,12 @@ class KernelPlan(NamedTuple):
     def summary_list(self, summary: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """A layer's summary tensors in the order the kernels take them."""
         return [summary[n] for n in self.summary_names]
+
+    def tickets(self, io: dict) -> torch.Tensor | None:
+        """The layer's selection counters (``io``: its `PagedLayer.step_tensors`) where they cover this
+        selector's lists: sized for one list per row and KV head (`locks_hf.buffers.selection_tickets`), so
+        Quest's per-head lists get a new zeroed buffer a step."""
+        return None if self.per_head else io["tickets"]
 
 
 def layer_plan(layer: PagedLayer) -> KernelPlan:
