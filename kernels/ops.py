@@ -59,9 +59,9 @@ def decode_step_op(
     """`decode.decode_step` with the summary passed as the list ``SUMMARY_NAMES[method]``; ``counts[0]``
     (int64) grows by the tokens attended. ``slots`` sizes the page lists; ``active_slots`` (``int32 [1]``
     or ``None`` for ``slots``) is the budget selected with, read on the device. ``row_counts``, ``pad``
-    and ``selection``: a static layer's buffers (see `decode.decode_step`), ``tickets`` its selection counters
-    (or ``None``); ``per_head`` and ``rerank``
-    what the selector declares (per-head lists; the candidate multiple of exact re-ranking, 0 for none).
+    and ``selection``: a static layer's buffers (see `decode.decode_step`), ``tickets`` its selection
+    counters (or ``None``); ``per_head`` and ``rerank`` what the selector declares (per-head lists; the
+    candidate multiple of exact re-ranking, 0 for none).
 
     The mutated arguments have no defaults on purpose: torch before 2.12 drops trailing arguments equal
     to their default before its in-place version bump, which then indexes past the end of ``args``."""
