@@ -95,6 +95,18 @@ def scores(method: str, *, head_dim: int, basis_bits: int = 4, coef_bits: int = 
     return not (head_dim & (head_dim - 1)) and head_dim // per >= 16
 
 
+def valid_as_words(slot_valid: torch.Tensor) -> bool:
+    """Whether a kernel may read ``slot_valid [b, cap]`` (one byte a slot) as aligned int32 words: contiguous
+    rows, a 4-byte aligned start and row length, so that every aligned word that starts in a row ends in it."""
+    return (
+        slot_valid.element_size() == 1
+        and slot_valid.stride(1) == 1
+        and slot_valid.data_ptr() % 4 == 0
+        and slot_valid.stride(0) % 4 == 0
+        and slot_valid.shape[1] % 4 == 0
+    )
+
+
 def _as_u8(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.bool else t
 
@@ -392,6 +404,7 @@ def score_pages(
             B=B,
             R=R,
             F16=q.dtype == torch.float16,
+            VALID_WORDS=valid_as_words(slot_valid),
             num_warps=4,
             **regs,
         )

@@ -201,10 +201,13 @@ if gluon is not None:
         out_ptr, P_out, part_ptr, n_blk, H, scale, nsub, magic,
         G: gl.constexpr, GG: gl.constexpr, HS: gl.constexpr, D: gl.constexpr, B: gl.constexpr, R: gl.constexpr,
         F16: gl.constexpr,
+        VALID_WORDS: gl.constexpr,
     ):  # fmt: skip
         """Locks scores, variant ``"wgmma"``: the contract of `score_dot._score_kernel` (METHOD = LOCKS) for
         4-bit bases, int8 centroids and coefficients, 16-bit queries; 64-page blocks, ``nsub`` per program.
-        ``magic`` is the `score_mma.PAIR_BASE` of the query's type (`score_mma._pair`)."""
+        ``magic`` is the `score_mma.PAIR_BASE` of the query's type (`score_mma._pair`). ``VALID_WORDS``: the valid
+        flags are read as aligned int32 words (`score.valid_as_words`), four tokens a load and no bounds check (a
+        complete page lies inside the written slots, `score_parts.program_row`); else one byte a token."""
         GP: gl.constexpr = GG // HS  # heads of this program
         ACC: gl.constexpr = _acc_layout(GP)
         A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
@@ -235,6 +238,7 @@ if gluon is not None:
         W_ROWS: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, _words_layout(RW // 4)))
         WM_ROWS: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, _words_layout(RWM // 4)))
 
+        sh = rs & 3
         run_m = gl.full([GP], float("-inf"), gl.float32, layout=COLS)
         run_l = gl.zeros([GP], gl.float32, layout=COLS)
         first_s = gl.full([GP], float("-inf"), gl.float32, layout=COLS)
@@ -276,14 +280,24 @@ if gluon is not None:
                 cs_all = _load_rows(csc + t0, p, n_done, B, TT).to(gl.float32)
                 xs = ()
                 mx = gl.full([64, GP], float("-inf"), gl.float32, layout=ACC)
+                if VALID_WORDS:
+                    # the TT flags of each page in one register: the two aligned words that hold them, shifted
+                    # by the row's misalignment (one load where the row start is aligned)
+                    a = rs + p * B + t0 - sh
+                    w0 = gl.load((vrow + a).to(gl.pointer_type(gl.int32)), mask=pmask, other=0)
+                    w1 = gl.load((vrow + a + 4).to(gl.pointer_type(gl.int32)), mask=pmask & (sh != 0), other=0)
+                    flags = (((w1.to(gl.int64) << 32) | (w0.to(gl.int64) & 0xFFFFFFFF)) >> (8 * sh)).to(gl.int32)
                 for tt in gl.static_range(TT):
                     x = gl.zeros([64, GP], gl.float32, layout=ACC)
                     for j in gl.static_range(R):
                         x = gl.fma(gl.expand_dims(_coef_at(cw, tt * R + j, ROWS), 1), proj[j], x)
                     x = gl.fma(x, gl.expand_dims(_column(cs_all, tt, -0.0, ROWS), 1), qmu)
-                    slot = rs + p * B + (t0 + tt)
-                    inside = pmask & (slot >= 0) & (slot < length)
-                    ok = inside & (gl.load(vrow + slot, mask=inside, other=0) != 0)
+                    if VALID_WORDS:
+                        ok = pmask & (((flags >> (8 * tt)) & 0xFF) != 0)
+                    else:
+                        slot = rs + p * B + (t0 + tt)
+                        inside = pmask & (slot >= 0) & (slot < length)
+                        ok = inside & (gl.load(vrow + slot, mask=inside, other=0) != 0)
                     real = real | ok
                     x = gl.where(gl.expand_dims(ok, 1), x, float("-inf"))
                     mx = gl.maximum(mx, x)

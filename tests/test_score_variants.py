@@ -20,6 +20,7 @@ import test_kernels  # noqa: E402,F401  (chooses the interpreter before Triton i
 import torch
 
 from locks_hf import kernels  # noqa: E402
+from locks_hf.kernels.score import valid_as_words  # noqa: E402
 from locks_hf.kernels.score_tiles import (  # noqa: E402
     MMA_CODE_TILE_BYTES,
     default_variant,
@@ -565,6 +566,35 @@ def test_wgmma_scores_and_partials_match_float64(rank, G, B, d, dtype, pages, su
     # the same pages as variant "mma" through the selection
     ref, ref_part = run(summ, "mma")
     assert torch.equal(page_lists(got, part, summ), page_lists(ref, ref_part, summ))
+
+
+@pytest.mark.parametrize("valid_layout", ["words", "odd offset", "odd row length"])
+@pytest.mark.parametrize("pad", [21, 22, 23, 24])
+def test_wgmma_reads_valid_flags_at_every_alignment(pad, valid_layout):
+    """Variant "wgmma" reads the valid flags as aligned words where `score.valid_as_words` allows it, from row
+    starts at each misalignment (``pad``), and a byte a token from a view at an odd offset or rows of a length
+    that is no multiple of 4: the same scores and partials as float64 either way."""
+    if not WGMMA:
+        pytest.skip("variant 'wgmma' runs on a compute capability 9.0 GPU only (the interpreter has no Gluon)")
+    summ = Summaries(pad * 31, rank=4, bits=4, G=16, B=16, d=128, b=3, pages=9, dtype=torch.bfloat16, pad=pad)
+    cols = -(-summ.cap // 4) * 4
+    start, width = {"words": (0, cols), "odd offset": (1, cols), "odd row length": (0, cols + 1)}[valid_layout]
+    buf = torch.zeros(summ.b, start + width, dtype=torch.bool, device=DEV)
+    valid = buf[:, start:]
+    valid[:, : summ.cap] = summ.slot_valid.to(DEV)
+    assert valid_as_words(valid) == (valid_layout == "words")
+    got, part = kernels.score_pages(
+        "locks",
+        summ.query.to(DEV),
+        summary=summ.on_dev(),
+        scale=SCALE,
+        basis_bits=4,
+        variant="wgmma",
+        **{**summ.kw(), "slot_valid": valid},
+    )
+    want = summ.reference()
+    assert_scores(got, want, 1e-5)
+    check_partials(part, summ, want.view(summ.b * summ.h, summ.G, summ.P))
 
 
 def test_wgmma_refuses_what_it_cannot_run():

@@ -60,13 +60,15 @@ _POINTERS = {
 }
 
 
-def compile_case(rank: int, G: int, B: int, d: int, f16: bool, maxnreg: int | None = None, head_split: int = 1):
+def compile_case(
+    rank: int, G: int, B: int, d: int, f16: bool, maxnreg: int | None = None, head_split: int = 1, words: bool = True
+):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     kernel = score_wgmma._locks_wgmma_kernel
     names = kernel.arg_names
     GG = 1 << (G - 1).bit_length()
-    constexprs = {"G": G, "GG": GG, "HS": head_split, "D": d, "B": B, "R": rank, "F16": f16}
+    constexprs = {"G": G, "GG": GG, "HS": head_split, "D": d, "B": B, "R": rank, "F16": f16, "VALID_WORDS": words}
     sig = {}
     for n in names:
         if n in _POINTERS:
@@ -86,6 +88,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=None, help="comma-separated indices into CASES")
     ap.add_argument("--maxnreg", type=int, default=None, help="register cap a thread")
     ap.add_argument("--head-split", type=int, default=1, help="programs sharing a group's heads (8+ heads each)")
+    ap.add_argument("--valid-bytes", action="store_true", help="the valid flags a byte a token (unaligned rows)")
     ap.add_argument("--trace", action="store_true", help="print a failing case's whole exception chain")
     ap.add_argument("--dump", default=None, help="folder: each case's TTGIR and SASS, and its SASS opcode counts")
     args = ap.parse_args(argv)
@@ -97,11 +100,12 @@ def main(argv=None) -> int:
     bad = 0
     for rank, G, B, d, f16 in cases:
         label = f"{'fp16' if f16 else 'bf16'} G={G} r{rank}i4 d={d} B={B} split={args.head_split}"
+        label += " valid-bytes" if args.valid_bytes else ""
         if (1 << (G - 1).bit_length()) // args.head_split < 8:
             continue
         t0 = time.time()
         try:
-            kernel = compile_case(rank, G, B, d, f16, args.maxnreg, args.head_split)
+            kernel = compile_case(rank, G, B, d, f16, args.maxnreg, args.head_split, not args.valid_bytes)
         except Exception as e:  # noqa: BLE001 - report every case
             print(f"FAIL  {label}: {type(e).__name__}: {str(e)[:1500]}", flush=True)
             if args.trace:  # the compiler's error names the innermost failing call only in its chain
