@@ -97,6 +97,40 @@ def _tokens_ok(vrow, s0, mask, STEP: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
+def _word_flags(word, SHIFT: tl.constexpr, STEP: tl.constexpr, N: tl.constexpr):
+    """Flags ``n < N`` of the int32 ``word [BP]`` (byte ``SHIFT/8 + n*STEP``) as ``[BP, N]`` int8 0/1."""
+    BP: tl.constexpr = word.shape[0]
+    if N == 1:
+        y = tl.reshape((((word >> SHIFT) & 0xFF) != 0).to(tl.int8), [BP, 1])
+    else:
+        y = tl.reshape(
+            tl.join(_word_flags(word, SHIFT, 2 * STEP, N // 2), _word_flags(word, SHIFT + 8 * STEP, 2 * STEP, N // 2)),
+            [BP, N],
+        )
+    return y
+
+
+@triton.jit
+def _tokens_ok_words(vrow, s0, mask, N: tl.constexpr):
+    """`_tokens_ok` (``STEP`` 1) read as aligned int32 words (`score.valid_as_words`): the four flags from slot
+    ``s0`` in one register, from the two aligned words that hold them shifted by ``s0 % 4``; the second word is
+    loaded only where a flag lies in it (it then lies inside the row)."""
+    BP: tl.constexpr = s0.shape[0]
+    if N <= 4:
+        sh = s0 & 3
+        a = s0 - sh
+        w0 = tl.load((vrow + a).to(tl.pointer_type(tl.int32)), mask=mask, other=0)
+        w1 = tl.load((vrow + a + 4).to(tl.pointer_type(tl.int32)), mask=mask & (sh + N > 4), other=0)
+        word = (((w1.to(tl.int64) << 32) | (w0.to(tl.int64) & 0xFFFFFFFF)) >> (8 * sh)).to(tl.int32)
+        y = _word_flags(word, 0, 1, N)
+    else:  # the first half, then the second, in slot order
+        lo = _tokens_ok_words(vrow, s0, mask, N // 2)
+        hi = _tokens_ok_words(vrow, s0 + N // 2, mask, N // 2)
+        y = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), [BP, N])
+    return y
+
+
+@triton.jit
 def _stage_query(q_base, q_sh, scr, G: tl.constexpr, GG: tl.constexpr, D: tl.constexpr):
     """The group's queries as float32 ``[D, GG]`` (zero heads past ``G``) in the program's scratch, the
     heads of a dimension in the order that `_qvec` reads back as ``0..GG-1`` (no conversion in the loop)."""
@@ -209,7 +243,9 @@ def _locks_fma_proj(
 
 
 @triton.jit
-def _locks_fma_lse(proj, qmu, cf, csc, vrow, rs, p, pmask, magic, B: tl.constexpr, R: tl.constexpr):
+def _locks_fma_lse(
+    proj, qmu, cf, csc, vrow, rs, p, pmask, magic, B: tl.constexpr, R: tl.constexpr, VALID_WORDS: tl.constexpr
+):
     """Page LSE (base 2) of the logits ``qmu + csc_t * proj.c_t`` over the real tokens ``t``, and whether
     the page has one: ``([BP, GG], [BP])``. ``proj [BP, R, GG]``, ``qmu [BP, GG]`` are pre-scaled.
 
@@ -239,7 +275,10 @@ def _locks_fma_lse(proj, qmu, cf, csc, vrow, rs, p, pmask, magic, B: tl.constexp
             x = tl.fma(tl.reshape(_col(c, i, R), [BP, TT, 1]), tl.reshape(_col(proj, i, R), [BP, 1, GG]), x)
         cs = tl.load(csc + p[:, None] * B + n * TT + tt[None, :], mask=pmask[:, None], other=0.0).to(tl.float32)
         x = tl.fma(x, tl.reshape(cs, [BP, TT, 1]), tl.reshape(qmu, [BP, 1, GG]))
-        ok = _tokens_ok(vrow, rs + p * B + n * TT, pmask, 1, TT)  # [BP, TT]
+        if VALID_WORDS:
+            ok = _tokens_ok_words(vrow, rs + p * B + n * TT, pmask, TT)  # [BP, TT]
+        else:
+            ok = _tokens_ok(vrow, rs + p * B + n * TT, pmask, 1, TT)
         real = real | tl.max(ok, axis=1)
         x = tl.where(tl.reshape(ok, [BP, TT, 1]) != 0, x, float("-inf"))
         new_m = tl.maximum(m, tl.max(x, axis=1))
@@ -295,6 +334,7 @@ def _locks_fma_kernel(
     BP: tl.constexpr,
     PF_LINES: tl.constexpr,
     PREFETCH: tl.constexpr,
+    VALID_WORDS: tl.constexpr,
 ):
     """Locks scores, variant ``"fma"``: the contract of `_score_kernel` (METHOD = LOCKS).
 
@@ -303,7 +343,8 @@ def _locks_fma_kernel(
     ``nsub`` blocks of ``BP`` pages per program (a run-time value: no recompilation per grid); ``magic``
     is ``0x4B000000`` (see `_field`); ``PF_LINES > 0``: each block first asks the L2 for all it reads
     (`score_parts.prefetch_block`, up to ``PF_LINES`` lines a range); ``PREFETCH``: each chunk of codes is
-    loaded ahead (`_locks_fma_proj`).
+    loaded ahead (`_locks_fma_proj`); ``VALID_WORDS``: the valid flags are read as aligned int32 words
+    (`_tokens_ok_words`), else a byte a token (`_tokens_ok`).
     """
     blk, row, bb, hh, rs, n_done, length, last_page = program_row(row_start_ptr, n_complete_ptr, len_ptr, H, B)
     vrow = valid_ptr + bb * valid_sb
@@ -346,7 +387,7 @@ def _locks_fma_kernel(
         bs = tl.load(bsc + p[:, None] * R + tl.arange(0, R)[None, :], mask=pmask[:, None], other=0.0).to(tl.float32)
         proj = acc * tl.reshape(bs * qk2, [BP, R, 1])
         qmu = accm * tl.reshape(tl.load(msc + p, mask=pmask, other=0.0).to(tl.float32) * qk2, [BP, 1])
-        lse2, real = _locks_fma_lse(proj, qmu, cf, csc, vrow, rs, p, pmask, magic, B, R)
+        lse2, real = _locks_fma_lse(proj, qmu, cf, csc, vrow, rs, p, pmask, magic, B, R, VALID_WORDS)
         run_m, run_l, first_s, first = fold_scores(
             tl.trans(lse2 / LOG2E), p, real, gi, out_row, P_out, last_page, run_m, run_l, first_s, first, G
         )

@@ -211,6 +211,7 @@ def _locks_mma_kernel(
     DOT_PREC: tl.constexpr,
     PREFETCH: tl.constexpr,
     PF_LINES: tl.constexpr,
+    VALID_WORDS: tl.constexpr,
 ):
     """Locks scores, variant ``"mma"``: the contract of `score_dot._score_kernel` (METHOD = LOCKS).
 
@@ -222,7 +223,8 @@ def _locks_mma_kernel(
     ``KCWM`` per centroid row (a centroid product has ``BP`` rows to the basis's ``BP*R``: wider chunks, fewer
     dependent steps);
     ``PREFETCH``: each product loads its next chunk ahead (`_mma_project`); ``PF_LINES > 0``: each block
-    first asks the L2 for all it reads (`score_parts.prefetch_block`, up to ``PF_LINES`` lines a range).
+    first asks the L2 for all it reads (`score_parts.prefetch_block`, up to ``PF_LINES`` lines a range);
+    ``VALID_WORDS``: the valid flags are read as aligned int32 words (`score_fma._tokens_ok_words`).
     """
     blk, row, bb, hh, rs, n_done, length, last_page = program_row(row_start_ptr, n_complete_ptr, len_ptr, H, B)
     vrow = valid_ptr + bb * valid_sb
@@ -273,7 +275,7 @@ def _locks_mma_kernel(
         proj = tl.reshape(tl.permute(tl.reshape(acc * bs[:, None], [BP, R, HS, GT]), (0, 2, 1, 3)), [BV, R, GT])
         qmu = tl.reshape(accm * ms[:, None], [BV, GT])
         pv = (blk * nsub + it) * BP + tl.arange(0, BV) // HS
-        lse2, real = _locks_fma_lse(proj, qmu, cf, csc, vrow, rs, pv, pv < n_done, magic, B, R)
+        lse2, real = _locks_fma_lse(proj, qmu, cf, csc, vrow, rs, pv, pv < n_done, magic, B, R, VALID_WORDS)
         s = tl.reshape(lse2, [BP, GG]) / LOG2E
         real = tl.max(tl.reshape(real.to(tl.int32), [BP, HS]), axis=1) > 0
         run_m, run_l, first_s, first = fold_scores(

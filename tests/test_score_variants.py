@@ -568,15 +568,21 @@ def test_wgmma_scores_and_partials_match_float64(rank, G, B, d, dtype, pages, su
     assert torch.equal(page_lists(got, part, summ), page_lists(ref, ref_part, summ))
 
 
+# (variant, rank, G, d, query dtype) of the alignment test: "fma" at ranks whose coefficient chunks hold 2, 4 and
+# 8 tokens; "wgmma" where it runs
+ALIGNMENT_CASES = [("fma", r, 4, 64, torch.float32) for r in (2, 4, 8)] + (
+    [("wgmma", 4, 16, 128, torch.bfloat16)] if WGMMA else []
+)
+
+
+@pytest.mark.parametrize("variant,rank,G,d,dtype", ALIGNMENT_CASES)
 @pytest.mark.parametrize("valid_layout", ["words", "odd offset", "odd row length"])
 @pytest.mark.parametrize("pad", [21, 22, 23, 24])
-def test_wgmma_reads_valid_flags_at_every_alignment(pad, valid_layout):
-    """Variant "wgmma" reads the valid flags as aligned words where `score.valid_as_words` allows it, from row
-    starts at each misalignment (``pad``), and a byte a token from a view at an odd offset or rows of a length
-    that is no multiple of 4: the same scores and partials as float64 either way."""
-    if not WGMMA:
-        pytest.skip("variant 'wgmma' runs on a compute capability 9.0 GPU only (the interpreter has no Gluon)")
-    summ = Summaries(pad * 31, rank=4, bits=4, G=16, B=16, d=128, b=3, pages=9, dtype=torch.bfloat16, pad=pad)
+def test_valid_flags_read_at_every_alignment(variant, rank, G, d, dtype, pad, valid_layout):
+    """Variants "fma" and "wgmma" read the valid flags as aligned words where `score.valid_as_words` allows it,
+    from row starts at each misalignment (``pad``), and a byte a token from a view at an odd offset or rows of a
+    length that is no multiple of 4: the same scores and partials as float64 either way."""
+    summ = Summaries(pad * 31 + rank, rank=rank, bits=4, G=G, B=16, d=d, b=3, pages=9, dtype=dtype, pad=pad)
     cols = -(-summ.cap // 4) * 4
     start, width = {"words": (0, cols), "odd offset": (1, cols), "odd row length": (0, cols + 1)}[valid_layout]
     buf = torch.zeros(summ.b, start + width, dtype=torch.bool, device=DEV)
@@ -589,7 +595,7 @@ def test_wgmma_reads_valid_flags_at_every_alignment(pad, valid_layout):
         summary=summ.on_dev(),
         scale=SCALE,
         basis_bits=4,
-        variant="wgmma",
+        variant=variant,
         **{**summ.kw(), "slot_valid": valid},
     )
     want = summ.reference()

@@ -98,6 +98,7 @@ def compile_fma(
     kw = dict(G=G, GG=G, D=d, B=page, R=rank, BITS=bits, BP=bp, num_warps=num_warps, num_stages=1, debug=False)
     kw["PF_LINES"] = l2_prefetch_lines(bp, d, page, rank, bits) if L2_PREFETCH else 0
     kw["PREFETCH"] = prefetch
+    kw["VALID_WORDS"] = True  # a layer's own valid flags: whole pages of a 4-byte aligned buffer
     return _aot(KERNEL, args, kw)
 
 
@@ -156,6 +157,7 @@ def compile_mma(
         DOT_PREC="tf32",
         PREFETCH=True,
         PF_LINES=l2_prefetch_lines(bp, d, page, rank, bits) if L2_PREFETCH else 0,
+        VALID_WORDS=True,
         num_warps=nw,
         num_stages=ns,
         debug=False,
