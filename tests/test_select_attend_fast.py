@@ -25,7 +25,14 @@ from conftest import page_lists_as_mask  # noqa: E402
 from selector_lists import selectors
 
 from locks_hf import kernels  # noqa: E402
-from locks_hf.kernels._common import top_keys, top_keys_of  # noqa: E402
+from locks_hf.kernels._common import (  # noqa: E402
+    HISTOGRAM_MASK,
+    RADIX_BINS,
+    RADIX_BITS,
+    radix_round,
+    top_keys,
+    top_keys_of,
+)
 from locks_hf.selectors import select_pages as ref_select  # noqa: E402
 
 pytestmark = pytest.mark.interpret
@@ -167,10 +174,12 @@ def _top_keys_rows(key_ptr, k_ptr, out_ptr, N: tl.constexpr):
     tl.store(out_ptr + i * N + e, keep.to(tl.int8))
 
 
-@pytest.mark.parametrize("kind", ["distinct", "ties", "narrow", "few"])
+@pytest.mark.parametrize("kind", ["distinct", "ties", "narrow", "few", "extremes", "low_bits"])
 def test_top_keys_is_a_stable_top_k(kind):
     """The threshold search (with its exact-count exit) against a stable descending sort: keys over the
-    whole int32 range, runs of ties, a narrow range, and rows with fewer candidates than K."""
+    whole int32 range, runs of ties, a narrow range, rows with fewer candidates than K, the int32 range's
+    ends (next to ``NO_KEY``, around 0, at the largest key) and keys that differ in their lowest bits alone
+    (the radix's last round)."""
     no_key = -(2**31)
     g = torch.Generator().manual_seed(7)
     rows, N = 64, 256
@@ -180,6 +189,15 @@ def test_top_keys_is_a_stable_top_k(kind):
         key = torch.randint(-5, 5, (rows, N), generator=g)
     elif kind == "narrow":
         key = torch.randint(1000, 1040, (rows, N), generator=g)
+    elif kind == "extremes":
+        ends = torch.tensor([no_key + 1, no_key + 2, -2, -1, 0, 1, 2**31 - 2, 2**31 - 1])
+        key = ends[torch.randint(0, len(ends), (rows, N), generator=g)]
+    elif kind == "low_bits":
+        key = (
+            0x35000000
+            + torch.randint(0, 8, (rows, N), generator=g) * 2**20
+            + torch.randint(0, 4, (rows, N), generator=g)
+        )
     else:
         key = torch.randint(-(2**30), 2**30, (rows, N), generator=g)
     key = key.to(torch.int32)
@@ -195,6 +213,35 @@ def test_top_keys_is_a_stable_top_k(kind):
         order = sorted(cand, key=lambda i: (-int(key[r, i]), i))  # ties: the earlier position first
         want[r, order[: int(k[r])]] = True
     assert torch.equal(out.cpu().bool(), want)
+
+
+@triton.jit
+def _radix_rows(u_ptr, pre_ptr, shift_ptr, out_ptr, N: tl.constexpr, MASKED: tl.constexpr):
+    i = tl.program_id(0)
+    u = tl.load(u_ptr + i * N + tl.arange(0, N))
+    hist = radix_round(u, u > 0, tl.load(pre_ptr + i), tl.load(shift_ptr + i), RADIX_BITS, RADIX_BINS, MASKED)
+    tl.store(out_ptr + i * RADIX_BINS + tl.arange(0, RADIX_BINS), hist)
+
+
+@pytest.mark.parametrize("masked", [True, False] if HISTOGRAM_MASK else [False])
+def testradix_round_counts_the_next_bits_of_the_keys_with_the_prefix(masked):
+    """One round of the radix search against `torch.bincount`: the next 5 bits of the candidates (unsigned keys
+    above 0) whose higher bits are the prefix's, from the top round to the last; with `tl.histogram`'s mask
+    (Triton 3.6) and without it (a second half of buckets for the keys left out)."""
+    g = torch.Generator().manual_seed(5)
+    rows, N = 24, 128
+    u = torch.randint(0, 2**32, (rows, N), generator=g, dtype=torch.int64)
+    u[::3] = (u[::3] & 0xFFFF0FFF) | 0x00003000  # a common prefix down to bit 12
+    u[1::4, :40] = 0  # not candidates
+    shift = torch.tensor([30, 25, 20, 15, 10, 5, 0, 10] * 3)
+    pre = (u[torch.arange(rows), torch.randint(0, N, (rows,), generator=g)] >> (shift + 5)) << (shift + 5)
+    out = torch.empty(rows, 32, dtype=torch.int32, device=DEV)
+    _radix_rows[(rows,)](u.to(DEV), pre.to(DEV), shift.to(DEV), out, N=N, MASKED=masked)
+    for r in range(rows):
+        s = int(shift[r])
+        inside = (u[r] > 0) & ((u[r] >> (s + 5)) == (int(pre[r]) >> (s + 5)))
+        want = torch.bincount((u[r][inside] >> s) & 31, minlength=32)
+        assert torch.equal(out[r].cpu().long(), want), r
 
 
 @triton.jit

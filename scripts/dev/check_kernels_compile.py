@@ -130,8 +130,9 @@ def cases():
     # group lists, merged in tiles of 512 and 128 entries), with and without the page mask it marks; the
     # Llama-3.1-8B shape's 8 KV heads in 2,048-page chunks (17 lists: tiles of 2,048 and 128); Quest's per-head
     # rows at the GLM-4-9B shape (17 lists a head, then the union of 16 heads' lists). The partials' remainder
-    # tile: none (512 a row), one (513) and nearly a whole step's. At the register cap (the threshold search's
-    # [2048, 16] count tile) without spilling.
+    # tile: none (512 a row), one (513) and nearly a whole step's. None may spill. (Triton 3.6's ptxas builds Quest's
+    # per-head rows at 128 registers with 16 spilled bytes, stored once and loaded once outside the search loops;
+    # Triton 3.9's at 255 with none.)
     for G, GG, CH, GRP, M, per_head, marks in (
         (16, 16, 1024, 8, 512, False, (False, True)),
         (4, 4, 2048, 0, 2048, False, (True,)),
