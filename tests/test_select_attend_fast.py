@@ -224,7 +224,7 @@ def _radix_rows(u_ptr, pre_ptr, shift_ptr, out_ptr, N: tl.constexpr, MASKED: tl.
 
 
 @pytest.mark.parametrize("masked", [True, False] if HISTOGRAM_MASK else [False])
-def testradix_round_counts_the_next_bits_of_the_keys_with_the_prefix(masked):
+def test_radix_round_counts_the_next_bits_of_the_keys_with_the_prefix(masked):
     """One round of the radix search against `torch.bincount`: the next 5 bits of the candidates (unsigned keys
     above 0) whose higher bits are the prefix's, from the top round to the last; with `tl.histogram`'s mask
     (Triton 3.6) and without it (a second half of buckets for the keys left out)."""
