@@ -3,10 +3,10 @@
 One launch, ``_select_kernel`` (grid: chunks x rows), no host sync, fixed-width outputs padded with
 ``SENTINEL``. Each program
 
-1. folds the scoring partials in one pass (`sink_and_lse`) into the sink page and, for the shared rule,
-   each query head's LSE over the candidate pages; computes one key per page of its chunk (the
-   share-average ``mean_g exp(s_g - LSE_g)``, or a head's own score for Quest) and keeps the chunk's best
-   ``k-2`` by a threshold search (``top_keys``), in page order;
+1. folds the scoring partials (`sink_and_lse`: the least first page, then each head's max, then its sum) into
+   the sink page and, for the shared rule, each query head's LSE over the candidate pages; computes one key per
+   page of its chunk (the share-average ``mean_g exp(s_g - LSE_g)``, or a head's own score for Quest) and keeps
+   the chunk's best ``k-2`` by a threshold search (``top_keys``), in page order;
 2. with a middle stage (`selection_stages`: where long chunks would leave the launch few programs), if it is
    the last of its group of chunks to finish (`_common.arrived_last`), keeps the group's best ``k-2`` the same
    way;
@@ -30,6 +30,7 @@ import triton.language as tl
 
 from ._common import (
     BIG_PAGE,
+    LOG2E,
     NO_KEY,
     SENTINEL_C as SENTINEL,
     arrived_last,
@@ -65,48 +66,39 @@ def _partials(base, i, n_blk, T: tl.constexpr, GG: tl.constexpr):
 
 
 @triton.jit
-def _fold_lanes(m, l, fs, f, lane_f, lane_s, run_m, run_l, last_page):
-    """Fold a tile of `_partials` into as many lanes, elementwise: no exchange between threads, which
-    `_lanes_lse` does once after the last tile. A lane keeps its least first page so far aside (``lane_f``, its
-    scores ``lane_s``) and the running LSE ``(run_m, run_l)`` of everything else it has seen but the recent
-    page: each partial's own sums, the first pages that are not its least, and a page put aside before once a
-    smaller one takes its place."""
-    aside = f < lane_f  # this first page goes aside; the one aside before leaves it
-    out_f = tl.where(aside, lane_f, f)
-    out_s = tl.where(aside[:, None], lane_s, fs)
-    out_s = tl.where(((out_f != last_page) & (out_f != BIG_PAGE))[:, None], out_s, float("-inf"))
-    lane_s = tl.where(aside[:, None], fs, lane_s)
-    new_m = tl.maximum(run_m, tl.maximum(m, out_s))
-    safe = tl.where(new_m == float("-inf"), 0.0, new_m)
-    run_l = run_l * tl.exp(run_m - safe) + l * tl.exp(m - safe) + tl.exp(out_s - safe)
-    return tl.minimum(lane_f, f), lane_s, new_m, run_l
+def _least_first_page(base, n_full, n_blk, GG: tl.constexpr, NBP: tl.constexpr, NBR: tl.constexpr):
+    """The least first page of a row's partials (``BIG_PAGE`` where none saw a real page): one int a partial."""
+    lane_f = tl.full([NBP], BIG_PAGE, tl.int32)
+    for i in range(0, n_full, NBP):
+        lane_f = tl.minimum(lane_f, _first_pages(base, i, n_blk, NBP, GG))
+    least = tl.min(lane_f, axis=0)
+    if NBR > 0:
+        least = tl.minimum(least, tl.min(_first_pages(base, n_full, n_blk, NBR, GG), axis=0))
+    return least
 
 
 @triton.jit
-def _lanes_lse(lane_f, lane_s, run_m, run_l, sink, last_page):
-    """Each head's ``(max, sum)`` over a tile of lanes: their running sums and the pages still aside, but for
-    the sink and the recent page."""
-    keep = (lane_f != sink) & (lane_f != last_page) & (lane_f != BIG_PAGE)
-    back = tl.where(keep[:, None], lane_s, float("-inf"))
-    m = tl.maximum(tl.max(run_m, axis=0), tl.max(back, axis=0))
-    safe = tl.where(m == float("-inf"), 0.0, m)
-    return m, tl.sum(run_l * tl.exp(run_m - safe[None, :]), axis=0) + tl.sum(tl.exp(back - safe[None, :]), axis=0)
+def _candidate_firsts(base, i, n_blk, least, last_page, T: tl.constexpr, GG: tl.constexpr):
+    """Partials ``i .. i+T-1`` (`_partials`) with each first page's scores ``-inf`` where that page is no
+    candidate: the sink (``least``), the recent page, or none."""
+    m, l, fs, f = _partials(base, i, n_blk, T, GG)
+    cand = (f != least) & (f != last_page) & (f != BIG_PAGE)
+    return m, l, tl.where(cand[:, None], fs, float("-inf"))
 
 
 @triton.jit
-def _lanes(T: tl.constexpr, GG: tl.constexpr):
-    """Empty lanes for `_fold_lanes`: no page aside, nothing summed."""
-    return (
-        tl.full([T], BIG_PAGE, tl.int32),
-        tl.full([T, GG], float("-inf"), tl.float32),
-        tl.full([T, GG], float("-inf"), tl.float32),
-        tl.zeros([T, GG], dtype=tl.float32),
-    )
+def _tile_max(base, i, n_blk, least, last_page, T: tl.constexpr, GG: tl.constexpr):
+    """Each head's largest candidate score in partials ``i .. i+T-1``, elementwise ``[T, GG]``."""
+    m, l, fs = _candidate_firsts(base, i, n_blk, least, last_page, T, GG)
+    return tl.maximum(m, fs)
 
 
-#: Widest remainder tile of partials `sink_and_lse` loads before its steps: a wider one, held through them
-#: beside a chunk's scores, spills at 16 heads (ptxas, sm_90).
-EARLY_REMAINDER = tl.constexpr(32)
+@triton.jit
+def _tile_sum(base, i, n_blk, least, last_page, safe2, T: tl.constexpr, GG: tl.constexpr):
+    """Each head's candidate mass in partials ``i .. i+T-1`` against its max (``safe2 [GG]``, in base 2),
+    elementwise."""
+    m, l, fs = _candidate_firsts(base, i, n_blk, least, last_page, T, GG)
+    return l * tl.exp2(m * LOG2E - safe2[None, :]) + tl.exp2(fs * LOG2E - safe2[None, :])
 
 
 @triton.jit
@@ -120,47 +112,32 @@ def sink_and_lse(
     NBR: tl.constexpr,
     WITH_LSE: tl.constexpr,
 ):
-    """Fold the scoring partials of ``row`` in one pass: the sink page and each head's LSE over the candidates.
+    """Fold the scoring partials of ``row`` into the sink page and each head's LSE over the candidates.
 
-    ``NBP`` partials a step into as many lanes, then the last ``n_blk % NBP`` in a tile of lanes of its own,
-    ``NBR`` wide (0: none; `fold_tiles`): a row of 513 partials folds in two steps of 256 and one of 1, not three
-    of 256. The steps are elementwise; the lanes meet once, after the last (the sink is their least page)."""
+    Three passes over the partials, ``NBP`` a step and the last ``n_blk % NBP`` in a tile of their own, ``NBR``
+    wide (0: none; `fold_tiles`): a row of 513 partials folds in two steps of 256 and one of 1, not three of 256.
+    The sink (the least first page) from one int a partial; then each head's max over the candidates; then their
+    sum against it: two exponentials a partial and head, no running rescale. The passes after the first read
+    what it brought into the L1."""
     base = part_ptr + row * n_blk * 4 * GG
     n_full = n_blk - n_blk % NBP if NBR > 0 else n_blk  # (without a remainder tile the last step is masked)
+    least = _least_first_page(base, n_full, n_blk, GG, NBP, NBR)
     lse = tl.full([GG], float("-inf"), tl.float32)
     if WITH_LSE:
-        # a narrow remainder tile is loaded first, so that its wait overlaps the steps (a static cache's 513
-        # partials: 2 steps, then 1); a wide one after them, where its registers are free
-        EARLY: tl.constexpr = NBR <= EARLY_REMAINDER
-        if NBR > 0:
-            if EARLY:
-                rm, rl, rfs, rf = _partials(base, n_full, n_blk, NBR, GG)
-        lane_f, lane_s, run_m, run_l = _lanes(NBP, GG)
+        mx = tl.full([NBP, GG], float("-inf"), tl.float32)
         for i in range(0, n_full, NBP):
-            m, l, fs, f = _partials(base, i, n_blk, NBP, GG)
-            lane_f, lane_s, run_m, run_l = _fold_lanes(m, l, fs, f, lane_f, lane_s, run_m, run_l, last_page)
-        least = tl.min(lane_f, axis=0)
+            mx = tl.maximum(mx, _tile_max(base, i, n_blk, least, last_page, NBP, GG))
+        top = tl.max(mx, axis=0)
         if NBR > 0:
-            if not EARLY:
-                rm, rl, rfs, rf = _partials(base, n_full, n_blk, NBR, GG)
-            rest_f, rest_s, rest_m, rest_l = _lanes(NBR, GG)
-            rest_f, rest_s, rest_m, rest_l = _fold_lanes(rm, rl, rfs, rf, rest_f, rest_s, rest_m, rest_l, last_page)
-            least = tl.minimum(least, tl.min(rest_f, axis=0))
-        m, l = _lanes_lse(lane_f, lane_s, run_m, run_l, least, last_page)
-        if NBR > 0:
-            m2, l2 = _lanes_lse(rest_f, rest_s, rest_m, rest_l, least, last_page)
-            both = tl.maximum(m, m2)
-            safe = tl.where(both == float("-inf"), 0.0, both)
-            l = l * tl.exp(m - safe) + l2 * tl.exp(m2 - safe)
-            m = both
-        lse = tl.where(l > 0, m + tl.log(l), float("-inf"))
-    else:
-        lane_f = tl.full([NBP], BIG_PAGE, tl.int32)
+            top = tl.maximum(top, tl.max(_tile_max(base, n_full, n_blk, least, last_page, NBR, GG), axis=0))
+        safe2 = tl.where(top == float("-inf"), 0.0, top) * LOG2E
+        acc = tl.zeros([NBP, GG], dtype=tl.float32)
         for i in range(0, n_full, NBP):
-            lane_f = tl.minimum(lane_f, _first_pages(base, i, n_blk, NBP, GG))
-        least = tl.min(lane_f, axis=0)
+            acc += _tile_sum(base, i, n_blk, least, last_page, safe2, NBP, GG)
+        total = tl.sum(acc, axis=0)
         if NBR > 0:
-            least = tl.minimum(least, tl.min(_first_pages(base, n_full, n_blk, NBR, GG), axis=0))
+            total += tl.sum(_tile_sum(base, n_full, n_blk, least, last_page, safe2, NBR, GG), axis=0)
+        lse = tl.where(total > 0, top + tl.log(total), float("-inf"))
     return tl.where(least == BIG_PAGE, last_page, least), lse
 
 
@@ -168,9 +145,8 @@ def fold_tiles(n_blk: int, nbp: int) -> tuple[int, int]:
     """`sink_and_lse`'s tiles ``(NBP, NBR)`` for ``n_blk`` partials a row: ``nbp`` (a power of two) a step, then
     the remainder's own tile (the next power of two of ``n_blk % nbp``; 0 when there is none). A static cache
     of 512K tokens plus headroom leaves 513 partials a row, whose last one would otherwise cost a step of 256.
-    A row of at most ``nbp`` partials folds in one step of the next power of two, with no remainder tile: the
-    remainder's lanes would be as wide as the step's, both held at once (the Llama-3.1-8B shape at 512K: 513
-    partials of 4 heads, steps of 1,024)."""
+    A row of at most ``nbp`` partials folds in one step of the next power of two, with no remainder tile (the
+    Llama-3.1-8B shape at 512K: 513 partials of 4 heads, steps of 1,024)."""
     if n_blk <= nbp:
         return next_pow2(max(n_blk, 1)), 0
     rest = n_blk % nbp
@@ -227,8 +203,8 @@ def _row_keys(
         key = score_key(s)
     else:
         real = tl.max(tl.where(gi[:, None] == 0, s_all, float("-inf")), axis=0) > float("-inf")
-        lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
-        key = score_key(tl.sum(tl.exp(s_all - lse_safe[:, None]), axis=0) / G)
+        lse2 = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E  # base 2: one fused multiply-add a score
+        key = score_key(tl.sum(tl.exp2(s_all * LOG2E - lse2[:, None]), axis=0) / G)
     cand = real & (p != sink) & (p != last_page)
     return tl.where(cand, key, NO_KEY), sink, last_page
 

@@ -456,13 +456,12 @@ def _fold_rows(part_ptr, n_blk, last_ptr, sink_ptr, lse_ptr, GG: tl.constexpr, N
 
 
 @pytest.mark.parametrize(("n_blk", "nbp"), [(13, 4), (16, 8), (5, 16), (33, 16), (100, 64)])
-def test_partials_fold_in_one_pass_to_the_sink_and_lse(n_blk, nbp):
-    """`sink_and_lse` in steps of ``nbp`` and a remainder tile (narrow, loaded before the steps, or wide, after
-    them), against float64: the sink is the least first
-    page (the recent page when there is none), and the LSE takes every partial's sum and the other first pages
-    except the recent one. Rows whose first pages come in page order (as the scoring kernels leave them, with
-    empty programs before the first real page), in any order (the page put aside is replaced), with the sink
-    in the remainder tile, with the recent page among the first pages, and with no real page at all."""
+def test_partials_fold_to_the_sink_and_lse(n_blk, nbp):
+    """`sink_and_lse` in steps of ``nbp`` and a remainder tile (narrow or wide), against float64: the sink is the
+    least first page (the recent page when there is none), and the LSE takes every partial's sum and the other
+    first pages except the recent one. Rows whose first pages come in page order (as the scoring kernels leave
+    them, with empty programs before the first real page), in any order, with the sink in the remainder tile,
+    with the recent page among the first pages, and with no real page at all."""
     g = torch.Generator().manual_seed(n_blk * 100 + nbp)
     G = GG = 4
     rows = 6
