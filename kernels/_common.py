@@ -197,8 +197,8 @@ RADIX_BINS = tl.constexpr(32)
 
 @triton.jit
 def _as_unsigned(key):
-    """``key`` (int32) as int64 in ``[0, 2**32)`` with its order: ``NO_KEY`` is 0."""
-    return key.to(tl.int64) + 2147483648
+    """``key`` (int32) as uint32 with its order: ``NO_KEY`` is 0."""
+    return (key ^ NO_KEY).to(tl.uint32, bitcast=True)
 
 
 #: Whether this Triton's `tl.histogram` takes a mask (3.6 does, 3.3 does not): without, `radix_round` counts the
@@ -208,9 +208,11 @@ HISTOGRAM_MASK = tl.constexpr("mask" in inspect.signature(tl.histogram).paramete
 
 @triton.jit
 def radix_round(u, cand, pre, shift, BITS: tl.constexpr, BINS: tl.constexpr, MASKED: tl.constexpr):
-    """Histogram ``[BINS]`` (``2**BITS``) of bits ``[shift, shift + BITS)`` of the candidates of ``u`` whose bits
-    above ``shift + BITS`` are those of ``pre``; ``MASKED``: in `tl.histogram`'s mask (`HISTOGRAM_MASK`)."""
-    inside = cand & ((u >> (shift + BITS)) == (pre >> (shift + BITS)))
+    """Histogram ``[BINS]`` (``2**BITS``) of bits ``[shift, shift + BITS)`` of the candidates of ``u`` (uint32)
+    whose bits above ``shift + BITS`` are those of ``pre`` (int64, below ``2**32``); ``MASKED``: in
+    `tl.histogram`'s mask (`HISTOGRAM_MASK`). 32-bit work a key: the prefix test is one masked xor."""
+    high = (tl.full([], -1, tl.int64) << (shift + BITS).to(tl.int64)).to(tl.uint32)  # 0 past bit 31
+    inside = cand & (((u ^ pre.to(tl.uint32)) & high) == 0)
     bucket = ((u >> shift) & (BINS - 1)).to(tl.int32)
     if MASKED:
         hist = tl.histogram(bucket, BINS, mask=inside)
@@ -226,14 +228,14 @@ def kth_key_of(key, more, K, TWO: tl.constexpr):
     list: ``N + M`` keys whose count is not a power of two need no tile of the next power of two."""
     cand = key != NO_KEY
     u = _as_unsigned(key)
-    lo = tl.min(tl.where(cand, u, 1 << 32), axis=0)
-    hi = tl.max(u, axis=0)
+    lo = tl.min(tl.where(cand, u, 0xFFFFFFFF), axis=0).to(tl.int64)
+    hi = tl.max(u, axis=0).to(tl.int64)
     n_cand = tl.sum(cand.to(tl.int32), axis=0)
     if TWO:
         cand2 = more != NO_KEY
         u2 = _as_unsigned(more)
-        lo = tl.minimum(lo, tl.min(tl.where(cand2, u2, 1 << 32), axis=0))
-        hi = tl.maximum(hi, tl.max(u2, axis=0))
+        lo = tl.minimum(lo, tl.min(tl.where(cand2, u2, 0xFFFFFFFF), axis=0).to(tl.int64))
+        hi = tl.maximum(hi, tl.max(u2, axis=0).to(tl.int64))
         n_cand += tl.sum(cand2.to(tl.int32), axis=0)
     # the bits from `shift` up are known: those above the top bit where the candidates differ, then one
     # bucket's a round; `want` of the keys with that prefix are still to be taken

@@ -218,7 +218,7 @@ def test_top_keys_is_a_stable_top_k(kind):
 @triton.jit
 def _radix_rows(u_ptr, pre_ptr, shift_ptr, out_ptr, N: tl.constexpr, MASKED: tl.constexpr):
     i = tl.program_id(0)
-    u = tl.load(u_ptr + i * N + tl.arange(0, N))
+    u = tl.load(u_ptr + i * N + tl.arange(0, N)).to(tl.uint32)
     hist = radix_round(u, u > 0, tl.load(pre_ptr + i), tl.load(shift_ptr + i), RADIX_BITS, RADIX_BINS, MASKED)
     tl.store(out_ptr + i * RADIX_BINS + tl.arange(0, RADIX_BINS), hist)
 
