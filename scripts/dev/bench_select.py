@@ -173,10 +173,10 @@ def kernel_config(model: str, ctx: int, batch: int, budget: int, reps: int, swee
                         continue
                     time_setting(f"select_ch{chunk}_w{nw}_nbp{nbp}", chunk=chunk, num_warps=nw, partial_block=nbp)
         # short chunks (more programs a row) with a middle stage that merges their lists `group` at a time
-        for chunk, group in ((256, 8), (512, 4), (512, 8), (512, 16), (1024, 4), (1024, 8)):
+        for chunk, group in ((256, 8), (512, 4), (512, 8), (512, 16), (1024, 4), (1024, 8), (2048, 4)):
             if chunk > n_pages:
                 continue
-            for nw in (4, 8):
+            for nw in (4, 8, 16):
                 time_setting(f"select_ch{chunk}_w{nw}_group{group}", chunk=chunk, num_warps=nw, group=group)
 
     def att(i, **kw):

@@ -130,9 +130,10 @@ def cases():
     # group lists, merged in tiles of 512 and 128 entries), with and without the page mask it marks; the
     # Llama-3.1-8B shape's 8 KV heads in 2,048-page chunks (17 lists: tiles of 2,048 and 128); Quest's per-head
     # rows at the GLM-4-9B shape (17 lists a head, then the union of 16 heads' lists). The partials' remainder
-    # tile: none (512 a row), one (513) and nearly a whole step's. None may spill. (Triton 3.6's ptxas builds Quest's
-    # per-head rows at 128 registers with 16 spilled bytes, stored once and loaded once outside the search loops;
-    # Triton 3.9's at 255 with none.)
+    # tile: none (512 a row), one (513) and nearly a whole step's. None may spill. (Triton 3.6's ptxas builds the
+    # Llama-3.1-8B shape's chunk with a one-partial remainder tile, 1,025 partials a row, at 128 registers with 8
+    # spilled bytes, stored once before the partials' loops and loaded once after them; Triton 3.9's at 148 with
+    # none. The 512K launch folds 513 partials in one step: no remainder tile, no spill.)
     for G, GG, CH, GRP, M, per_head, marks in (
         (16, 16, 1024, 8, 512, False, (False, True)),
         (4, 4, 2048, 0, 2048, False, (True,)),
