@@ -13,7 +13,15 @@ import triton
 import triton.language as tl
 
 from ._common import LOG2E
-from .score_parts import empty_partials, fold_scores, prefetch_block, program_row, row_summaries, store_partials
+from .score_parts import (
+    empty_partials,
+    flag_word,
+    fold_scores,
+    prefetch_block,
+    program_row,
+    row_summaries,
+    store_partials,
+)
 
 
 @triton.jit
@@ -117,12 +125,7 @@ def _tokens_ok_words(vrow, s0, mask, N: tl.constexpr):
     loaded only where a flag lies in it (it then lies inside the row)."""
     BP: tl.constexpr = s0.shape[0]
     if N <= 4:
-        sh = s0 & 3
-        a = s0 - sh
-        w0 = tl.load((vrow + a).to(tl.pointer_type(tl.int32)), mask=mask, other=0)
-        w1 = tl.load((vrow + a + 4).to(tl.pointer_type(tl.int32)), mask=mask & (sh + N > 4), other=0)
-        word = (((w1.to(tl.int64) << 32) | (w0.to(tl.int64) & 0xFFFFFFFF)) >> (8 * sh)).to(tl.int32)
-        y = _word_flags(word, 0, 1, N)
+        y = _word_flags(flag_word(vrow, s0, mask, N), 0, 1, N)
     else:  # the first half, then the second, in slot order
         lo = _tokens_ok_words(vrow, s0, mask, N // 2)
         hi = _tokens_ok_words(vrow, s0 + N // 2, mask, N // 2)

@@ -98,6 +98,18 @@ def prefetch_block(
 
 
 @triton.jit
+def flag_word(vrow, s0, mask, N: tl.constexpr):
+    """The valid flags of slots ``s0 .. s0+N-1`` (``N <= 4``) as the low bytes of one int32, read as the aligned
+    int32 words that hold them (`score.valid_as_words`): shifted by ``s0 % 4``, and the second word loaded only
+    where a flag lies in it (it then lies inside the row)."""
+    sh = s0 & 3
+    a = s0 - sh
+    w0 = tl.load((vrow + a).to(tl.pointer_type(tl.int32)), mask=mask, other=0)
+    w1 = tl.load((vrow + a + 4).to(tl.pointer_type(tl.int32)), mask=mask & (sh + N > 4), other=0)
+    return (((w1.to(tl.int64) << 32) | (w0.to(tl.int64) & 0xFFFFFFFF)) >> (8 * sh)).to(tl.int32)
+
+
+@triton.jit
 def empty_partials(GG: tl.constexpr):
     """Running max / sum of the candidate pages' scores, the first real page's scores and its index."""
     return (

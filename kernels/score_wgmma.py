@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .score_mma import _pair
-from .score_parts import program_row, row_summaries
+from .score_parts import flag_word, program_row, row_summaries
 
 #: The oldest Triton the kernel was compiled and checked with: Gluon's API changes between releases.
 MIN_TRITON = (3, 6)
@@ -238,7 +238,6 @@ if gluon is not None:
         W_ROWS: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, _words_layout(RW // 4)))
         WM_ROWS: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, _words_layout(RWM // 4)))
 
-        sh = rs & 3
         run_m = gl.full([GP], float("-inf"), gl.float32, layout=COLS)
         run_l = gl.zeros([GP], gl.float32, layout=COLS)
         first_s = gl.full([GP], float("-inf"), gl.float32, layout=COLS)
@@ -283,10 +282,7 @@ if gluon is not None:
                 if VALID_WORDS:
                     # the TT flags of each page in one register: the two aligned words that hold them, shifted
                     # by the row's misalignment (one load where the row start is aligned)
-                    a = rs + p * B + t0 - sh
-                    w0 = gl.load((vrow + a).to(gl.pointer_type(gl.int32)), mask=pmask, other=0)
-                    w1 = gl.load((vrow + a + 4).to(gl.pointer_type(gl.int32)), mask=pmask & (sh != 0), other=0)
-                    flags = (((w1.to(gl.int64) << 32) | (w0.to(gl.int64) & 0xFFFFFFFF)) >> (8 * sh)).to(gl.int32)
+                    flags = flag_word(vrow, rs + p * B + t0, pmask, TT)
                 for tt in gl.static_range(TT):
                     x = gl.zeros([64, GP], gl.float32, layout=ACC)
                     for j in gl.static_range(R):
