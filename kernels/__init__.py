@@ -7,6 +7,7 @@
 * `quantized_attention` the same over KIVI-packed K/V, dequantized in registers (``attend_quant``);
 * `build_summary` batched GPU summary build (Gram matrix eigendecomposition + one quantize pass);
 * `update_completed_pages` a decode step's in-place summary of each row's just-completed page (one launch);
+* ``gemv.gemv`` a one-token projection (``x W^T + b`` for one row) that streams its weights (`locks_hf.gemv_projections`);
 * `compile_only` a block in which the launches compile their kernels and run nothing;
   `join_before_decode` has the next decode-time op join such a compile running in another thread;
 * `decode_step` the three chained; `implements` / `implements_quantized` which configurations they

@@ -4,8 +4,8 @@ Dynamo cannot see inside a Triton launcher that picks tiles on the host; as cust
 (shape-only) implementations, a decode step with the kernels traces into one graph and CUDA graphs
 capture the launches. The ops: the decode step (score -> select -> attend) over bf16 K/V and over
 KIVI-packed K/V, the attention over packed K/V alone, the summary build, the in-place summary of the
-pages a decode step completes (`page_update`) and a static quantized layer's per-step KIVI schedule
-(`kivi`). The decode-time ops first join a background compile of their kernels
+pages a decode step completes (`page_update`), a static quantized layer's per-step KIVI schedule
+(`kivi`) and the one-token projection (`gemv`). The decode-time ops first join a background compile of their kernels
 (`_common.join_before_decode`).
 """
 
@@ -16,6 +16,7 @@ import torch
 from ._common import join_pending_compiles, on_device
 from .build import build_summary, summary_shapes
 from .decode import decode_step, quantized_decode_step
+from .gemv import gemv
 from .page_update import update_completed_pages
 from .score import SUMMARY_NAMES
 from .select import page_list_width
@@ -448,3 +449,15 @@ def kivi_append_op(
 @kivi_append_op.register_fake
 def _(*args):
     return None
+
+
+@torch.library.custom_op("locks_hf::gemv", mutates_args=())
+def gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`gemv.gemv`: ``x [K] @ weight.T + bias`` for one row, ``[N]`` (a decode-time op: it joins a background
+    compile first, `_launched`)."""
+    return _launched(x.device, gemv, x, weight, bias)
+
+
+@gemv_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty(weight.shape[0])

@@ -9,6 +9,7 @@ from .captured_step import captured_backend, decode_compile_config
 from .concurrency import CacheInUseError
 from .config import LocksConfig, LocksConfigError
 from .models_support import UnsupportedModelError, check_model
+from .projections import GemvLinear, gemv_projections
 from .static_cache import LocksStaticCache
 from .summaries import summary_bytes
 
@@ -16,6 +17,7 @@ register()
 
 __all__ = [
     "CacheInUseError",
+    "GemvLinear",
     "LocksCache",
     "LocksConfig",
     "LocksConfigError",
@@ -25,6 +27,7 @@ __all__ = [
     "captured_backend",
     "check_model",
     "decode_compile_config",
+    "gemv_projections",
     "locks_attention_forward",
     "summary_bytes",
 ]

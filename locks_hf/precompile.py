@@ -18,7 +18,8 @@ CUDA-graph trees, the eager steps of `captured_backend`), so in `generate()` the
 while a CUDA graph is being captured (a step captured by hand needs one eager step after the prefill). A
 compile that failed is logged there (the kernels then compile at their first launch, as without this). A
 cache that re-allocates its buffers, forks or is copied waits for the thread first.
-``LOCKS_HF_PRECOMPILE=0`` turns it off.
+``LOCKS_HF_PRECOMPILE=0`` turns it off. The thread itself is `BackgroundCompile`, which
+`locks_hf.gemv_projections` also runs for the projections' GEMV kernel.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -46,32 +48,33 @@ def precompile_applies(layer: PagedLayer) -> bool:
     return os.environ.get(PRECOMPILE_ENV, "1") != "0" and layer.backend is TRITON and keys is not None and keys.is_cuda
 
 
-class DecodePrecompile:
-    """A background thread that compiles the kernels of ``layer``'s decode step (queries of ``query_heads``
-    heads); `wait` joins it, as does the next decode-time launch."""
+class BackgroundCompile:
+    """A background thread that runs ``compile_kernels`` (launches under `kernels.compile_only`); `wait` joins
+    it, as does the next decode-time launch. ``owner`` and ``what`` name it in the warning of a compile that
+    failed (the kernels then compile at their first launch)."""
 
-    def __init__(self, layer: PagedLayer, query_heads: int) -> None:
+    def __init__(self, compile_kernels: Callable[[], None], owner: str, what: str) -> None:
         from . import kernels
 
         self.error: BaseException | None = None
+        self._owner, self._what = owner, what
         self._thread: threading.Thread | None = threading.Thread(
-            target=self._run, args=(layer, query_heads), name="locks_hf-precompile", daemon=True
+            target=self._run, args=(compile_kernels,), name="locks_hf-precompile", daemon=True
         )
         self._thread.start()
         kernels.join_before_decode(self.wait)
 
     def __getstate__(self) -> dict:
-        self.wait()  # a copy of the cache (deepcopy, pickle) starts with its kernels compiled
-        return {}
+        self.wait()  # a copy (deepcopy, pickle) starts with its kernels compiled
+        return {"_owner": self._owner, "_what": self._what}
 
     def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
         self.error, self._thread = None, None
 
-    def _run(self, layer: PagedLayer, query_heads: int) -> None:
-        from .backends.triton import compile_decode_kernels
-
+    def _run(self, compile_kernels: Callable[[], None]) -> None:
         try:
-            compile_decode_kernels(layer, query_heads)
+            compile_kernels()
         except Exception as e:  # reported by `wait`, in the caller's thread
             self.error = e
 
@@ -85,9 +88,21 @@ class DecodePrecompile:
             self._thread.join()
         if self.error is not None:
             logger.warning(
-                "LocksCache: compiling the decode kernels during the prefill failed (%s: %s); they compile at "
-                "their first launch instead",
+                "%s: compiling %s failed (%s: %s); they compile at their first launch instead",
+                self._owner,
+                self._what,
                 type(self.error).__name__,
                 self.error,
             )
             self.error = None
+
+
+class DecodePrecompile(BackgroundCompile):
+    """`BackgroundCompile` of the kernels of ``layer``'s decode step (queries of ``query_heads`` heads)."""
+
+    def __init__(self, layer: PagedLayer, query_heads: int) -> None:
+        from .backends.triton import compile_decode_kernels
+
+        super().__init__(
+            lambda: compile_decode_kernels(layer, query_heads), "LocksCache", "the decode kernels during the prefill"
+        )

@@ -40,6 +40,7 @@ INTERPRETER_TEST_FILES = frozenset(
         "test_rerank_kernels.py",
         "test_kv_quant_kernels.py",
         "test_kv_quant_backend.py",
+        "test_gemv.py",
     }
 )
 #: Test files that run the kernels compiled on a GPU and interpreted without one: in the GPU suite
