@@ -7,7 +7,8 @@ keys: a per-page offset plus per-token noise; summaries built as after a real pr
 one-token forwards for each arm: dense (``full``) and Locks / Quest at budget b (Locks with exact
 re-ranking: ``r4i4-rr4``, ...). Each row also gives the bytes the step reads from the cache by the
 arm's rule (summaries, re-ranked keys, attended K/V), so that time and traffic can be set side by side.
-The arm ``no-attention`` is the same model with every attention replaced by a copy of its query (projections,
+An arm ending in ``+gemv`` (``r4i4+gemv``, ``full+gemv``) runs with the model's projections on the library's
+GEMV kernel (`locks_hf.gemv_projections`), the others on ``nn.Linear`` (cuBLAS). The arm ``no-attention`` is the same model with every attention replaced by a copy of its query (projections,
 norms, RoPE, the K/V write, the LM head: the step less its attention), beside the weights' read floor at the
 device bandwidth measured in the same run; a compiled run warns when that arm runs fewer matrix products
 than the dense one (a projection dropped by the compiler).
@@ -186,9 +187,34 @@ AttentionInterface.register(NO_ATTENTION, skip_attention)
 AttentionMaskInterface.register(NO_ATTENTION, lambda *args, **kwargs: None)  # nothing to mask
 
 
+#: Arm suffix: the model's projections on the GEMV kernel (`locks_hf.gemv_projections`), e.g. ``r4i4+gemv``.
+GEMV_SUFFIX = "+gemv"
+
+
+def arm_family(name: str) -> str:
+    """The arm without its `GEMV_SUFFIX`."""
+    return name.removesuffix(GEMV_SUFFIX)
+
+
 def make_arm(name: str, budget: int) -> LocksConfig:
     # any registered arm family: r4i4 / locks-r8i4, full, quest, oracle, the baselines (eager: --graphs none)
+    name = arm_family(name)
     return config_for_family("full" if name in (HF_STATIC, NO_ATTENTION) else name, budget=budget)
+
+
+def set_projections(model, originals: dict, gemv: bool) -> None:
+    """The model's projections on the GEMV kernel (``gemv``) or back on ``nn.Linear`` (``originals``: name ->
+    module, filled at the first swap)."""
+    from locks_hf.projections import GemvLinear, gemv_projections
+
+    if gemv and not originals:
+        originals.update((n, m) for n, m in model.named_modules() if n and type(m) is torch.nn.Linear)
+        gemv_projections(model)
+        return
+    for n, m in originals.items():
+        parent, _, child = n.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, child, GemvLinear.from_linear(m) if gemv else m)
 
 
 def weight_read_bytes(model) -> int:
@@ -441,7 +467,8 @@ def main(argv=None) -> None:
         help=f"comma list: full (dense), {HF_STATIC} (transformers' StaticCache; with graphs), {NO_ATTENTION} (the "
         "step less its attention, with the weights' read floor), quest, "
         "oracle, Locks labels (r4i4, ...), the baselines (rocketkv, shadowkv, kvzip, rkv, triattention, "
-        "lazy_eviction; eager only)",
+        "lazy_eviction; eager only); an arm ending in +gemv runs with the model's projections on the GEMV kernel "
+        "(locks_hf.gemv_projections; CUDA), e.g. r4i4+gemv",
     )
     ap.add_argument("--graphs", default="none", choices=["none", "cuda", "compile", "compile-cuda", "captured"])
     ap.add_argument("--steps", type=int, default=20)
@@ -511,6 +538,7 @@ def run_arms(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
     model = random_model(args.shape, device)
     config = model.config
     arms = {a: make_arm(a, args.budget) for a in args.arms.split(",")}
+    originals: dict = {}  # the model's nn.Linear modules while a "+gemv" arm has them swapped
 
     rows = []
     with torch.no_grad():
@@ -518,9 +546,11 @@ def run_arms(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
             capacity = ctx + args.warmup + args.steps + 64
             shared = None
             for name, locks in arms.items():
-                model.set_attn_implementation(NO_ATTENTION if name == NO_ATTENTION else "locks")
-                if name == NO_ATTENTION:
-                    cache = make_cache(args.graphs, config, name, locks, args.warmup + args.steps + args.profile + 64)
+                family = arm_family(name)
+                set_projections(model, originals, name != family)
+                model.set_attn_implementation(NO_ATTENTION if family == NO_ATTENTION else "locks")
+                if family == NO_ATTENTION:
+                    cache = make_cache(args.graphs, config, family, locks, args.warmup + args.steps + args.profile + 64)
                 elif args.graphs == "none" and locks.kv_bits != 16:  # quantized KV: a cache of its own
                     cache = make_cache("none", config, name, locks, capacity)
                     synthetic_prefill(cache, config, ctx, device, dtype)
@@ -533,7 +563,7 @@ def run_arms(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
                         layer.set_config(locks)
                         layer.summarize_completed()  # rebuilt only when the summary layout changed
                 else:  # static caches are built per arm (their layout is fixed at creation)
-                    cache = make_cache(args.graphs, config, name, locks, capacity)
+                    cache = make_cache(args.graphs, config, family, locks, capacity)
                     synthetic_prefill(cache, config, ctx, device, dtype)
                 torch._dynamo.reset()
                 stepper = Stepper(model, cache, args.graphs, args.inductor_options)
@@ -544,7 +574,7 @@ def run_arms(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
                 host: list[float] = []
                 times = time_steps(stepper, args.steps, host)
                 med = statistics.median(times)
-                if name == NO_ATTENTION:  # reads no K/V
+                if family == NO_ATTENTION:  # reads no K/V
                     attended, read_bytes = 0.0, 0
                 else:
                     attended = cache.attended_fraction() if hasattr(cache, "attended_fraction") else 1.0
@@ -566,7 +596,7 @@ def run_arms(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
                         "layers": config.num_hidden_layers,
                     }
                 )
-                if name == NO_ATTENTION:  # the step less its attention, against the weights' read floor
+                if family == NO_ATTENTION:  # the step less its attention, against the weights' read floor
                     rows[-1]["weight_read_bytes"] = weight_read_bytes(model)
                     if device.type == "cuda":
                         from bench_decode import measure_bandwidth  # a 2 GiB read, as the attention floors use

@@ -282,6 +282,21 @@ def test_gemv_floor_lays_out_the_same_weights_three_ways(tmp_path):
     assert json.loads(out.read_text())["rows"] == rows
 
 
+def test_bench_gemv_checks_every_tile_against_float64(tmp_path):
+    """scripts/dev/bench_gemv.py on the CPU (interpreter; its timings need a GPU): every projection of the layout
+    and the LM head, each tile's output as close to the float64 product as ``F.linear``'s."""
+    spec = importlib.util.spec_from_file_location("bench_gemv", SCRIPT.parent / "dev" / "bench_gemv.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "gemv.json"
+    rows = module.main(["--device", "cpu", "--shape", "tiny", "--tiles", "4:32:4:1,1:64:2:1", "--out", str(out)])
+    assert [r["projection"] for r in rows] == ["qkv", "o", "gate_up", "down", "head"]
+    assert all(len(r["tiles"]) == 2 for r in rows)
+    assert all(e["err"] <= 10 * r["cublas_err"] + 1e-5 for r in rows for e in r["tiles"])
+    saved = json.loads(out.read_text())["rows"]  # (no timings off the GPU: NaN floors, which compare unequal)
+    assert [(r["projection"], r["tiles"]) for r in saved] == [(r["projection"], r["tiles"]) for r in rows]
+
+
 def test_bench_quantized_cache_runs_on_cpu(tmp_path, capsys):
     """scripts/bench_quantized_cache.py: transformers' QuantizedCache beside Locks on quantized KV, one table."""
     pytest.importorskip("optimum.quanto")
@@ -579,3 +594,28 @@ def test_saved_frames_probe_reports_each_process(tmp_path):
         assert row["same_logits"] or row["error"]
         assert sum(row["dynamo_cache"].values()) == 1  # the saved-frames store was consulted once
     assert json.loads(out.read_text())["rows"] == rows
+
+
+def test_a_gemv_arm_is_its_family_on_the_gemv_projections():
+    """``r4i4+gemv`` is r4i4's configuration with the model's projections swapped for `GemvLinear`, and the
+    swap is undone for the next arm; off CUDA the swap is refused with `gemv_projections`' error."""
+    import torch
+
+    from locks_hf.models import tiny_model
+    from locks_hf.projections import GemvLinear
+
+    bench = _load()
+    assert bench.arm_family("r4i4+gemv") == "r4i4"
+    assert bench.make_arm("r4i4+gemv", 64) == bench.make_arm("r4i4", 64)
+    model = tiny_model("llama")
+    originals: dict = {}
+    with pytest.raises(ValueError, match="model.to\\('cuda'\\)"):
+        bench.set_projections(model, originals, True)
+    # as on a GPU: the first swap records the nn.Linear modules, later arms swap back and forth
+    linears = {n: m for n, m in model.named_modules() if type(m) is torch.nn.Linear}
+    originals.update(linears)
+    bench.set_projections(model, originals, True)
+    assert all(isinstance(model.get_submodule(n), GemvLinear) for n in linears)
+    assert all(model.get_submodule(n).weight is m.weight for n, m in linears.items())
+    bench.set_projections(model, originals, False)
+    assert all(model.get_submodule(n) is m for n, m in linears.items())

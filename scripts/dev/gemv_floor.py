@@ -50,12 +50,29 @@ def projections(layout: str, hidden: int, q_out: int, kv_out: int, inter: int) -
     return [*attention, ("o", q_out, hidden, False), *mlp, ("down", inter, hidden, False)]
 
 
-def build(layout: str, config, device, dtype):
-    """Every layer's weights (and biases) of ``layout``, the LM head, and one step's inputs."""
-    hidden, inter = config.hidden_size, config.intermediate_size
+def config_projections(layout: str, config) -> list[tuple[str, int, int, bool]]:
+    """`projections` of one layer of a model ``config`` in ``layout``."""
     q_out = config.num_attention_heads * config.head_dim
     kv_out = config.num_key_value_heads * config.head_dim
-    spec = projections(layout, hidden, q_out, kv_out, inter)
+    return projections(layout, config.hidden_size, q_out, kv_out, config.intermediate_size)
+
+
+def parse_shape_args(ap: argparse.ArgumentParser, argv: list[str] | None):
+    """``ap`` with the options both projection benchmarks take (``--shape``, ``--reps``, ``--device``, ``--out``)
+    parsed from ``argv``: ``(args, device, model config, dtype)`` (bf16 on a GPU, float32 for a CPU smoke test)."""
+    ap.add_argument("--shape", default="glm4-9b", choices=[s for s in SHAPES if not s.endswith("-hf")])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    return args, device, model_config(args.shape), torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def build(layout: str, config, device, dtype):
+    """Every layer's weights (and biases) of ``layout``, the LM head, and one step's inputs."""
+    hidden = config.hidden_size
+    spec = config_projections(layout, config)
     layers = []
     for _ in range(config.num_hidden_layers):
         layers.append(
@@ -122,15 +139,8 @@ def measure(layout: str, config, device, dtype, tbps: float | None, reps: int) -
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", default="glm4-9b", choices=[s for s in SHAPES if not s.endswith("-hf")])
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
-    device = torch.device(args.device)
-    config = model_config(args.shape)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    args, device, config, dtype = parse_shape_args(ap, argv)
     layouts = [s.strip() for s in args.layouts.split(",") if s.strip()]
     for layout in layouts:
         if layout not in LAYOUTS:

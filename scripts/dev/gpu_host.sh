@@ -8,6 +8,11 @@
 #             r4i4, r8i4, dense and the step less its attention (against the weights' read floor) in one run;  ~5 min
 #   fusedstep the same step on GLM-4-9B's own four projections a layer (`--shape glm4-9b-fused`: q/k/v in one, gate
 #             and up in one): r4i4, r8i4, dense and the step less its attention;  ~5 min
+#   gemvstep  the fusedstep step with the projections on the library's GEMV (`locks_hf.gemv_projections`, arms
+#             `+gemv`): r4i4, r8i4 and dense in one run, after the projections alone on cuBLAS and on the GEMV's
+#             tiles (scripts/dev/bench_gemv.py);  ~5.5 min
+#   llamagemv the complete Llama-3.1-8B step at 512K with the projections on the GEMV: r4i4 and dense in one run
+#             (needs more than an H100's 80 GB);  ~4 min
 #   llamastep the complete Llama-3.1-8B step at 512K the same way: r4i4, r8i4 and dense in one run (needs more
 #             than an H100's 80 GB);  ~5 min
 #   profile   the GLM-4-9B r4i4 step of `step` with every kernel listed (`--profile 2 --profile-top 0`): kernel time
@@ -66,6 +71,15 @@ for part in $PARTS; do
       run decode_step_glm4-9b-fused_compile-cuda 330 python3 scripts/bench_decode_step.py --graphs compile-cuda \
           --shape glm4-9b-fused --contexts 512K --arms r4i4,r8i4,full,no-attention --steps 20 \
           --out "$OUT/decode_step_glm4-9b-fused_compile-cuda.json" ;;
+    gemvstep)
+      run gemv_glm4-9b_fused 120 python3 scripts/dev/bench_gemv.py --shape glm4-9b --layout fused --out "$OUT/gemv_glm4-9b_fused.json"
+      run decode_step_glm4-9b-fused_gemv 330 python3 scripts/bench_decode_step.py --graphs compile-cuda \
+          --shape glm4-9b-fused --contexts 512K --arms r4i4+gemv,r8i4+gemv,full+gemv --steps 20 \
+          --out "$OUT/decode_step_glm4-9b-fused_gemv.json" ;;
+    llamagemv)
+      run decode_step_llama3.1-8b_gemv 330 python3 scripts/bench_decode_step.py --graphs compile-cuda \
+          --shape llama3.1-8b --contexts 512K --arms r4i4+gemv,full+gemv --steps 20 \
+          --out "$OUT/decode_step_llama3.1-8b_gemv.json" ;;
     llamastep)
       run decode_step_llama3.1-8b_compile-cuda 330 python3 scripts/bench_decode_step.py --graphs compile-cuda \
           --shape llama3.1-8b --contexts 512K --arms r4i4,r8i4,full --steps 20 \
@@ -117,6 +131,6 @@ for part in $PARTS; do
       run quant_attention_glm4-9b_512k_batch8_dense 240 python3 scripts/bench_kv_quant.py --shape glm4-9b --batch 8 \
           --contexts 512K --page-sizes 16 --bits 4 --warps 4,8 --tile-pages auto,1,2 --dense --reps 20 \
           --out "$OUT/quant_attention_glm4-9b_512k_batch8_dense.json" ;;
-    *) echo "gpu_host: unknown part '$part' (attn attn1m step fusedstep llamastep profile select glmhf host generate oneliner autotune batch8 short gemv trace quanttile)" >&2; exit 2 ;;
+    *) echo "gpu_host: unknown part '$part' (attn attn1m step fusedstep gemvstep llamagemv llamastep profile select glmhf host generate oneliner autotune batch8 short gemv trace quanttile)" >&2; exit 2 ;;
   esac
 done
