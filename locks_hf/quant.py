@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 # The scale is rounded *up* to bf16 so that |x| / scale never exceeds qmax: the round trip error
@@ -47,6 +49,18 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of `pack`: signed codes as int8, last dim multiplied back out."""
     if bits == 8:
         return packed.to(torch.int8)
+    if bits == 4 and sys.byteorder == "little":
+        # Both fields into one int16 (the low one in its low byte), read back as two bytes: in-place passes
+        # over one buffer, where stacking the fields along a new last dim is a strided copy (3x slower on a
+        # CPU). Shifting a sign-extended byte left to the top of the int16 and back sign-extends a field.
+        word = packed.view(torch.int8).to(torch.int16)
+        high = word >> 4
+        high <<= 8
+        word <<= 12
+        word >>= 12
+        word &= 0xFF
+        word |= high
+        return word.contiguous().view(torch.int8)  # (a permuted input gives a permuted word)
     x = packed.view(torch.int8)
     # Shift field i to the top of the byte, then an arithmetic right shift sign-extends it.
     fields = [(x << (8 - bits * (i + 1))) >> (8 - bits) for i in range(8 // bits)]

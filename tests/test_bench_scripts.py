@@ -297,6 +297,18 @@ def test_bench_gemv_checks_every_tile_against_float64(tmp_path):
     assert [(r["projection"], r["tiles"]) for r in saved] == [(r["projection"], r["tiles"]) for r in rows]
 
 
+def test_bench_unpack_checks_the_codes_and_times_both_forms(tmp_path):
+    """scripts/dev/bench_unpack.py: both shapes at 4 and 2 bits, each form timed, the rows in its JSON."""
+    spec = importlib.util.spec_from_file_location("bench_unpack", SCRIPT.parent / "dev" / "bench_unpack.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "unpack.json"
+    rows = module.main(["--repeat", "1", "--out", str(out)])
+    assert [(r["packed"], r["bits"]) for r in rows] == [(n, b) for n in module.SHAPES for b in (4, 2)]
+    assert all(r["unpack_us"] > 0 and r["stacked_us"] > 0 for r in rows)
+    assert json.loads(out.read_text())["rows"] == rows
+
+
 def test_bench_quantized_cache_runs_on_cpu(tmp_path, capsys):
     """scripts/bench_quantized_cache.py: transformers' QuantizedCache beside Locks on quantized KV, one table."""
     pytest.importorskip("optimum.quanto")

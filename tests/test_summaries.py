@@ -100,6 +100,28 @@ def test_quantization_round_trip_within_half_step(bits, rows, cols, scale, seed)
     assert (err <= s.double() / 2 * (1 + 1e-6)).all()
 
 
+@pytest.mark.parametrize("bits", [2, 4])
+def test_unpack_reads_every_byte_as_its_signed_fields_in_order(bits):
+    """Every byte value, in a sliced and in a transposed view: field ``i`` (bits ``i*bits ...``, element 0 in
+    the low bits) sign-extended, against Python integers."""
+    per_byte, half = 8 // bits, 1 << (bits - 1)
+
+    def fields(byte: int) -> list[int]:
+        return [((byte >> (bits * i)) & ((1 << bits) - 1) ^ half) - half for i in range(per_byte)]
+
+    values = torch.randperm(256, generator=torch.Generator().manual_seed(bits)).to(torch.uint8)
+    rows = torch.zeros(4, 128, dtype=torch.uint8)
+    rows[::2] = values.view(2, 128)
+    sliced = rows[::2]  # [2, 128], every value once, rows 256 bytes apart
+    transposed = values.view(64, 4).t()  # [4, 64], last dim of stride 4
+    for packed in (sliced, transposed):
+        want = torch.tensor([sum((fields(int(v)) for v in row), []) for row in packed.reshape(-1, packed.shape[-1])])
+        got = unpack(packed, bits)
+        assert got.dtype == torch.int8 and got.shape == (*packed.shape[:-1], packed.shape[-1] * per_byte)
+        assert torch.equal(got.reshape(want.shape), want.to(torch.int8))
+    assert sorted(sliced.flatten().tolist()) == list(range(256))
+
+
 @pytest.mark.parametrize("rank,expected", [(8, 818), (4, 490), (2, 326)])
 def test_summary_bytes_match_paper_and_storage(rank, expected):
     assert summary_bytes(128, 16, rank) == expected
