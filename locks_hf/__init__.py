@@ -9,7 +9,7 @@ from .captured_step import captured_backend, decode_compile_config
 from .concurrency import CacheInUseError
 from .config import LocksConfig, LocksConfigError
 from .models_support import UnsupportedModelError, check_model
-from .projections import GemvLinear, gemv_projections
+from .projections import GemvLinear, gemv_projections, linear_projections
 from .static_cache import LocksStaticCache
 from .summaries import summary_bytes
 
@@ -28,6 +28,7 @@ __all__ = [
     "check_model",
     "decode_compile_config",
     "gemv_projections",
+    "linear_projections",
     "locks_attention_forward",
     "summary_bytes",
 ]

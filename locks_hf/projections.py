@@ -7,19 +7,22 @@ a forward with one input row and no gradient to record runs the kernel through i
 node for `torch.compile`, capturable in a CUDA graph); any other forward (a prompt, a batch, training) is
 ``F.linear``. The kernel compiles for each projection shape in a background thread from the swap on
 (`precompile.BackgroundCompile`; ``LOCKS_HF_PRECOMPILE=0``: at the first one-row forward instead), joined by
-the first decode-time launch.
+the first decode-time launch. `linear_projections` swaps them back.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .precompile import PRECOMPILE_ENV, BackgroundCompile
+
+LinearT = TypeVar("LinearT", bound=nn.Linear)
 
 #: Weight dtypes the kernel runs.
 GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -31,10 +34,7 @@ class GemvLinear(nn.Linear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> GemvLinear:
-        module = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
-        module.weight = linear.weight
-        module.bias = linear.bias
-        return module
+        return _sharing_parameters(cls, linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the kernel has no backward: a forward that records gradients stays on F.linear
@@ -74,15 +74,38 @@ def gemv_projections(model: nn.Module) -> nn.Module:
                 "load the model onto one GPU (device_map='cuda') to use the kernel"
             )
     for name, m in found:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, GemvLinear.from_linear(m))
+        _replace(model, name, GemvLinear.from_linear(m))
     if os.environ.get(PRECOMPILE_ENV, "1") != "0":
         # compiled by the first one-row forward otherwise: a second or so a shape, at the first decode step
         BackgroundCompile(
             lambda: compile_projection_kernels(m for _, m in found), "gemv_projections", "the GEMV kernel"
         )
     return model
+
+
+def linear_projections(model: nn.Module) -> nn.Module:
+    """Undo `gemv_projections`: every `GemvLinear` of ``model`` back to a plain ``nn.Linear`` holding the same
+    parameters (no copy), so that one process can time or check both; returns ``model``, changed in place.
+    Raises ``ValueError`` for a model without a `GemvLinear`."""
+    found = [(name, m) for name, m in model.named_modules() if name and isinstance(m, GemvLinear)]
+    if not found:
+        raise ValueError("linear_projections: the model has no GemvLinear module (gemv_projections puts them in)")
+    for name, m in found:
+        _replace(model, name, _sharing_parameters(nn.Linear, m))
+    return model
+
+
+def _sharing_parameters(cls: type[LinearT], linear: nn.Linear) -> LinearT:
+    """A ``cls`` of ``linear``'s sizes holding its parameters (built on the meta device: nothing allocated)."""
+    module = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+    module.weight = linear.weight
+    module.bias = linear.bias
+    return module
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
 
 
 def compile_projection_kernels(modules: Iterable[nn.Linear]) -> None:

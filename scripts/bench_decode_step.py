@@ -202,19 +202,17 @@ def make_arm(name: str, budget: int) -> LocksConfig:
     return config_for_family("full" if name in (HF_STATIC, NO_ATTENTION) else name, budget=budget)
 
 
-def set_projections(model, originals: dict, gemv: bool) -> None:
-    """The model's projections on the GEMV kernel (``gemv``) or back on ``nn.Linear`` (``originals``: name ->
-    module, filled at the first swap)."""
-    from locks_hf.projections import GemvLinear, gemv_projections
+def set_projections(model, gemv: bool) -> None:
+    """The model's projections on the GEMV kernel (``gemv``: `locks_hf.gemv_projections`) or on ``nn.Linear``
+    (`locks_hf.linear_projections`), from whichever they are on."""
+    from locks_hf import gemv_projections, linear_projections
+    from locks_hf.projections import GemvLinear
 
-    if gemv and not originals:
-        originals.update((n, m) for n, m in model.named_modules() if n and type(m) is torch.nn.Linear)
+    on_gemv = any(isinstance(m, GemvLinear) for m in model.modules())
+    if gemv and not on_gemv:
         gemv_projections(model)
-        return
-    for n, m in originals.items():
-        parent, _, child = n.rpartition(".")
-        owner = model.get_submodule(parent) if parent else model
-        setattr(owner, child, GemvLinear.from_linear(m) if gemv else m)
+    elif on_gemv and not gemv:
+        linear_projections(model)
 
 
 def weight_read_bytes(model) -> int:
@@ -538,7 +536,6 @@ def run_arms(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
     model = random_model(args.shape, device)
     config = model.config
     arms = {a: make_arm(a, args.budget) for a in args.arms.split(",")}
-    originals: dict = {}  # the model's nn.Linear modules while a "+gemv" arm has them swapped
 
     rows = []
     with torch.no_grad():
@@ -547,7 +544,7 @@ def run_arms(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
             shared = None
             for name, locks in arms.items():
                 family = arm_family(name)
-                set_projections(model, originals, name != family)
+                set_projections(model, name != family)
                 model.set_attn_implementation(NO_ATTENTION if family == NO_ATTENTION else "locks")
                 if family == NO_ATTENTION:
                     cache = make_cache(args.graphs, config, family, locks, args.warmup + args.steps + args.profile + 64)

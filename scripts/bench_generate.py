@@ -13,7 +13,9 @@ on random prompts (a real prefill, then ``--new-tokens`` decode steps) for each 
   compiled by inductor and captured in one CUDA graph by the library (no per-step checks of CUDA-graph trees);
 * ``static-r4i4`` ... ``LocksStaticCache`` with ``max_cache_len`` = prompt + new tokens;
 * ``dynamic-r4i4`` ... ``LocksCache(..., layout="dynamic")`` (eager, no compiled step): the layout that
-  stores quantized KV, so ``dynamic-r4i4`` beside ``r4i4+kv4-post`` compares the storage alone.
+  stores quantized KV, so ``dynamic-r4i4`` beside ``r4i4+kv4-post`` compares the storage alone;
+* any arm ending in ``+gemv`` (``r4i4+gemv``, ``hf-static+gemv``): the same with the model's projections on the
+  library's GEMV kernel (`locks_hf.gemv_projections`; the other arms run them on ``nn.Linear``).
 
 Memory: ``peak_gib`` is the peak allocated during the generate(); ``cache_gib`` what the cache holds
 when it returns (allocated memory with the cache alive minus after it is freed); ``kv_ratio`` that per
@@ -49,9 +51,12 @@ import time
 
 import torch
 from bench_decode_step import (  # scripts/ is on sys.path when run as a script
+    GEMV_SUFFIX,
     SHAPES,
+    arm_family,
     parse_tokens,
     random_model,
+    set_projections,
     tokens_label,
 )
 from multi_gpu_generate import timed_generate
@@ -66,13 +71,14 @@ CAPTURED_PREFIX = "captured-"
 
 
 def locks_config(name: str, budget: int) -> LocksConfig:
-    name = name.removeprefix(STATIC_PREFIX).removeprefix(DYNAMIC_PREFIX).removeprefix(CAPTURED_PREFIX)
+    name = arm_family(name).removeprefix(STATIC_PREFIX).removeprefix(DYNAMIC_PREFIX).removeprefix(CAPTURED_PREFIX)
     if name in ("full", "quest", "oracle"):
         return LocksConfig(selector=name, budget=budget)
     return LocksConfig.from_label(name, budget=budget)
 
 
 def make_cache(name: str, config, budget: int, capacity: int):
+    name = arm_family(name)
     if name == "hf-dynamic":
         return None  # generate() creates its default DynamicCache
     if name == "hf-static":
@@ -210,7 +216,7 @@ def run_arm(
         "step_ms": steps,
         "tokens": out[0, ids.shape[1] :].tolist(),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if model.device.type == "cuda" else None,
-        "compiled_layout": bool(getattr(cache, "is_static", False)) or name == "hf-static",
+        "compiled_layout": bool(getattr(cache, "is_static", False)) or arm_family(name) == "hf-static",
         "attended": cache.attended_fraction() if hasattr(cache, "attended_fraction") else 1.0,
     }
     if model.device.type == "cuda" and cache is not None:
@@ -280,6 +286,7 @@ def main(argv=None) -> None:
             ids = torch.randint(3, config.vocab_size, (b, n), generator=torch.Generator().manual_seed(0)).to(device)
             for name in args.arms.split(","):
                 torch._dynamo.reset()  # each arm compiles its own graph (never hits dynamo's recompile limit)
+                set_projections(model, name.endswith(GEMV_SUFFIX))
                 row = run_arm(
                     model,
                     ids,

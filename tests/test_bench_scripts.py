@@ -367,6 +367,23 @@ def test_bench_generate_runs_on_cpu(tmp_path):
         assert phases.get("entire_frame_compile", 0.0) == pytest.approx(r["torch_compile_s"], abs=1e-2)
 
 
+def test_a_gemv_arm_of_bench_generate_is_its_arm_on_the_gemv_projections(tmp_path):
+    """``r4i4+gemv`` / ``hf-static+gemv``: the arm's cache and settings, the projections swapped first (on the
+    CPU the swap is refused with `gemv_projections`' error, before any generate())."""
+    import torch
+
+    bench = _load("bench_generate")
+    assert bench.locks_config("static-r4i4+gemv", 64) == bench.locks_config("static-r4i4", 64)
+    assert bench.make_cache("hf-dynamic+gemv", None, 64, 128) is None
+    config = _load().random_model("tiny", torch.device("cpu")).config
+    assert type(bench.make_cache("static-r4i4+gemv", config, 64, 128)) is type(
+        bench.make_cache("static-r4i4", config, 64, 128)
+    )
+    args = ["--shape", "tiny", "--device", "cpu", "--runs", "200:1", "--new-tokens", "2", "--arms", "r4i4+gemv"]
+    with pytest.raises(ValueError, match="model.to\\('cuda'\\)"):
+        bench.main([*args, "--out", str(tmp_path / "g.json")])
+
+
 def test_bench_generate_sums_triton_compiles_by_kernel():
     """The listener's compile times (microseconds, by stage) summed per kernel; cache hits only counted,
     and a listener set before is still called and put back."""
@@ -620,14 +637,16 @@ def test_a_gemv_arm_is_its_family_on_the_gemv_projections():
     assert bench.arm_family("r4i4+gemv") == "r4i4"
     assert bench.make_arm("r4i4+gemv", 64) == bench.make_arm("r4i4", 64)
     model = tiny_model("llama")
-    originals: dict = {}
     with pytest.raises(ValueError, match="model.to\\('cuda'\\)"):
-        bench.set_projections(model, originals, True)
-    # as on a GPU: the first swap records the nn.Linear modules, later arms swap back and forth
+        bench.set_projections(model, True)
+    bench.set_projections(model, False)  # already on nn.Linear: nothing to undo
+    # as after a GPU arm's swap: the next arm puts the projections back on nn.Linear, the same parameters
     linears = {n: m for n, m in model.named_modules() if type(m) is torch.nn.Linear}
-    originals.update(linears)
-    bench.set_projections(model, originals, True)
+    for n, m in linears.items():
+        parent, _, child = n.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, GemvLinear.from_linear(m))
+    bench.set_projections(model, True)  # already on the kernel: nothing to swap (nor to refuse)
     assert all(isinstance(model.get_submodule(n), GemvLinear) for n in linears)
+    bench.set_projections(model, False)
+    assert all(type(model.get_submodule(n)) is torch.nn.Linear for n in linears)
     assert all(model.get_submodule(n).weight is m.weight for n, m in linears.items())
-    bench.set_projections(model, originals, False)
-    assert all(model.get_submodule(n) is m for n, m in linears.items())

@@ -92,6 +92,29 @@ def test_gemv_projections_refuse_a_model_without_linear_modules():
         gemv_projections(torch.nn.Sequential(torch.nn.ReLU()))
 
 
+def test_linear_projections_put_back_plain_linear_modules_holding_the_same_parameters():
+    """`linear_projections` undoes the swap wherever `GemvLinear` sits (nested, the root's own child, biased
+    or not): plain ``nn.Linear`` modules holding the very parameters, the same outputs; other modules stay."""
+    from locks_hf.projections import GemvLinear, linear_projections
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(16, 4, bias=False))
+    )
+    x = torch.randn(3, 8)
+    want = model(x)
+    params = [p for p in model.parameters()]
+    model[0] = GemvLinear.from_linear(model[0])
+    model[1][1] = GemvLinear.from_linear(model[1][1])
+    assert linear_projections(model) is model
+    assert type(model[0]) is torch.nn.Linear and type(model[1][1]) is torch.nn.Linear
+    assert isinstance(model[1][0], torch.nn.ReLU) and model[1][1].bias is None
+    assert all(a is b for a, b in zip(model.parameters(), params, strict=True))
+    torch.testing.assert_close(model(x), want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="no GemvLinear"):
+        linear_projections(model)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("compiled", [False, True])
 def test_gemv_projections_decode_as_the_model_does(compiled):
@@ -99,7 +122,7 @@ def test_gemv_projections_decode_as_the_model_does(compiled):
     rounding apart); a prompt's forward runs the original products; the parameters are not copied."""
     from conftest import tiny
 
-    from locks_hf.projections import GemvLinear, gemv_projections
+    from locks_hf.projections import GemvLinear, gemv_projections, linear_projections
 
     model = tiny("llama", "sdpa", dtype=torch.bfloat16).cuda().eval()
     ids = torch.randint(1, 100, (1, 12), device="cuda")
@@ -121,6 +144,11 @@ def test_gemv_projections_decode_as_the_model_does(compiled):
     torch.testing.assert_close(got_prompt, want_prompt, rtol=0, atol=0)
     torch.testing.assert_close(got_step.float(), want_step.float(), rtol=2e-2, atol=2e-2)
     assert any("_gemv_kernel" in e.name for e in prof.events())  # the step ran the kernel, not cuBLAS
+    linear_projections(model)  # back on cuBLAS: the parameters kept, the step's logits as before the swap
+    assert weights == {n: p.data_ptr() for n, p in model.named_parameters()}
+    assert not any(isinstance(m, GemvLinear) for m in model.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids[:, :1]).logits, want_step, rtol=0, atol=0)
 
 
 def test_a_forward_that_records_gradients_stays_on_linear():

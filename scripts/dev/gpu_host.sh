@@ -23,7 +23,8 @@
 #   host      where `--graphs captured` spends its host time: GLM-4-9B r4i4 at 512K under cProfile;  ~2 min
 #   generate  the one-liner's first generate() at 128K from cold caches, then again with those caches warm:
 #             torch.compile's share and the library's Triton compiles by kernel (`triton_compiles`);  ~3 min
-#   oneliner  the one-liner against `LocksStaticCache` and transformers' default at 128K in one run;  ~4 min
+#   oneliner  the one-liner against `LocksStaticCache` and transformers' default at 128K in one run, and the one-liner
+#             with the projections on the GEMV (`r4i4+gemv`);  ~5 min
 #   glmhf     the same step on transformers' GlmForCausalLM (`--shape glm4-9b-hf`: six projections a layer, as
 #             THUDM/glm-4-9b-chat-1m-hf loads), every kernel of a compiled r4i4 step listed (`--profile-top 0`);  ~5 min
 #   autotune  the GLM-4-9B step of `step` with inductor's max-autotune (Triton GEMV templates against cuBLAS),
@@ -107,7 +108,7 @@ for part in $PARTS; do
       python3 -c "import json, sys; r = json.load(open(sys.argv[1]))['rows'][0]; print(json.dumps(r['triton_compiles'], indent=1))" \
           "$OUT/generate_128k_cold.json" | head -40 ;;
     oneliner)
-      run generate_128k_oneliner 300 python3 scripts/bench_generate.py --runs 128K:1 --arms static-r4i4,r4i4,hf-dynamic \
+      run generate_128k_oneliner 400 python3 scripts/bench_generate.py --runs 128K:1 --arms static-r4i4,r4i4,r4i4+gemv,hf-dynamic \
           --out "$OUT/generate_128k_oneliner.json" ;;
     autotune)
       run decode_step_glm4-9b_autotune 400 python3 scripts/bench_decode_step.py --graphs compile-cuda --shape glm4-9b \
