@@ -12,6 +12,7 @@ import torch
 from ._common import as_length, compiling_only
 from .attend import sparse_attention
 from .attend_quant import quantized_attention
+from .page_update import update_completed_pages
 from .rerank import rerank_pages
 from .score import SUMMARY_NAMES, score_pages, scores
 from .select import mark_lists, mask_fits, select_pages
@@ -47,6 +48,7 @@ def decode_step(
     tickets: torch.Tensor | None = None,
     per_head: bool = False,
     rerank: int = 0,
+    update_rank: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sparse decode step on explicit tensors: ``(output [b, 1, Hq, d], pages [b*h, W])``.
 
@@ -63,9 +65,23 @@ def decode_step(
     ``[b, 2]``) and ``pad`` (int32 ``[b]``): the per-row statistics (see `sparse_attention`; ``counts``
     needed); ``selection`` (bool ``[b, h, P]``): overwritten with the pages attended (not for
     ``"full"``); ``tickets``: the selection's counters, zeros that its launch leaves zero (see
-    `select.select_pages`; ``None``: a new zeroed buffer).
+    `select.select_pages`; ``None``: a new zeroed buffer). ``update_rank`` > 0: the step also writes the
+    summary of each row's page that the newest token completed, and ``n_complete``, as a static layer's
+    per-step page update at that rank (`summarize_newest_page`), launched first.
     """
     length = as_length(length, query.device)  # one device tensor for the three kernels
+    summarize_newest_page(
+        method,
+        update_rank,
+        key_buf,
+        slot_valid=slot_valid,
+        row_start=row_start,
+        length=length,
+        summary=summary,
+        page_size=page_size,
+        basis_bits=basis_bits,
+        n_complete=n_complete,
+    )
     pages = choose_pages(
         method,
         query,
@@ -105,6 +121,51 @@ def decode_step(
     return out, _listed(pages, query.shape[0] * key_buf.shape[1], row_start)
 
 
+def summarize_newest_page(
+    method: str,
+    rank: int,
+    keys: torch.Tensor,
+    *,
+    slot_valid: torch.Tensor,
+    row_start: torch.Tensor,
+    length: torch.Tensor,
+    summary: dict[str, torch.Tensor] | None,
+    page_size: int,
+    basis_bits: int,
+    n_complete: torch.Tensor,
+    ring: int = 0,
+) -> None:
+    """A static layer's per-step page update inside its decode step: `page_update.update_completed_pages` at
+    ``rank`` (the summary of each row's page that the newest token completed, and ``n_complete``); nothing
+    for ``rank`` 0 or a method that keeps no summary.
+
+    Its place among the step's launches does not change the step: the page the newest token completes is
+    that step's most recent page, which the step attends unconditionally and the scoring never takes as a
+    candidate (nor as a block's first page, which the selection might); and ``n_complete`` read before or
+    after the update leaves every other page as it was (the scoring caps it at the pages complete at the
+    current length). So the pages chosen are the same whether the update lands before the scoring or after
+    the attention (`tests/test_page_update.py` checks both), and the summary is first read as a candidate's
+    at the next step."""
+    names = SUMMARY_NAMES.get(method, ())
+    if rank <= 0 or not names:
+        return
+    if summary is None:
+        raise ValueError(f"decode_step({method!r}): update_rank={rank} needs the summary it writes")
+    update_completed_pages(
+        method,
+        keys,
+        slot_valid,
+        row_start,
+        length,
+        [summary[n] for n in names],
+        page_size=page_size,
+        rank=rank,
+        basis_bits=basis_bits,
+        n_complete=n_complete,
+        ring=ring,
+    )
+
+
 def quantized_decode_step(
     method: str,
     query: torch.Tensor,
@@ -123,16 +184,31 @@ def quantized_decode_step(
     selection: torch.Tensor | None = None,
     tickets: torch.Tensor | None = None,
     per_head: bool = False,
+    update_rank: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`decode_step` over KIVI-packed K/V: the pages chosen from the summaries as there (``"locks"`` /
     ``"quest"``: scoring reads no key), attended by `attend_quant.quantized_attention`. ``packed`` holds
     that function's storage arguments (codes, scales, zero points, tails, ``quantized``, ``bits``,
-    ``group``, ``ring``, ``slot_valid``, ``row_start``, ``length``, ``page_size``)."""
+    ``group``, ``ring``, ``slot_valid``, ``row_start``, ``length``, ``page_size``). ``update_rank`` as
+    there, the page's keys read from the full-precision tail (``key_tail``, a ring of ``ring`` slots)."""
     if method == "oracle":
         raise ValueError("quantized_decode_step: the oracle reads every key; it selects on the reference path")
     length = as_length(packed["length"], query.device)
     packed = {**packed, "length": length}
     heads = packed["key_codes"].shape[1]
+    summarize_newest_page(
+        method,
+        update_rank,
+        packed["key_tail"],
+        slot_valid=packed["slot_valid"],
+        row_start=packed["row_start"],
+        length=length,
+        summary=summary,
+        page_size=packed["page_size"],
+        basis_bits=basis_bits,
+        n_complete=n_complete,
+        ring=packed.get("ring", 0),
+    )
     pages = choose_pages(
         method,
         query,

@@ -32,7 +32,9 @@ def _launched(device: torch.device, kernel, *args, **kwargs):
         return kernel(*args, **kwargs)
 
 
-@torch.library.custom_op("locks_hf::decode_step", mutates_args=("counts", "row_counts", "selection", "tickets"))
+@torch.library.custom_op(
+    "locks_hf::decode_step", mutates_args=("n_complete", "summary", "counts", "row_counts", "selection", "tickets")
+)
 def decode_step_op(
     method: str,
     query: torch.Tensor,
@@ -56,13 +58,15 @@ def decode_step_op(
     tickets: torch.Tensor | None,
     per_head: bool,
     rerank: int = 0,
+    update_rank: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`decode.decode_step` with the summary passed as the list ``SUMMARY_NAMES[method]``; ``counts[0]``
     (int64) grows by the tokens attended. ``slots`` sizes the page lists; ``active_slots`` (``int32 [1]``
     or ``None`` for ``slots``) is the budget selected with, read on the device. ``row_counts``, ``pad``
     and ``selection``: a static layer's buffers (see `decode.decode_step`), ``tickets`` its selection
     counters (or ``None``); ``per_head`` and ``rerank`` what the selector declares (per-head lists; the
-    candidate multiple of exact re-ranking, 0 for none).
+    candidate multiple of exact re-ranking, 0 for none). ``update_rank`` > 0: the step also writes the
+    summary of the page the newest token completed and ``n_complete`` (a static layer's page update).
 
     The mutated arguments have no defaults on purpose: torch before 2.12 drops trailing arguments equal
     to their default before its in-place version bump, which then indexes past the end of ``args``."""
@@ -92,6 +96,7 @@ def decode_step_op(
         tickets=tickets,
         per_head=per_head,
         rerank=rerank,
+        update_rank=update_rank,
     )
 
 
@@ -119,6 +124,7 @@ def _(
     tickets,
     per_head,
     rerank=0,
+    update_rank=0,
 ):
     b, hq, d = query.shape[0], query.shape[1], query.shape[-1]
     h = key_buf.shape[1]
@@ -263,7 +269,8 @@ def _(query, pages, *args, n_pages=None, ring=0):
 
 
 @torch.library.custom_op(
-    "locks_hf::quantized_decode_step", mutates_args=("counts", "row_counts", "selection", "tickets")
+    "locks_hf::quantized_decode_step",
+    mutates_args=("n_complete", "summary", "counts", "row_counts", "selection", "tickets"),
 )
 def quantized_decode_step_op(
     method: str,
@@ -297,6 +304,7 @@ def quantized_decode_step_op(
     selection: torch.Tensor | None,
     tickets: torch.Tensor | None,
     per_head: bool,
+    update_rank: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`decode.quantized_decode_step`: `decode_step_op` over a quantized layer's packed storage (the
     tensors of `PACKED_TENSORS`, then ``bits``, ``group``, ``ring``, ``page_size``)."""
@@ -338,6 +346,7 @@ def quantized_decode_step_op(
         selection=selection,
         tickets=tickets,
         per_head=per_head,
+        update_rank=update_rank,
     )
 
 
@@ -374,6 +383,7 @@ def _(
     selection,
     tickets,
     per_head,
+    update_rank=0,
 ):
     b, hq, d = query.shape[0], query.shape[1], query.shape[-1]
     h = key_codes.shape[1]

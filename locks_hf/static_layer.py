@@ -261,7 +261,8 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
     # -- the attention function's hooks ------------------------------------------------------------
     def prepare(self, attention_mask: torch.Tensor | None, query_len: int) -> None:
         """Before attention: on prefill read padding and summarize every page; on decode summarize
-        the page this step completed (the backend's `update_newest_page`)."""
+        the page this step completed (the backend's `update_newest_page`, or its decode step where the
+        backend `summarizes_in_step`)."""
         if query_len > 1:
             self._prefill(attention_mask, query_len)
             return
@@ -272,7 +273,9 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
             self.row_counts[:, 1] += context
             if self.selector is None:
                 self.row_counts[:, 0] += context
-        if self.summary:  # the page this step completed (the kernels also write the complete-page counts)
+        # the page this step completed (the kernels also write the complete-page counts), unless the decode
+        # step writes it beside its page choice
+        if self.summary and not self.backend.summarizes_in_step(self):
             self.backend.update_newest_page(self)
 
     def attends_densely(self, query_len: int) -> bool:

@@ -30,7 +30,9 @@ than the dense one (a projection dropped by the compiler).
               captured in one CUDA graph by the library, without CUDA-graph trees' per-step checks).
 
 With graphs, the script also checks that a replayed step gives the logits of the same step run
-eagerly (the cache rewound by one token in between). CUDA-event medians after warm-up; on a GPU each row
+eagerly (the cache rewound by one token in between). CUDA-event medians after warm-up, and the mean over the
+same steps (``mean ms/step``): a step that completes a page also summarizes it, so over a multiple of the page
+size (the default 32 steps, two pages of 16) the mean is the time a token costs on average. On a GPU each row
 also gives the host's median time to queue a step (``host ms/step``): near the step's time, the host bounds it.
 
     python scripts/bench_decode_step.py --graphs cuda --contexts 128K,512K --out results/h200/decode_step_h200_graphs.json
@@ -469,7 +471,7 @@ def main(argv=None) -> None:
         "(locks_hf.gemv_projections; CUDA), e.g. r4i4+gemv",
     )
     ap.add_argument("--graphs", default="none", choices=["none", "cuda", "compile", "compile-cuda", "captured"])
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=32, help="timed steps (a multiple of the page size for the mean)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", default="decode_step.json")
     ap.add_argument("--profile", type=int, default=0, help="also profile this many eager steps per arm")
@@ -581,6 +583,7 @@ def run_arms(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
                         "context": ctx,
                         "arm": name,
                         "median_ms": med,
+                        "mean_ms": statistics.fmean(times),
                         "tokens_per_s": 1e3 / med,
                         "attended": attended,
                         "read_bytes": read_bytes,
@@ -636,13 +639,13 @@ def report(rows: list[dict], args, dtype: torch.dtype, where: str) -> None:
     }[args.graphs]
     print(
         f"\nComplete decode step, {args.shape} random weights, {dtype}, batch 1, b={args.budget}, {mode}, "
-        f"median of {args.steps} steps ({where})\n"
+        f"median and mean of {args.steps} steps ({where})\n"
     )
     print(
-        f"| context | arm | ms/step | host ms/step | tokens/s | vs dense (full) | vs {HF_STATIC} | tokens attended "
-        "| MB read/step | replay vs eager |"
+        f"| context | arm | ms/step | mean ms/step | host ms/step | tokens/s | vs dense (full) | vs {HF_STATIC} "
+        "| tokens attended | MB read/step | replay vs eager |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratios = []
         for base in ("full", HF_STATIC):
@@ -652,7 +655,8 @@ def report(rows: list[dict], args, dtype: torch.dtype, where: str) -> None:
         mb = "-" if r["read_bytes"] is None else f"{r['read_bytes'] / 2**20:.1f}"
         host = "-" if r["host_ms"] is None else f"{r['host_ms']:.2f}"
         print(
-            f"| {tokens_label(r['context'])} | {r['arm']} | {r['median_ms']:.2f} | {host} | {r['tokens_per_s']:.1f} | "
+            f"| {tokens_label(r['context'])} | {r['arm']} | {r['median_ms']:.2f} | {r['mean_ms']:.2f} | {host} | "
+            f"{r['tokens_per_s']:.1f} | "
             f"{ratios[0]} | {ratios[1]} | {r['attended']:.4f} | {mb} | {diff} |"
         )
     for r in rows:

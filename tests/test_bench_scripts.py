@@ -50,6 +50,7 @@ def test_bench_decode_step_runs_on_cpu(tmp_path):
     assert rows["full"]["attended"] == 1.0
     assert 0.0 < rows["r4i4"]["attended"] < 0.5  # b = 64 of 512 tokens: the step was sparse
     assert all(r["median_ms"] > 0 and len(r["all_ms"]) == 2 for r in rows.values())
+    assert all(r["mean_ms"] == pytest.approx(sum(r["all_ms"]) / 2) for r in rows.values())
     # 4-bit KV: the attended K/V read at their packed size (codes, scales and zero points: 5/16 of bf16)
     kv = rows["r4i4+kv4-post"]["read_bytes"] - rows["r4i4"]["read_bytes"]
     assert kv < 0

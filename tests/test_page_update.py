@@ -33,11 +33,11 @@ class Paged:
     """Two rows of a static cache (``P`` pages of ``B`` slots after each row's first real slot) and
     summary buffers filled with random bytes."""
 
-    def __init__(self, seed, B, method, rank=4, bits=4, row_start=(0, 5), h=2):
+    def __init__(self, seed, B, method, rank=4, bits=4, row_start=(0, 5), h=2, n_pages=P):
         g = torch.Generator().manual_seed(seed)
-        self.B, self.method, self.rank, self.bits, self.h = B, method, rank, bits, h
+        self.B, self.method, self.rank, self.bits, self.h, self.pages = B, method, rank, bits, h, n_pages
         self.row_start = torch.tensor(row_start, dtype=torch.int32)
-        self.cap = max(row_start) + P * B + 3
+        self.cap = max(row_start) + n_pages * B + 3
         pages = torch.randn(2, h, self.cap // B + 1, D, generator=g).repeat_interleave(B, 2)[:, :, : self.cap]
         self.keys = torch.randn(2, h, self.cap, D, generator=g) + 2 * pages  # page structure, as real keys
         self.slot_valid = torch.ones(2, self.cap, dtype=torch.bool)
@@ -45,10 +45,10 @@ class Paged:
             self.slot_valid[i, :s] = False  # left padding
             self.slot_valid[i, s + B + 2] = False  # a padding slot inside page 1
         if method == "locks":
-            shapes = summary_shapes((2, h, P), B, D, rank, bits)
+            shapes = summary_shapes((2, h, n_pages), B, D, rank, bits)
             shapes = [shapes[n] for n in SUMMARY_NAMES["locks"]]
         else:
-            shapes = [((2, h, P, D), self.keys.dtype)] * len(SUMMARY_NAMES[method])
+            shapes = [((2, h, n_pages, D), self.keys.dtype)] * len(SUMMARY_NAMES[method])
         self.sentinel = []
         for shape, dtype in shapes:
             n = torch.Size(shape).numel() * dtype.itemsize
@@ -86,7 +86,7 @@ class Paged:
         return self.keys[i, :, slots].unsqueeze(1), self.slot_valid[i, slots].expand(self.h, 1, -1)
 
     def check_untouched(self, got, written):
-        mask = torch.zeros(2, self.h, P, dtype=torch.bool)
+        mask = torch.zeros(2, self.h, self.pages, dtype=torch.bool)
         for i, p in written.items():
             mask[i, :, p] = True
         for name, t, s in zip(SUMMARY_NAMES[self.method], got, self.sentinel):
@@ -230,3 +230,87 @@ def test_oracle_and_bad_arguments():
         kernels.update_completed_pages(
             "locks", *args, summary[:-1] + [summary[-1].transpose(0, 1)], page_size=16, rank=4, basis_bits=4
         )
+
+
+@pytest.mark.parametrize("method", SUMMARY_METHODS)
+def test_a_decode_step_writes_the_page_update_in_any_order(method):
+    """`decode_step(update_rank=r)` (a static layer's step, its page update inside) leaves the summary and
+    the complete-page counts of the update's own launch, and every step's pages and output are the same
+    whether that update lands before the page choice or after the attention (the scoring then reads the
+    previous step's counts): what lets the update join any of the step's launches. Over steps that complete
+    pages of both rows, one left-padded, with fewer page slots than pages."""
+    B, rank, bits, G = 4, 4, 4, 2
+    c = Paged(6, B, method, rank, bits, row_start=(0, 5), n_pages=8)
+    g = torch.Generator().manual_seed(7)
+    values = torch.randn(c.keys.shape, generator=g).to(DEV)
+    keys, valid, row_start = c.keys.to(DEV), c.slot_valid.to(DEV), c.row_start.to(DEV)
+    names = SUMMARY_NAMES[method]
+    start, stop = 19, 27  # both rows complete two pages on the way (row 1 at lengths 21 and 25)
+
+    def at(length):
+        return torch.tensor([length], dtype=torch.int32, device=DEV)
+
+    def update(state, length):
+        kernels.update_completed_pages(
+            method,
+            keys,
+            valid,
+            row_start,
+            at(length),
+            state["summary"],
+            page_size=B,
+            rank=rank,
+            basis_bits=bits,
+            n_complete=state["n_complete"],
+        )
+
+    def step(state, length, query, update_rank):
+        return kernels.decode_step(
+            method,
+            query,
+            key_buf=keys,
+            value_buf=values,
+            slot_valid=valid,
+            row_start=row_start,
+            n_complete=state["n_complete"],
+            length=at(length),
+            n_pages=c.pages,
+            slots=4,
+            scale=D**-0.5,
+            page_size=B,
+            summary=dict(zip(names, state["summary"])),
+            basis_bits=bits,
+            per_head=method == "quest",
+            update_rank=update_rank,
+        )
+
+    def fresh():
+        state = {
+            "summary": [t.clone().to(DEV) for t in c.sentinel],
+            "n_complete": torch.zeros(2, dtype=torch.int32, device=DEV),
+        }
+        for length in range(1, start):  # the pages complete before the first step, as decoding got there
+            update(state, length)
+        return state
+
+    before, in_step, after = fresh(), fresh(), fresh()
+    completions = 0
+    for length in range(start, stop):
+        completions += len(c.completed(length))
+        query = torch.randn(2, c.h * G, 1, D, generator=g).to(DEV)
+        update(before, length)
+        want = step(before, length, query, 0)
+        got = step(in_step, length, query, rank)
+        late = step(after, length, query, 0)
+        update(after, length)
+        for other in (got, late):
+            assert torch.equal(other[1], want[1]) and torch.equal(other[0], want[0]), length
+        for state in (in_step, after):
+            assert torch.equal(state["n_complete"], before["n_complete"]), length
+            for a, b in zip(state["summary"], before["summary"]):
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), length
+        assert before["n_complete"].tolist() == [(length - s) // B for s in (0, 5)]
+    assert completions == 4
+    # the pages really were chosen: the last step left pages of every row out
+    written = torch.tensor([(stop - 2 - s) // B + 1 for s in (0, 5)], device=DEV).repeat_interleave(c.h)
+    assert ((want[1] >= 0).sum(-1) < written).all()

@@ -42,6 +42,11 @@ class DecodeBackend(ABC):
         """A static layer's per-step summary: the page the newest token completed, written in place with
         no host-side branch on whether one did."""
 
+    def summarizes_in_step(self, layer: PagedLayer) -> bool:
+        """Whether `decode` writes ``layer``'s per-step page summary itself (what `update_newest_page`
+        writes, beside the step's own work), so that the layer's `prepare` leaves it to the step."""
+        return False
+
     @abstractmethod
     def build_summary(self, layer: PagedLayer, keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
         """The layer's selector's per-page tensors for ``keys [b, h, n, B, d]`` (``valid [b, h, n, B]``)."""

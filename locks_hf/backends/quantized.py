@@ -21,7 +21,15 @@ import torch
 from ..selectors import selector_class
 from .base import DecodeBackend
 from .reference import select_pages
-from .triton import KernelPlan, kernel_summary, kernel_update_newest_page, kernels, layer_plan, recorded
+from .triton import (
+    KernelPlan,
+    kernel_summary,
+    kernel_update_newest_page,
+    kernels,
+    layer_plan,
+    recorded,
+    update_rank_in_step,
+)
 
 if TYPE_CHECKING:
     from ..config import LocksConfig
@@ -78,6 +86,7 @@ def quantized_kernel_decode(layer: PagedLayer, query: torch.Tensor, scale: float
             pad=io["pad"],
             selection=None if plan.dense else io["selection"],
             tickets=plan.tickets(io),
+            update_rank=update_rank_in_step(layer),
         )
         return recorded(layer, io, out, pages)
     pages, taken, valid = select_pages(layer, query, scale)
@@ -139,6 +148,10 @@ class QuantizedKernelBackend(DecodeBackend):
 
     def update_newest_page(self, layer: PagedLayer) -> None:
         kernel_update_newest_page(layer)
+
+    def summarizes_in_step(self, layer: PagedLayer) -> bool:
+        # only the kernels' page choice writes it; a selection in PyTorch leaves it to the layer's prepare
+        return selects_on_kernels(layer) and update_rank_in_step(layer) > 0
 
     def build_summary(self, layer: PagedLayer, keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
         return kernel_summary(layer, keys, valid)

@@ -52,8 +52,16 @@ def kernel_decode(layer: PagedLayer, query: torch.Tensor, scale: float) -> torch
         pad=io["pad"],
         selection=None if plan.dense else io["selection"],
         tickets=plan.tickets(io),
+        update_rank=update_rank_in_step(layer),
     )
     return recorded(layer, io, out, pages)
+
+
+def update_rank_in_step(layer: PagedLayer) -> int:
+    """The rank at which a kernel decode step of ``layer`` writes its per-step page summary itself
+    (`kernels.decode.summarize_newest_page`: the layer's decode is then one custom op a step): a static
+    layer whose selector keeps summaries; 0, none, for any other layer."""
+    return layer.config.rank if layer.static_layout and layer_plan(layer).summary_names else 0
 
 
 def recorded(layer: PagedLayer, io: dict, out: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
@@ -142,7 +150,7 @@ def compile_decode_kernels(layer: PagedLayer, query_heads: int) -> None:
     assert keys is not None  # asked of an initialized layer only
     query = keys.new_empty((keys.shape[0], query_heads, 1, keys.shape[-1]))
     with kernels().compile_only():  # each op makes its tensors' device current
-        if layer.summary:  # as a static layer's step: the page update only where summaries are kept
+        if layer.summary and not update_rank_in_step(layer):  # as `LocksStaticLayer.prepare`
             kernel_update_newest_page(layer)
         kernel_decode(layer, query, keys.shape[-1] ** -0.5)
 
@@ -173,6 +181,9 @@ class TritonBackend(DecodeBackend):
 
     def update_newest_page(self, layer: PagedLayer) -> None:
         kernel_update_newest_page(layer)
+
+    def summarizes_in_step(self, layer: PagedLayer) -> bool:
+        return update_rank_in_step(layer) > 0
 
     def build_summary(self, layer: PagedLayer, keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
         return kernel_summary(layer, keys, valid)

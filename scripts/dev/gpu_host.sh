@@ -67,34 +67,34 @@ for part in $PARTS; do
           --batch "$batch" --labels r8i4,r4i4,r2i4 --reps 30 --out "$OUT/decode_attention_$ctx.json" ;;
     step)
       run decode_step_glm4-9b_compile-cuda 330 python3 scripts/bench_decode_step.py --graphs compile-cuda --shape glm4-9b \
-          --contexts 512K --arms r4i4,r8i4,full,no-attention --steps 20 --out "$OUT/decode_step_glm4-9b_compile-cuda.json" ;;
+          --contexts 512K --arms r4i4,r8i4,full,no-attention --steps 32 --out "$OUT/decode_step_glm4-9b_compile-cuda.json" ;;
     fusedstep)
       run decode_step_glm4-9b-fused_compile-cuda 330 python3 scripts/bench_decode_step.py --graphs compile-cuda \
-          --shape glm4-9b-fused --contexts 512K --arms r4i4,r8i4,full,no-attention --steps 20 \
+          --shape glm4-9b-fused --contexts 512K --arms r4i4,r8i4,full,no-attention --steps 32 \
           --out "$OUT/decode_step_glm4-9b-fused_compile-cuda.json" ;;
     gemvstep)
       run gemv_glm4-9b_fused 120 python3 scripts/dev/bench_gemv.py --shape glm4-9b --layout fused --out "$OUT/gemv_glm4-9b_fused.json"
       run decode_step_glm4-9b-fused_gemv 330 python3 scripts/bench_decode_step.py --graphs compile-cuda \
-          --shape glm4-9b-fused --contexts 512K --arms r4i4+gemv,r8i4+gemv,full+gemv --steps 20 \
+          --shape glm4-9b-fused --contexts 512K --arms r4i4+gemv,r8i4+gemv,full+gemv --steps 32 \
           --out "$OUT/decode_step_glm4-9b-fused_gemv.json" ;;
     llamagemv)
       run decode_step_llama3.1-8b_gemv 330 python3 scripts/bench_decode_step.py --graphs compile-cuda \
-          --shape llama3.1-8b --contexts 512K --arms r4i4+gemv,full+gemv --steps 20 \
+          --shape llama3.1-8b --contexts 512K --arms r4i4+gemv,full+gemv --steps 32 \
           --out "$OUT/decode_step_llama3.1-8b_gemv.json" ;;
     llamastep)
       run decode_step_llama3.1-8b_compile-cuda 330 python3 scripts/bench_decode_step.py --graphs compile-cuda \
-          --shape llama3.1-8b --contexts 512K --arms r4i4,r8i4,full --steps 20 \
+          --shape llama3.1-8b --contexts 512K --arms r4i4,r8i4,full --steps 32 \
           --out "$OUT/decode_step_llama3.1-8b_compile-cuda.json" ;;
     profile)
       run decode_step_glm4-9b_profile 200 python3 scripts/bench_decode_step.py --graphs compile-cuda --shape glm4-9b \
-          --contexts 512K --arms r4i4,no-attention --steps 20 --profile 2 --profile-top 0 \
+          --contexts 512K --arms r4i4,no-attention --steps 32 --profile 2 --profile-top 0 \
           --out "$OUT/decode_step_glm4-9b_profile.json" ;;
     select)
       run select_glm4-9b_512k 150 python3 scripts/dev/bench_select.py --kernels --configs glm4-9b:524384:1,glm4-9b:512K:1 \
           --sweep "" --out "$OUT/select_glm4-9b_512k.json" ;;
     glmhf)
       run decode_step_glm4-9b-hf_compile-cuda 330 python3 scripts/bench_decode_step.py --graphs compile-cuda \
-          --shape glm4-9b-hf --contexts 512K --arms r4i4,r8i4,full,no-attention --steps 20 --profile 2 --profile-top 0 \
+          --shape glm4-9b-hf --contexts 512K --arms r4i4,r8i4,full,no-attention --steps 32 --profile 2 --profile-top 0 \
           --out "$OUT/decode_step_glm4-9b-hf_compile-cuda.json" ;;
     host)
       run decode_step_glm4-9b_captured 200 python3 scripts/bench_decode_step.py --graphs captured --shape glm4-9b \
@@ -112,7 +112,7 @@ for part in $PARTS; do
           --out "$OUT/generate_128k_oneliner.json" ;;
     autotune)
       run decode_step_glm4-9b_autotune 400 python3 scripts/bench_decode_step.py --graphs compile-cuda --shape glm4-9b \
-          --contexts 512K --arms r4i4,full --steps 20 --inductor-options '{"max_autotune": true}' \
+          --contexts 512K --arms r4i4,full --steps 32 --inductor-options '{"max_autotune": true}' \
           --out "$OUT/decode_step_glm4-9b_autotune.json" ;;
     batch8)
       run throughput_glm4-9b_512k_batch8_kv4 330 python3 scripts/bench_throughput.py --shape glm4-9b --contexts 512K \
