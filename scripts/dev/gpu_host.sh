@@ -17,6 +17,8 @@
 #             than an H100's 80 GB);  ~5 min
 #   profile   the GLM-4-9B r4i4 step of `step` with every kernel listed (`--profile 2 --profile-top 0`): kernel time
 #             by group (the library's, inductor's, the matrix products) and the time between kernels;  ~2 min
+#   gemvprofile the gemvstep r4i4 step and the step less its attention, every kernel listed (`--profile 2
+#             --profile-top 0`): the GEMV, the library's kernels and inductor's glue, a layer;  ~2.5 min
 #   select    the selection alone at GLM-4-9B's shape, 32,774 pages (512K tokens plus a static cache's headroom: 17
 #             chunks) and 32,768: with and without the page mask, and with the merge in one tile against two
 #             (`bench_select.py --kernels`);  ~1.5 min
@@ -89,6 +91,10 @@ for part in $PARTS; do
       run decode_step_glm4-9b_profile 200 python3 scripts/bench_decode_step.py --graphs compile-cuda --shape glm4-9b \
           --contexts 512K --arms r4i4,no-attention --steps 32 --profile 2 --profile-top 0 \
           --out "$OUT/decode_step_glm4-9b_profile.json" ;;
+    gemvprofile)
+      run decode_step_glm4-9b-fused_gemv_profile 300 python3 scripts/bench_decode_step.py --graphs compile-cuda \
+          --shape glm4-9b-fused --contexts 512K --arms r4i4+gemv,no-attention+gemv --steps 32 --profile 2 --profile-top 0 \
+          --out "$OUT/decode_step_glm4-9b-fused_gemv_profile.json" ;;
     select)
       run select_glm4-9b_512k 150 python3 scripts/dev/bench_select.py --kernels --configs glm4-9b:524384:1,glm4-9b:512K:1 \
           --sweep "" --out "$OUT/select_glm4-9b_512k.json" ;;
@@ -132,6 +138,6 @@ for part in $PARTS; do
       run quant_attention_glm4-9b_512k_batch8_dense 240 python3 scripts/bench_kv_quant.py --shape glm4-9b --batch 8 \
           --contexts 512K --page-sizes 16 --bits 4 --warps 4,8 --tile-pages auto,1,2 --dense --reps 20 \
           --out "$OUT/quant_attention_glm4-9b_512k_batch8_dense.json" ;;
-    *) echo "gpu_host: unknown part '$part' (attn attn1m step fusedstep gemvstep llamagemv llamastep profile select glmhf host generate oneliner autotune batch8 short gemv trace quanttile)" >&2; exit 2 ;;
+    *) echo "gpu_host: unknown part '$part' (attn attn1m step fusedstep gemvstep llamagemv llamastep profile gemvprofile select glmhf host generate oneliner autotune batch8 short gemv trace quanttile)" >&2; exit 2 ;;
   esac
 done
