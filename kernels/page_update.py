@@ -189,6 +189,7 @@ def update_completed_pages(
     num_warps: int | None = None,
     n_complete: torch.Tensor | None = None,
     ring: int = 0,
+    sweeps: int | None = None,
 ) -> None:
     """Summarize, in place, each (row, KV head)'s page that the newest token completed.
 
@@ -202,7 +203,8 @@ def update_completed_pages(
     ``n_complete`` (int32 ``[b]``, optional): overwritten with each row's complete pages,
     ``max(length - row_start, 0) // B`` (so that a decode step needs no launch of its own for it).
     ``ring`` > 0: ``key_buf [b, h, ring, d]`` is a ring holding slot ``s`` at ``s % ring`` (a static
-    quantized layer's full-precision tail); the summaries keep the capacity's page axis.
+    quantized layer's full-precision tail); the summaries keep the capacity's page axis. ``sweeps``: the
+    eigensolver's Jacobi sweeps (``None``: `eigh.default_sweeps`, float32 round-off).
     """
     if method not in SUMMARY_NAMES:
         raise ValueError(f"update_completed_pages: unknown method {method!r}")
@@ -231,6 +233,8 @@ def update_completed_pages(
         )
     if method == "locks" and (basis_bits not in (2, 4, 8) or rank < 1):
         raise ValueError(f"update_completed_pages: basis_bits in (2, 4, 8) and rank >= 1, got {basis_bits}, {rank}")
+    if sweeps is not None and sweeps < 1:
+        raise ValueError(f"update_completed_pages: sweeps must be >= 1 (None: the default), got {sweeps}")
     if ring < 0 or ring & (ring - 1) or (ring and key_buf.shape[2] != ring):
         raise ValueError(f"update_completed_pages: ring must be 0 or the power-of-two slots of key_buf, got {ring}")
     if row_start.dtype != torch.int32 or length.dtype != torch.int32 or length.numel() != 1:
@@ -268,7 +272,7 @@ def update_completed_pages(
             R=rank if locks else 1,
             RP=RP,
             BITS=basis_bits if locks else 8,
-            SWEEPS=default_sweeps(B),
+            SWEEPS=default_sweeps(B) if sweeps is None else sweeps,
             QUEST=not locks,
             N_COMPLETE=n_complete is not None,
             RING=ring,

@@ -21,8 +21,9 @@ def _eigh(a):
     return w.cpu().double(), v.cpu().double()
 
 
-def _check(a, w, v, tol=1e-5):
-    """Eigenvalues (relative to the largest), ascending order, reconstruction and orthonormality."""
+def _check(a, w, v, tol=1e-5, rec_tol=None):
+    """Eigenvalues (relative to the largest), ascending order, reconstruction (``rec_tol``, default ``3 * tol``)
+    and orthogonality."""
     a = a.double()
     n = a.shape[-1]
     want = torch.linalg.eigh(a).eigenvalues
@@ -31,7 +32,7 @@ def _check(a, w, v, tol=1e-5):
     assert ((w - want).abs() / scale).max() < tol
     assert (w.diff(dim=-1) >= 0).all(), "eigenvalues must be ascending"
     rec = v @ torch.diag_embed(w) @ v.transpose(-1, -2)
-    assert ((rec - a).norm(dim=(-2, -1)) / a.norm(dim=(-2, -1)).clamp_min(1e-30)).max() < 3 * tol
+    assert ((rec - a).norm(dim=(-2, -1)) / a.norm(dim=(-2, -1)).clamp_min(1e-30)).max() < (rec_tol or 3 * tol)
     assert (v.transpose(-1, -2) @ v - torch.eye(n, dtype=torch.float64)).abs().max() < 3 * tol
 
 
@@ -95,6 +96,25 @@ def test_degenerate_spectra():
         ]
     )  # diagonal, descending
     _check(a, *_eigh(a))
+
+
+def test_semidefinite_spectra_to_round_off():
+    """Positive semi-definite spectra (as the page summaries' Gram matrices) to float32 round-off: a
+    reconstruction error under 1e-5, which 6 sweeps miss (1.6e-5 on the 8-fold pair, 1.0e-5 over seven
+    decades) and 7 or 8 reach (4.8e-6 at most)."""
+    g = torch.Generator().manual_seed(4)
+    evals = torch.tensor(
+        [
+            [1.0] * 8 + [2.0] * 8,
+            [1.0] * 6 + [2.0] * 5 + [2.0 + 1e-6] * 5,
+            [0.0] * 15 + [3.0],
+        ]
+    )
+    geometric = 10.0 ** -(7 * torch.rand(3, 16, generator=g))  # eigenvalues over seven decades
+    valid = torch.rand(4, 16, generator=g) > 0.3
+    valid[0] = True
+    a = torch.cat([_rotated(g, evals), _rotated(g, geometric), _gram(g, 4, 128, valid)])
+    _check(a, *_eigh(a), rec_tol=1e-5)
 
 
 @pytest.mark.parametrize("n", [2, 4, 8, 32])

@@ -230,6 +230,8 @@ def test_oracle_and_bad_arguments():
         kernels.update_completed_pages(
             "locks", *args, summary[:-1] + [summary[-1].transpose(0, 1)], page_size=16, rank=4, basis_bits=4
         )
+    with pytest.raises(ValueError, match="sweeps"):
+        kernels.update_completed_pages("locks", *args, summary, page_size=16, rank=4, basis_bits=4, sweeps=0)
 
 
 @pytest.mark.parametrize("method", SUMMARY_METHODS)

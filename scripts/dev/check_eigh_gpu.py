@@ -1,4 +1,5 @@
-"""GPU check of kernels/eigh.py: accuracy vs float64, timing at the 128K Llama/GLM shapes, CUDA graph capture.
+"""GPU check of kernels/eigh.py: accuracy vs float64, timing at the 128K Llama/GLM shapes, CUDA graph capture, and
+the decode step's page update at a step that completes a page (batch 1, both shapes) by Jacobi sweeps.
 
 Run from the repository root on a CUDA machine: ``python3 scripts/dev/check_eigh_gpu.py`` (loads kernels/ directly).
 """
@@ -15,6 +16,7 @@ lk.__path__ = ["kernels"]
 sys.modules["lk"] = lk
 E = importlib.import_module("lk.eigh")
 Bd = importlib.import_module("lk.build")
+PU = importlib.import_module("lk.page_update")
 dev = "cuda"
 torch.manual_seed(0)
 print(torch.__version__, importlib.import_module("triton").__version__, torch.cuda.get_device_name())
@@ -120,3 +122,45 @@ g.replay()
 torch.cuda.synchronize()
 print("graph capture OK; replay == eager:", all(torch.equal(out[k], eager[k]) for k in eager))
 print(f"decode page build (32 pages) graph replay: {bench(g.replay, 20) * 1e3:.1f} us")
+
+
+# the decode step's page update at a step where every row completes a page: batch 1, 512K, by sweeps
+for model, h in (("glm", 2), ("llama", 8)):
+    cap, B, d = 524288 + 2048, 16, 128
+    key_buf = torch.randn(1, h, cap, d, device=dev, dtype=torch.bfloat16)
+    slot_valid = torch.ones(1, cap, device=dev, dtype=torch.bool)
+    row_start = torch.zeros(1, device=dev, dtype=torch.int32)
+    n_complete = torch.zeros(1, device=dev, dtype=torch.int32)
+    for r in (4, 8):
+        summary = [
+            torch.zeros(shape, dtype=dt, device=dev)
+            for shape, dt in Bd.summary_shapes((1, h, cap // B), B, d, r, 4).values()
+        ]
+        for tokens, what in ((524288, "completing"), (524289, "not completing")):
+            length = torch.tensor([tokens], device=dev, dtype=torch.int32)
+            row = []
+            for sweeps in (5, 6, 7, 8) if what == "completing" else (6,):
+
+                def step(sweeps=sweeps):
+                    PU.update_completed_pages(
+                        "locks",
+                        key_buf,
+                        slot_valid,
+                        row_start,
+                        length,
+                        summary,
+                        page_size=B,
+                        rank=r,
+                        basis_bits=4,
+                        n_complete=n_complete,
+                        sweeps=sweeps,
+                    )
+
+                g = torch.cuda.CUDAGraph()
+                step()
+                torch.cuda.synchronize()
+                with torch.cuda.graph(g):
+                    for _ in range(20):
+                        step()
+                row.append(f"sweeps={sweeps} {bench(g.replay, 10) * 1e3 / 20:.1f} us")
+            print(f"{model} r{r}i4 page update, {what} step, batch 1: " + ", ".join(row))
