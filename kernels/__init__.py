@@ -6,7 +6,8 @@
 * `sparse_attention` split-K flash-decoding over the selected pages;
 * `quantized_attention` the same over KIVI-packed K/V, dequantized in registers (``attend_quant``);
 * `build_summary` batched GPU summary build (Gram matrix eigendecomposition + one quantize pass);
-* `update_completed_pages` a decode step's in-place summary of each row's just-completed page (one launch);
+* `update_completed_pages` a decode step's in-place summary of each row's just-completed page (one launch;
+  `update_completed_pages_of_layers` the same for several layers in one launch);
 * ``gemv.gemv`` a one-token projection (``x W^T + b`` for one row) that streams its weights (`locks_hf.gemv_projections`);
 * `compile_only` a block in which the launches compile their kernels and run nothing;
   `join_before_decode` has the next decode-time op join such a compile running in another thread;
@@ -69,7 +70,7 @@ else:
         from .attend_quant import implements_quantized, quantized_attention
         from .build import build_summary, fit_pages_eigh, quantize_summary
         from .decode import decode_step, implements
-        from .page_update import update_completed_pages
+        from .page_update import update_completed_pages, update_completed_pages_of_layers
         from .rerank import rerank_pages
         from .score import SUMMARY_NAMES, score_pages
         from .select import select_pages
@@ -93,4 +94,5 @@ __all__ = [
     "select_pages",
     "sparse_attention",
     "update_completed_pages",
+    "update_completed_pages_of_layers",
 ]

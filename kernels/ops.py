@@ -4,7 +4,7 @@ Dynamo cannot see inside a Triton launcher that picks tiles on the host; as cust
 (shape-only) implementations, a decode step with the kernels traces into one graph and CUDA graphs
 capture the launches. The ops: the decode step (score -> select -> attend) over bf16 K/V and over
 KIVI-packed K/V, the attention over packed K/V alone, the summary build, the in-place summary of the
-pages a decode step completes (`page_update`), a static quantized layer's per-step KIVI schedule
+pages a decode step completes (`page_update`, for one layer or several in one launch), a static quantized layer's per-step KIVI schedule
 (`kivi`) and the one-token projection (`gemv`). The decode-time ops first join a background compile of their kernels
 (`_common.join_before_decode`).
 """
@@ -17,7 +17,7 @@ from ._common import join_pending_compiles, on_device
 from .build import build_summary, summary_shapes
 from .decode import decode_step, quantized_decode_step
 from .gemv import gemv
-from .page_update import update_completed_pages
+from .page_update import update_completed_pages, update_completed_pages_of_layers
 from .score import SUMMARY_NAMES
 from .select import page_list_width
 
@@ -181,6 +181,45 @@ def update_completed_pages_op(
 
 @update_completed_pages_op.register_fake
 def _(method, key_buf, slot_valid, row_start, length, summary, page_size, rank, basis_bits, n_complete, ring=0):
+    return None
+
+
+@torch.library.custom_op("locks_hf::update_pages_of_layers", mutates_args=("summaries", "n_complete"))
+def update_pages_of_layers_op(
+    method: str,
+    key_bufs: list[torch.Tensor],
+    slot_valid: list[torch.Tensor],
+    row_start: list[torch.Tensor],
+    length: list[torch.Tensor],
+    summaries: list[torch.Tensor],
+    page_size: int,
+    rank: int,
+    basis_bits: int,
+    n_complete: list[torch.Tensor],
+) -> None:
+    """`page_update.update_completed_pages_of_layers`: the per-step page update of ``len(key_bufs)`` layers in
+    one launch. ``summaries`` holds layer 0's ``SUMMARY_NAMES[method]`` tensors, then layer 1's, ...
+    (flat: an op takes no nested lists); ``n_complete`` one tensor a layer, each overwritten."""
+    per = len(SUMMARY_NAMES.get(method, ()))
+    grouped = [summaries[i * per : (i + 1) * per] for i in range(len(key_bufs))]
+    _launched(
+        key_bufs[0].device if key_bufs else torch.device("cpu"),
+        update_completed_pages_of_layers,
+        method,
+        key_bufs,
+        slot_valid,
+        row_start,
+        length,
+        grouped,
+        page_size=page_size,
+        rank=rank,
+        basis_bits=basis_bits,
+        n_complete=n_complete,
+    )
+
+
+@update_pages_of_layers_op.register_fake
+def _(method, key_bufs, slot_valid, row_start, length, summaries, page_size, rank, basis_bits, n_complete):
     return None
 
 

@@ -47,24 +47,36 @@ def _pad_rows(x, NP: tl.constexpr):
 
 
 @triton.jit
+def _of_layer(ptrs, layer, LAYERS: tl.constexpr):
+    """``ptrs[layer]`` for a tuple of ``LAYERS`` pointers and a layer index known only at run time."""
+    p = ptrs[0]
+    for j in tl.static_range(1, LAYERS):
+        if layer == j:
+            p = ptrs[j]
+    return p
+
+
+@triton.jit
 def _page_update_kernel(
-    k_ptr,
+    k_ptrs,
     k_sb,
     k_sh,
     k_st,
-    valid_ptr,
+    valid_ptrs,
     valid_sb,
-    row_start_ptr,
-    len_ptr,
+    row_start_ptrs,
+    len_ptrs,
+    BH,
     H,
     P,
-    s0,
-    s1,
-    s2,
-    s3,
-    s4,
-    s5,
-    n_complete_ptr,
+    s0s,
+    s1s,
+    s2s,
+    s3s,
+    s4s,
+    s5s,
+    n_complete_ptrs,
+    LAYERS: tl.constexpr,
     D: tl.constexpr,
     B: tl.constexpr,
     BP: tl.constexpr,
@@ -76,12 +88,25 @@ def _page_update_kernel(
     N_COMPLETE: tl.constexpr,
     RING: tl.constexpr,
 ):
-    """Program ``(row, head)``: summary of the row's just-completed page into ``s0..s5`` (the buffers
-    of ``SUMMARY_NAMES``, contiguous ``[b, H, P, ...]``), nothing when no page has just completed;
+    """Program ``(layer, row, head)``: summary of the row's just-completed page into ``s0..s5`` (the buffers
+    of ``SUMMARY_NAMES``, contiguous ``[b, H, P, ...]``), nothing when no page has just completed; each
+    pointer argument but the strides is a tuple of ``LAYERS`` (one a layer: same shapes and strides);
     with ``N_COMPLETE`` head 0 also writes the row's complete pages (what the scoring reads next). With
     ``RING`` the keys are a ring of that many slots (slot ``s`` at ``s % RING``: a static quantized
     layer's full-precision tail, which holds every slot of a page until it is summarized)."""
-    prog = tl.program_id(0)
+    layer = tl.program_id(0) // BH
+    prog = tl.program_id(0) % BH
+    k_ptr = _of_layer(k_ptrs, layer, LAYERS)
+    valid_ptr = _of_layer(valid_ptrs, layer, LAYERS)
+    row_start_ptr = _of_layer(row_start_ptrs, layer, LAYERS)
+    len_ptr = _of_layer(len_ptrs, layer, LAYERS)
+    n_complete_ptr = _of_layer(n_complete_ptrs, layer, LAYERS)
+    s0 = _of_layer(s0s, layer, LAYERS)
+    s1 = _of_layer(s1s, layer, LAYERS)
+    s2 = _of_layer(s2s, layer, LAYERS)
+    s3 = _of_layer(s3s, layer, LAYERS)
+    s4 = _of_layer(s4s, layer, LAYERS)
+    s5 = _of_layer(s5s, layer, LAYERS)
     bb = (prog // H).to(tl.int64)
     hh = prog % H
     length = tl.load(len_ptr)
@@ -206,8 +231,55 @@ def update_completed_pages(
     quantized layer's full-precision tail); the summaries keep the capacity's page axis. ``sweeps``: the
     eigensolver's Jacobi sweeps (``None``: `eigh.default_sweeps`, float32 round-off).
     """
+    update_completed_pages_of_layers(
+        method,
+        [key_buf],
+        [slot_valid],
+        [row_start],
+        [length],
+        [summary],
+        page_size=page_size,
+        rank=rank,
+        basis_bits=basis_bits,
+        num_warps=num_warps,
+        n_complete=None if n_complete is None else [n_complete],
+        ring=ring,
+        sweeps=sweeps,
+    )
+
+
+def update_completed_pages_of_layers(
+    method: str,
+    key_bufs: list[torch.Tensor],
+    slot_valid: list[torch.Tensor],
+    row_start: list[torch.Tensor],
+    length: list[torch.Tensor],
+    summaries: list[list[torch.Tensor]],
+    *,
+    page_size: int,
+    rank: int,
+    basis_bits: int,
+    num_warps: int | None = None,
+    n_complete: list[torch.Tensor] | None = None,
+    ring: int = 0,
+    sweeps: int | None = None,
+) -> None:
+    """`update_completed_pages` of several layers in one launch: entry ``i`` of each list is layer ``i``'s
+    argument there. The layers share one device, shapes, dtypes and strides (a static cache's layers
+    do), each with its own buffers and lengths; ``n_complete`` is ``None`` or one tensor a layer."""
     if method not in SUMMARY_NAMES:
         raise ValueError(f"update_completed_pages: unknown method {method!r}")
+    layers = len(key_bufs)
+    given: dict[str, list] = {
+        "slot_valid": slot_valid,
+        "row_start": row_start,
+        "length": length,
+        "summaries": summaries,
+        **({} if n_complete is None else {"n_complete": n_complete}),
+    }
+    for name, items in given.items():
+        if len(items) != layers:
+            raise ValueError(f"update_completed_pages: {layers} key buffers but {len(items)} {name} (one a layer)")
     if not SUMMARY_NAMES[method]:
         if n_complete is not None:
             raise ValueError(
@@ -215,6 +287,101 @@ def update_completed_pages(
                 "cannot write n_complete"
             )
         return
+    if layers == 0:
+        return
+    key_buf = key_bufs[0]
+    for i in range(layers):
+        _check_layer(
+            method,
+            key_bufs[i],
+            slot_valid[i],
+            row_start[i],
+            length[i],
+            summaries[i],
+            None if n_complete is None else n_complete[i],
+            page_size=page_size,
+            rank=rank,
+            basis_bits=basis_bits,
+            ring=ring,
+            sweeps=sweeps,
+        )
+        same = (
+            key_bufs[i].shape == key_buf.shape
+            and key_bufs[i].stride() == key_buf.stride()
+            and key_bufs[i].dtype == key_buf.dtype
+            and key_bufs[i].device == key_buf.device
+            and slot_valid[i].shape == slot_valid[0].shape
+            and slot_valid[i].stride() == slot_valid[0].stride()
+            and slot_valid[i].device == key_buf.device
+            and [t.shape for t in summaries[i]] == [t.shape for t in summaries[0]]
+        )
+        if not same:
+            raise ValueError(
+                f"update_completed_pages: layer {i}'s keys, valid flags or summary differ from layer 0's in "
+                f"shape, strides, dtype or device ({key_bufs[i].dtype} {tuple(key_bufs[i].shape)} on "
+                f"{key_bufs[i].device} against {key_buf.dtype} {tuple(key_buf.shape)} on {key_buf.device}): "
+                "one launch serves layers of one layout"
+            )
+    b, h, _, d = key_buf.shape
+    summary = summaries[0]
+    P = summary[0].shape[2] if summary and summary[0].dim() > 2 else 0
+    if b * h == 0 or P == 0:
+        return
+    valid = [t.view(torch.uint8) if t.dtype == torch.bool else t for t in slot_valid]
+    names = len(summary)
+    ptrs = [tuple(s[j] if j < names else s[0] for s in summaries) for j in range(6)]
+    locks = method == "locks"
+    RP = max(16, next_pow2(rank)) if locks else 16
+    if num_warps is None:
+        num_warps = default_warps(page_size, RP, d)
+    with on_device(key_buf.device):
+        launch(
+            _page_update_kernel,
+            (layers * b * h,),
+            tuple(key_bufs),
+            key_buf.stride(0),
+            key_buf.stride(1),
+            key_buf.stride(2),
+            tuple(valid),
+            valid[0].stride(0),
+            tuple(row_start),
+            tuple(length),
+            b * h,
+            h,
+            P,
+            *ptrs,
+            tuple(row_start if n_complete is None else n_complete),
+            LAYERS=layers,
+            D=d,
+            B=page_size,
+            BP=max(16, page_size),
+            R=rank if locks else 1,
+            RP=RP,
+            BITS=basis_bits if locks else 8,
+            SWEEPS=default_sweeps(page_size) if sweeps is None else sweeps,
+            QUEST=not locks,
+            N_COMPLETE=n_complete is not None,
+            RING=ring,
+            num_warps=num_warps,
+        )
+
+
+def _check_layer(
+    method: str,
+    key_buf: torch.Tensor,
+    slot_valid: torch.Tensor,
+    row_start: torch.Tensor,
+    length: torch.Tensor,
+    summary: list[torch.Tensor],
+    n_complete: torch.Tensor | None,
+    *,
+    page_size: int,
+    rank: int,
+    basis_bits: int,
+    ring: int,
+    sweeps: int | None,
+) -> None:
+    """One layer's arguments of `update_completed_pages`, refused with what to change."""
     b, h, _, d = key_buf.shape
     if n_complete is not None and (
         n_complete.dtype != torch.int32 or n_complete.numel() != b or not n_complete.is_contiguous()
@@ -241,40 +408,3 @@ def update_completed_pages(
         raise ValueError("update_completed_pages: row_start int32 [b] and length int32 [1] tensors")
     P = summary[0].shape[2] if summary and summary[0].dim() > 2 else 0
     _check_summary(method, summary, (b, h, P), key_buf, B, rank, basis_bits)
-    if b * h == 0 or P == 0:
-        return
-    if slot_valid.dtype == torch.bool:
-        slot_valid = slot_valid.view(torch.uint8)
-    ptrs = list(summary) + [summary[0]] * (6 - len(summary))
-    locks = method == "locks"
-    RP = max(16, next_pow2(rank)) if locks else 16
-    if num_warps is None:
-        num_warps = default_warps(B, RP, d)
-    with on_device(key_buf.device):
-        launch(
-            _page_update_kernel,
-            (b * h,),
-            key_buf,
-            key_buf.stride(0),
-            key_buf.stride(1),
-            key_buf.stride(2),
-            slot_valid,
-            slot_valid.stride(0),
-            row_start,
-            length,
-            h,
-            P,
-            *ptrs,
-            row_start if n_complete is None else n_complete,
-            D=d,
-            B=B,
-            BP=max(16, B),
-            R=rank if locks else 1,
-            RP=RP,
-            BITS=basis_bits if locks else 8,
-            SWEEPS=default_sweeps(B) if sweeps is None else sweeps,
-            QUEST=not locks,
-            N_COMPLETE=n_complete is not None,
-            RING=ring,
-            num_warps=num_warps,
-        )

@@ -36,6 +36,7 @@ from .layout import (
     reallocate_hf_layer,
 )
 from .models_support import check_head_dim, check_model_supported
+from .page_updates import grouping_enabled
 from .paged import PagedLayer
 from .precompile import DecodePrecompile, precompile_applies
 
@@ -188,7 +189,9 @@ class LocksCache(LocksCacheMixin, DynamicCache):
             return
         self._precompile_started = True
         if precompile_applies(layer):
-            self._precompile = DecodePrecompile(layer, self._query_heads)
+            # the page updates as `plan_page_updates` will group them: the Locks layers, on one device
+            layers = sum(isinstance(other, PagedLayer) for other in self.layers) if grouping_enabled() else 1
+            self._precompile = DecodePrecompile(layer, self._query_heads, layers)
 
     def _wait_precompile(self) -> None:
         """Before the buffers change or are copied: the background compile is done (the decode step joins it
@@ -284,4 +287,5 @@ class LocksCache(LocksCacheMixin, DynamicCache):
         else:
             clone.layers = [copied_layer(layer, locks, None) for layer in self.layers]
         clone.reset_stats()
+        clone.plan_page_updates()  # its own layers, perhaps of other settings or layout
         return clone

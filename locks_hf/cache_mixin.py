@@ -16,6 +16,7 @@ from .concurrency import UseGuard
 from .errors import UnsupportedModelError
 from .handoff import check_handoff_taken, hand_over
 from .models_support import REFUSED_GENERATION, cache_model_mismatch, head_dim_of
+from .page_updates import launch_page_updates, plan_page_updates
 from .paged import PagedLayer
 
 if TYPE_CHECKING:
@@ -37,6 +38,9 @@ class LocksCacheMixin(CacheStatistics, _CacheBase):
     model_shape: tuple[int, int, int] | None = None
     #: Index of the last layer a forward updates (``None``: not known, a cache built without a config).
     _last_kv_layer: int | None = None
+    #: The layers whose page updates share a launch: the index of each group's last layer -> the group's
+    #: indices (`locks_hf.page_updates`; set by `plan_page_updates`, read-only: a fork shares it).
+    page_update_plan: dict[int, tuple[int, ...]] = {}  # noqa: RUF012
 
     @property
     def use_guard(self) -> UseGuard:
@@ -54,8 +58,7 @@ class LocksCacheMixin(CacheStatistics, _CacheBase):
             raise ValueError(EMPTY_INPUT)
         layers = self.layers
         if not is_torchdynamo_compiling():  # a compiled step replays without Python: checked when eager
-            last = self._last_kv_layer if self._last_kv_layer is not None else len(layers) - 1
-            self.use_guard.enter(layer_idx, last)
+            self.use_guard.enter(layer_idx, self._last_layer_index())
         if self.model_shape is not None:
             n, h, d = self.model_shape
             paged = layer_idx < len(layers) and isinstance(layers[layer_idx], PagedLayer)
@@ -63,8 +66,22 @@ class LocksCacheMixin(CacheStatistics, _CacheBase):
             if problem:
                 raise UnsupportedModelError(problem)
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if key_states.shape[2] == 1:
+            members = self.page_update_plan.get(layer_idx)
+            if members:  # the page updates of the layers of its group, before this layer's attention
+                launch_page_updates(self.layers, members)
+        elif not is_torchdynamo_compiling() and layer_idx == self._last_layer_index():
+            self.plan_page_updates()  # a prefill has allocated or written every layer
         hand_over(layer_idx, self.layers[layer_idx], key_states.shape[2])
         return keys, values
+
+    def _last_layer_index(self) -> int:
+        return self._last_kv_layer if self._last_kv_layer is not None else len(self.layers) - 1
+
+    def plan_page_updates(self) -> None:
+        """Which layers' per-step page updates share one launch (`locks_hf.page_updates`), planned again from
+        the layers as they are: after a prefill, a fork, a change of settings."""
+        self.page_update_plan = plan_page_updates(self.layers)
 
     def remember_model_shape(self, text_config: PretrainedConfig) -> None:
         """Record the layer count, KV heads and head dim of the model ``text_config`` describes, so that

@@ -73,6 +73,10 @@ class PagedLayer(ABC):
     keys: torch.Tensor | None
     is_initialized: bool
 
+    #: Set by the cache (`locks_hf.page_updates`): the per-step page summary of this layer is written by one
+    #: launch for several layers, at the last of them, so neither its decode step nor its `prepare` writes it.
+    page_update_deferred: bool = False
+
     #: Set by ``Cache.activate_past_recording`` (assisted / prompt-lookup decoding): a multi-token
     #: forward is then a verification of drafted tokens, which Locks refuses (see `attention`).
     recording_past: bool = False

@@ -98,11 +98,14 @@ class BackgroundCompile:
 
 
 class DecodePrecompile(BackgroundCompile):
-    """`BackgroundCompile` of the kernels of ``layer``'s decode step (queries of ``query_heads`` heads)."""
+    """`BackgroundCompile` of the kernels of ``layer``'s decode step (queries of ``query_heads`` heads), its
+    page update as one launch for ``layers`` layers like it (`locks_hf.page_updates`) where ``layers`` > 1."""
 
-    def __init__(self, layer: PagedLayer, query_heads: int) -> None:
+    def __init__(self, layer: PagedLayer, query_heads: int, layers: int = 1) -> None:
         from .backends.triton import compile_decode_kernels
 
         super().__init__(
-            lambda: compile_decode_kernels(layer, query_heads), "LocksCache", "the decode kernels during the prefill"
+            lambda: compile_decode_kernels(layer, query_heads, layers),
+            "LocksCache",
+            "the decode kernels during the prefill",
         )

@@ -73,6 +73,7 @@ class LocksStaticCache(LocksCache):
         self.locks_config = locks
         for layer in self.locks_layers:
             layer.set_config(locks)
+        self.plan_page_updates()
 
     def row_stats(self) -> torch.Tensor:
         """``int64 [b, 2]``: per row, tokens attended and real tokens cached, summed over the Locks layers

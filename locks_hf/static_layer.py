@@ -262,7 +262,7 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
     def prepare(self, attention_mask: torch.Tensor | None, query_len: int) -> None:
         """Before attention: on prefill read padding and summarize every page; on decode summarize
         the page this step completed (the backend's `update_newest_page`, or its decode step where the
-        backend `summarizes_in_step`)."""
+        backend `summarizes_in_step`, or the cache's launch for several layers, ``page_update_deferred``)."""
         if query_len > 1:
             self._prefill(attention_mask, query_len)
             return
@@ -274,8 +274,8 @@ class LocksStaticLayer(StaticLayer, PagedLayer):
             if self.selector is None:
                 self.row_counts[:, 0] += context
         # the page this step completed (the kernels also write the complete-page counts), unless the decode
-        # step writes it beside its page choice
-        if self.summary and not self.backend.summarizes_in_step(self):
+        # step writes it beside its page choice or the cache's one launch for several layers does
+        if self.summary and not self.page_update_deferred and not self.backend.summarizes_in_step(self):
             self.backend.update_newest_page(self)
 
     def attends_densely(self, query_len: int) -> bool:

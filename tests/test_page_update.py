@@ -316,3 +316,70 @@ def test_a_decode_step_writes_the_page_update_in_any_order(method):
     # the pages really were chosen: the last step left pages of every row out
     written = torch.tensor([(stop - 2 - s) // B + 1 for s in (0, 5)], device=DEV).repeat_interleave(c.h)
     assert ((want[1] >= 0).sum(-1) < written).all()
+
+
+@pytest.mark.parametrize("method,B,rank,bits", [("locks", 16, 4, 4), ("locks", 8, 8, 2), ("quest", 16, 0, 0)])
+def test_one_launch_for_several_layers_is_one_a_layer(method, B, rank, bits):
+    """`update_completed_pages_of_layers` (and its custom op) writes each layer's summaries and complete-page
+    counts exactly as that layer's own `update_completed_pages` does, over layers of other keys, padding and
+    lengths: one whose rows both complete a page, one where only a row does, one where none does."""
+    layers = [Paged(11 + i, B, method, rank, bits, row_start=rs) for i, rs in enumerate([(5, 5), (5, 0), (5, 3)])]
+    lengths = [2 * B + 5, 3 * B, 2 * B + 4]
+    assert [len(c.completed(n)) for c, n in zip(layers, lengths)] == [2, 1, 0]
+    at = [torch.tensor([n], dtype=torch.int32, device=DEV) for n in lengths]
+
+    def fresh():
+        return [[t.clone().to(DEV) for t in c.sentinel] for c in layers], [
+            torch.full((2,), -7, dtype=torch.int32, device=DEV) for _ in layers
+        ]
+
+    args = [[c.keys.to(DEV) for c in layers], [c.slot_valid.to(DEV) for c in layers]]
+    args.append([c.row_start.to(DEV) for c in layers])
+    want, want_n = fresh()
+    for i in range(len(layers)):
+        kernels.update_completed_pages(
+            method, *(a[i] for a in args), at[i], want[i], page_size=B, rank=rank, basis_bits=bits, n_complete=want_n[i]
+        )
+    got, got_n = fresh()
+    kernels.update_completed_pages_of_layers(
+        method, *args, at, got, page_size=B, rank=rank, basis_bits=bits, n_complete=got_n
+    )
+    flat, op_n = fresh()
+    torch.ops.locks_hf.update_pages_of_layers(method, *args, at, [t for s in flat for t in s], B, rank, bits, op_n)
+    for i, c in enumerate(layers):
+        assert torch.equal(want_n[i].cpu(), (torch.tensor(lengths[i]) - c.row_start).clamp_min(0) // B)
+        assert torch.equal(got_n[i], want_n[i]) and torch.equal(op_n[i], want_n[i])
+        changed = False
+        for name, w, g, o, s in zip(SUMMARY_NAMES[method], want[i], got[i], flat[i], c.sentinel):
+            assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), (i, name)
+            assert torch.equal(o.view(torch.uint8), w.view(torch.uint8)), (i, name)
+            changed |= not torch.equal(w.cpu().view(torch.uint8), s.view(torch.uint8))
+        assert changed == bool(c.completed(lengths[i])), i  # the launch wrote what completed, only that
+
+
+def test_one_launch_for_several_layers_refuses_layers_of_other_layouts():
+    a, b = Paged(1, 16, "locks"), Paged(2, 16, "locks", row_start=(0, 9))  # b holds more slots
+    at = torch.tensor([40], dtype=torch.int32, device=DEV)
+
+    def call(layers, **kw):
+        summaries = [[t.clone().to(DEV) for t in c.sentinel] for c in layers]
+        kernels.update_completed_pages_of_layers(
+            "locks",
+            [c.keys.to(DEV) for c in layers],
+            [c.slot_valid.to(DEV) for c in layers],
+            [c.row_start.to(DEV) for c in layers],
+            kw.pop("length", [at] * len(layers)),
+            summaries,
+            page_size=16,
+            rank=4,
+            basis_bits=4,
+            **kw,
+        )
+
+    with pytest.raises(ValueError, match="layer 1's keys.*one launch serves layers of one layout"):
+        call([a, b])
+    with pytest.raises(ValueError, match="2 key buffers but 1 length"):
+        call([a, a], length=[at])
+    with pytest.raises(ValueError, match="n_complete"):
+        call([a, a], n_complete=[torch.zeros(2, dtype=torch.int32, device=DEV), torch.zeros(2, device=DEV)])
+    call([])  # no layer: nothing to launch

@@ -8,6 +8,7 @@ backend reads and writes the layer only through `PagedLayer`'s public accessors.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -46,6 +47,16 @@ class DecodeBackend(ABC):
         """Whether `decode` writes ``layer``'s per-step page summary itself (what `update_newest_page`
         writes, beside the step's own work), so that the layer's `prepare` leaves it to the step."""
         return False
+
+    def page_update_key(self, layer: PagedLayer) -> Hashable | None:
+        """What lets ``layer``'s per-step page summary join other layers' in one launch
+        (`update_pages_of_layers`): layers of equal keys may share it; ``None``, the default: its own."""
+        return None
+
+    def update_pages_of_layers(self, layers: list[PagedLayer]) -> None:
+        """The per-step page summaries of ``layers`` (of one `page_update_key`) in one launch: what
+        `update_newest_page` writes for each."""
+        raise TypeError(f"the {self.name} backend updates each layer's pages in its own step")
 
     @abstractmethod
     def build_summary(self, layer: PagedLayer, keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:

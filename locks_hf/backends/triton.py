@@ -22,11 +22,12 @@ if TYPE_CHECKING:
     from ..paged import PagedLayer
 
 
-def kernel_decode(layer: PagedLayer, query: torch.Tensor, scale: float) -> torch.Tensor:
+def kernel_decode(layer: PagedLayer, query: torch.Tensor, scale: float, update_rank: int | None = None) -> torch.Tensor:
     """Kernel twin of `reference.reference_decode`: ``query [b, Hq, 1, d]`` -> ``[b, 1, Hq, d]``.
 
     A layer whose `PagedLayer.step_tensors` hands over its bookkeeping buffers (the static layer) has
     the launch keep its statistics and selected-page mask too; otherwise the glue records them.
+    ``update_rank``: the step's own page update (`update_rank_in_step` where ``None``).
     """
     plan, io, cfg = layer_plan(layer), layer.step_tensors(), layer.config
     out, pages = torch.ops.locks_hf.decode_step(
@@ -52,7 +53,7 @@ def kernel_decode(layer: PagedLayer, query: torch.Tensor, scale: float) -> torch
         pad=io["pad"],
         selection=None if plan.dense else io["selection"],
         tickets=plan.tickets(io),
-        update_rank=update_rank_in_step(layer),
+        update_rank=update_rank_in_step(layer) if update_rank is None else update_rank,
     )
     return recorded(layer, io, out, pages)
 
@@ -60,8 +61,55 @@ def kernel_decode(layer: PagedLayer, query: torch.Tensor, scale: float) -> torch
 def update_rank_in_step(layer: PagedLayer) -> int:
     """The rank at which a kernel decode step of ``layer`` writes its per-step page summary itself
     (`kernels.decode.summarize_newest_page`: the layer's decode is then one custom op a step): a static
-    layer whose selector keeps summaries; 0, none, for any other layer."""
+    layer whose selector keeps summaries, unless its cache launches it with other layers'
+    (``page_update_deferred``, `locks_hf.page_updates`); 0, none, for any other layer."""
+    if layer.page_update_deferred:
+        return 0
     return layer.config.rank if layer.static_layout and layer_plan(layer).summary_names else 0
+
+
+def page_update_key(layer: PagedLayer) -> tuple | None:
+    """What one launch of several layers' page updates needs equal among them (`TritonBackend.page_update_key`):
+    device, scoring mode, page size, rank and bits, and the buffers' shapes, strides and dtypes; ``None``
+    for a layer whose update stays its own (not static, keeps no summary, quantized K/V, not allocated)."""
+    plan = layer_plan(layer)
+    keys = layer.key_buffer()
+    if not (layer.static_layout and plan.summary_names) or keys is None or layer.packed_kv() is not None:
+        return None
+    io, cfg = layer.step_tensors(), layer.config
+    valid = io["slot_valid"]
+    summary = tuple((tuple(t.shape), t.dtype) for t in plan.summary_list(io["summary"]))
+    return (
+        keys.device,
+        plan.method,
+        cfg.page_size,
+        cfg.rank,
+        cfg.basis_bits,
+        keys.dtype,
+        tuple(keys.shape),
+        keys.stride(),
+        tuple(valid.shape),
+        valid.stride(),
+        summary,
+    )
+
+
+def kernel_update_pages_of_layers(layers: list[PagedLayer]) -> None:
+    """`kernel_update_newest_page` of each of ``layers`` (of one `page_update_key`) in one launch."""
+    plan, cfg = layer_plan(layers[0]), layers[0].config
+    ios = [layer.step_tensors() for layer in layers]
+    torch.ops.locks_hf.update_pages_of_layers(
+        plan.method,
+        [io["keys"] for io in ios],
+        [io["slot_valid"] for io in ios],
+        [io["row_start"] for io in ios],
+        [io["length"] for io in ios],
+        [t for io in ios for t in plan.summary_list(io["summary"])],
+        cfg.page_size,
+        cfg.rank,
+        cfg.basis_bits,
+        [io["n_complete"] for io in ios],
+    )
 
 
 def recorded(layer: PagedLayer, io: dict, out: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
@@ -141,18 +189,22 @@ def kernel_update_newest_page(layer: PagedLayer) -> None:
     )
 
 
-def compile_decode_kernels(layer: PagedLayer, query_heads: int) -> None:
+def compile_decode_kernels(layer: PagedLayer, query_heads: int, layers: int = 1) -> None:
     """Compile, without running them, the kernels of ``layer``'s decode step for queries of ``query_heads``
     heads: its page update and its step, through the same glue and custom ops as a real step, under
-    `kernels.compile_only` (every launch compiles and runs nothing; no buffer is written). What
-    `locks_hf.precompile` runs while the prefill goes on."""
+    `kernels.compile_only` (every launch compiles and runs nothing; no buffer is written). ``layers`` > 1:
+    the page update is the one launch for that many layers like it (`locks_hf.page_updates`), and the step
+    leaves it out. What `locks_hf.precompile` runs while the prefill goes on."""
     keys = layer.key_buffer()
     assert keys is not None  # asked of an initialized layer only
     query = keys.new_empty((keys.shape[0], query_heads, 1, keys.shape[-1]))
+    grouped = layers > 1 and page_update_key(layer) is not None
     with kernels().compile_only():  # each op makes its tensors' device current
-        if layer.summary and not update_rank_in_step(layer):  # as `LocksStaticLayer.prepare`
+        if grouped:
+            kernel_update_pages_of_layers([layer] * layers)
+        elif layer.summary and not update_rank_in_step(layer):  # as `LocksStaticLayer.prepare`
             kernel_update_newest_page(layer)
-        kernel_decode(layer, query, keys.shape[-1] ** -0.5)
+        kernel_decode(layer, query, keys.shape[-1] ** -0.5, update_rank=0 if grouped else None)
 
 
 def kernel_summary(layer: PagedLayer, keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -184,6 +236,12 @@ class TritonBackend(DecodeBackend):
 
     def summarizes_in_step(self, layer: PagedLayer) -> bool:
         return update_rank_in_step(layer) > 0
+
+    def page_update_key(self, layer: PagedLayer) -> tuple | None:
+        return page_update_key(layer)
+
+    def update_pages_of_layers(self, layers: list[PagedLayer]) -> None:
+        kernel_update_pages_of_layers(layers)
 
     def build_summary(self, layer: PagedLayer, keys: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
         return kernel_summary(layer, keys, valid)
