@@ -36,7 +36,7 @@ from .layout import (
     reallocate_hf_layer,
 )
 from .models_support import check_head_dim, check_model_supported
-from .page_updates import grouping_enabled
+from .page_updates import grouping_enabled, launch_sizes
 from .paged import PagedLayer
 from .precompile import DecodePrecompile, precompile_applies
 
@@ -189,9 +189,10 @@ class LocksCache(LocksCacheMixin, DynamicCache):
             return
         self._precompile_started = True
         if precompile_applies(layer):
-            # the page updates as `plan_page_updates` will group them: the Locks layers, on one device
-            layers = sum(isinstance(other, PagedLayer) for other in self.layers) if grouping_enabled() else 1
-            self._precompile = DecodePrecompile(layer, self._query_heads, layers)
+            # the page updates as `plan_page_updates` will launch them: the Locks layers, on one device
+            paged = sum(isinstance(other, PagedLayer) for other in self.layers)
+            sizes = tuple(launch_sizes(paged)) if grouping_enabled() and paged > 1 else ()
+            self._precompile = DecodePrecompile(layer, self._query_heads, sizes)
 
     def _wait_precompile(self) -> None:
         """Before the buffers change or are copied: the background compile is done (the decode step joins it

@@ -11,7 +11,8 @@ of a completing step built side by side rather than one layer after another.
 
 `plan_page_updates` groups a cache's layers by their backend's `DecodeBackend.page_update_key` and marks
 each member ``page_update_deferred`` (its own step and `prepare` then leave the update out); the cache keeps
-the plan (the index of each group's last layer -> the group) and calls `launch_page_updates` at that index.
+the plan (the index of each launch's last layer -> its layers; a group of more than `MAX_LAYERS_PER_LAUNCH`
+launches in parts) and calls `launch_page_updates` at that index.
 ``LOCKS_HF_GROUP_PAGE_UPDATES=0`` keeps one launch a layer (for comparisons).
 """
 
@@ -26,6 +27,9 @@ from .paged import PagedLayer
 
 #: Set to ``0`` to launch each layer's page update in its own decode step.
 GROUP_ENV = "LOCKS_HF_GROUP_PAGE_UPDATES"
+#: Layers a launch serves at most: the kernel takes 11 pointers a layer, and a CUDA launch's parameters are
+#: held to 4 KB (sm_90 compiles the 40-layer kernel without spills). Larger groups launch in even parts.
+MAX_LAYERS_PER_LAUNCH = 40
 
 
 def grouping_enabled() -> bool:
@@ -35,8 +39,8 @@ def grouping_enabled() -> bool:
 
 def plan_page_updates(layers: Sequence) -> dict[int, tuple[int, ...]]:
     """Group ``layers`` (a cache's, in forward order) whose page updates can share a launch, mark each member
-    ``page_update_deferred`` (and every other Locks layer not), and return ``{last member's index: members'
-    indices}`` for groups of two or more. Eager: call it when the layers' buffers, backends or settings change
+    ``page_update_deferred`` (and every other Locks layer not), and return ``{last layer's index: the layers'
+    indices}`` of each launch, for groups of two or more. Eager: call it when the layers' buffers, backends or settings change
     (a compiled step guards on the flags and the plan, and traces again)."""
     groups: dict[object, list[int]] = {}
     for i, layer in enumerate(layers):
@@ -52,8 +56,18 @@ def plan_page_updates(layers: Sequence) -> dict[int, tuple[int, ...]]:
             continue
         for i in members:
             layers[i].page_update_deferred = True
-        plan[members[-1]] = tuple(members)
+        start = 0
+        for size in launch_sizes(len(members)):
+            part = tuple(members[start : start + size])
+            plan[part[-1]] = part
+            start += size
     return plan
+
+
+def launch_sizes(layers: int) -> list[int]:
+    """The layers of each launch for a group of ``layers``: as even as `MAX_LAYERS_PER_LAUNCH` allows."""
+    parts = -(-layers // MAX_LAYERS_PER_LAUNCH)
+    return [layers // parts + (i < layers % parts) for i in range(parts)]
 
 
 def launch_page_updates(layers: Sequence, members: tuple[int, ...]) -> None:

@@ -99,13 +99,13 @@ class BackgroundCompile:
 
 class DecodePrecompile(BackgroundCompile):
     """`BackgroundCompile` of the kernels of ``layer``'s decode step (queries of ``query_heads`` heads), its
-    page update as one launch for ``layers`` layers like it (`locks_hf.page_updates`) where ``layers`` > 1."""
+    page update as launches for ``launch_sizes`` layers like it (`locks_hf.page_updates`) where given."""
 
-    def __init__(self, layer: PagedLayer, query_heads: int, layers: int = 1) -> None:
+    def __init__(self, layer: PagedLayer, query_heads: int, launch_sizes: tuple[int, ...] = ()) -> None:
         from .backends.triton import compile_decode_kernels
 
         super().__init__(
-            lambda: compile_decode_kernels(layer, query_heads, layers),
+            lambda: compile_decode_kernels(layer, query_heads, launch_sizes),
             "LocksCache",
             "the decode kernels during the prefill",
         )

@@ -18,6 +18,7 @@ pytest.importorskip("triton", reason="triton is not installed: the Triton kernel
 import locks_hf.paged  # noqa: E402
 from locks_hf import LocksCache, LocksConfig, LocksStaticCache, models, page_updates  # noqa: E402
 from locks_hf.backends import TRITON  # noqa: E402
+from locks_hf.backends.triton import compile_decode_kernels  # noqa: E402
 from locks_hf.kernels import page_update  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
@@ -66,18 +67,21 @@ def decode(model, monkeypatch, launches, grouped: str, steps: int = 10):
     return out, cache, list(launches)
 
 
-def test_a_cache_launches_its_layers_page_updates_once_a_step(monkeypatch, on_kernels):
+@pytest.mark.parametrize("per_launch,plan", [(40, {2: (0, 1, 2)}), (2, {1: (0, 1), 2: (2,)})])
+def test_a_cache_launches_its_layers_page_updates_once_a_step(monkeypatch, on_kernels, per_launch, plan):
     """With grouping (the default) the layers' page updates are one launch a decode step over every layer,
-    at the last layer; without, one a layer. The tokens, every layer's summaries (written by completing steps
-    at lengths 32 and 40 of the 10 decoded) and complete-page counts are the same bit for bit."""
+    at the last layer (or, past `MAX_LAYERS_PER_LAUNCH`, one a part at the part's last layer); without, one a
+    layer. The tokens, every layer's summaries (one of the 9 decode steps, at length 32, completes a page) and
+    complete-page counts are the same bit for bit."""
+    monkeypatch.setattr(page_updates, "MAX_LAYERS_PER_LAUNCH", per_launch)
     model = tiny_model()
     got = {mode: decode(model, monkeypatch, on_kernels, mode) for mode in ("1", "0")}
     (tokens, cache, launches), (own_tokens, own_cache, own_launches) = got["1"], got["0"]
     steps = tokens.shape[1] - 29 - 1  # the first new token comes from the prefill
-    assert cache.page_update_plan == {LAYERS - 1: tuple(range(LAYERS))}
+    assert cache.page_update_plan == plan
     assert all(layer.page_update_deferred for layer in cache.layers)
     assert own_cache.page_update_plan == {} and not any(layer.page_update_deferred for layer in own_cache.layers)
-    assert launches == [((LAYERS * ROWS * KV_HEADS,), LAYERS)] * steps
+    assert launches == [((len(part) * ROWS * KV_HEADS,), len(part)) for part in plan.values()] * steps
     assert own_launches == [((ROWS * KV_HEADS,), 1)] * (LAYERS * steps)
     assert torch.equal(tokens, own_tokens)
     for layer, own in zip(cache.layers, own_cache.layers):
@@ -106,6 +110,25 @@ def test_the_plan_follows_the_layers_settings(monkeypatch, on_kernels):
     cache.layers[0].set_config(LocksConfig(selector="locks", page_size=B, budget=3 * B))  # not through the cache
     with pytest.raises(RuntimeError, match="no longer match.*through the cache"):
         page_updates.launch_page_updates(cache.layers, cache.page_update_plan[LAYERS - 1])
+
+
+def test_the_background_compile_compiles_the_launches_of_the_plan(monkeypatch, on_kernels):
+    """The compile during the prefill (`compile_decode_kernels` with the plan's launch sizes) makes the grouped
+    page update's launches and a step without its own update, as a grouped decode step then launches them."""
+    model = tiny_model()
+    monkeypatch.setenv(page_updates.GROUP_ENV, "1")
+    cache = LocksCache(model.config, layout="static", max_cache_len=64, page_size=B, budget=3 * B)
+    ids = torch.randint(0, 256, (ROWS, 29), generator=torch.Generator().manual_seed(6)).to(DEV)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+    on_kernels.clear()
+    compile_decode_kernels(cache.layers[0], model.config.num_attention_heads, tuple(page_updates.launch_sizes(LAYERS)))
+    assert on_kernels == [((LAYERS * ROWS * KV_HEADS,), LAYERS)]
+    on_kernels.clear()
+    with torch.no_grad():
+        model(ids[:, :1], past_key_values=cache, use_cache=True)
+    assert on_kernels == [((LAYERS * ROWS * KV_HEADS,), LAYERS)]
+    assert page_updates.launch_sizes(LAYERS) == [LAYERS] and page_updates.launch_sizes(81) == [27, 27, 27]
 
 
 @pytest.mark.gpu

@@ -166,7 +166,7 @@ def test_the_cache_compiles_during_the_prefill_and_the_decode_step_joins_it(monk
     events: list[str] = []
     release = threading.Event()
 
-    def held_compile(layer, heads, layers=1):
+    def held_compile(layer, heads, sizes=()):
         events.append(f"compile in {threading.current_thread().name}")
         release.wait(10)
         events.append("compiled")
@@ -229,7 +229,7 @@ def test_the_decode_time_ops_join_a_background_compile_once_and_other_launches_d
 
 
 def test_a_failed_background_compile_is_reported_and_the_cache_goes_on(monkeypatch, caplog, recorded):
-    def broken(layer, heads, layers=1):
+    def broken(layer, heads, sizes=()):
         raise RuntimeError("no compiler here")
 
     monkeypatch.setattr("locks_hf.cache.precompile_applies", lambda layer: True)
@@ -247,7 +247,7 @@ def test_a_failed_background_compile_is_reported_and_the_cache_goes_on(monkeypat
 def test_a_cache_copied_while_compiling_waits_for_it(monkeypatch):
     release = threading.Event()
 
-    def held(layer, heads, layers=1):
+    def held(layer, heads, sizes=()):
         release.wait(5)
 
     monkeypatch.setattr("locks_hf.cache.precompile_applies", lambda layer: True)

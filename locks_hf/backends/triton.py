@@ -189,19 +189,20 @@ def kernel_update_newest_page(layer: PagedLayer) -> None:
     )
 
 
-def compile_decode_kernels(layer: PagedLayer, query_heads: int, layers: int = 1) -> None:
+def compile_decode_kernels(layer: PagedLayer, query_heads: int, launch_sizes: tuple[int, ...] = ()) -> None:
     """Compile, without running them, the kernels of ``layer``'s decode step for queries of ``query_heads``
     heads: its page update and its step, through the same glue and custom ops as a real step, under
-    `kernels.compile_only` (every launch compiles and runs nothing; no buffer is written). ``layers`` > 1:
-    the page update is the one launch for that many layers like it (`locks_hf.page_updates`), and the step
+    `kernels.compile_only` (every launch compiles and runs nothing; no buffer is written). ``launch_sizes``:
+    the page update is launched for that many layers like it at once (`locks_hf.page_updates`), and the step
     leaves it out. What `locks_hf.precompile` runs while the prefill goes on."""
     keys = layer.key_buffer()
     assert keys is not None  # asked of an initialized layer only
     query = keys.new_empty((keys.shape[0], query_heads, 1, keys.shape[-1]))
-    grouped = layers > 1 and page_update_key(layer) is not None
+    grouped = bool(launch_sizes) and page_update_key(layer) is not None
     with kernels().compile_only():  # each op makes its tensors' device current
         if grouped:
-            kernel_update_pages_of_layers([layer] * layers)
+            for size in sorted(set(launch_sizes)):
+                kernel_update_pages_of_layers([layer] * size)
         elif layer.summary and not update_rank_in_step(layer):  # as `LocksStaticLayer.prepare`
             kernel_update_newest_page(layer)
         kernel_decode(layer, query, keys.shape[-1] ** -0.5, update_rank=0 if grouped else None)
