@@ -17,6 +17,9 @@
 #             than an H100's 80 GB);  ~5 min
 #   profile   the GLM-4-9B r4i4 step of `step` with every kernel listed (`--profile 2 --profile-top 0`): kernel time
 #             by group (the library's, inductor's, the matrix products) and the time between kernels;  ~2 min
+#   pageupdates the gemvstep r4i4 step with the layers' page updates in one launch a step (the default, beside
+#             dense), then one launch a layer (LOCKS_HF_GROUP_PAGE_UPDATES=0), then the default with inductor's
+#             combo kernels;  ~7.5 min
 #   gemvprofile the gemvstep r4i4 step and the step less its attention, every kernel listed (`--profile 2
 #             --profile-top 0`): the GEMV, the library's kernels and inductor's glue, a layer;  ~2.5 min
 #   select    the selection alone at GLM-4-9B's shape, 32,774 pages (512K tokens plus a static cache's headroom: 17
@@ -91,6 +94,14 @@ for part in $PARTS; do
       run decode_step_glm4-9b_profile 200 python3 scripts/bench_decode_step.py --graphs compile-cuda --shape glm4-9b \
           --contexts 512K --arms r4i4,no-attention --steps 32 --profile 2 --profile-top 0 \
           --out "$OUT/decode_step_glm4-9b_profile.json" ;;
+    pageupdates)
+      step=(python3 scripts/bench_decode_step.py --graphs compile-cuda --shape glm4-9b-fused --contexts 512K --steps 32)
+      run decode_step_glm4-9b-fused_gemv_grouped_updates 200 "${step[@]}" --arms r4i4+gemv,full+gemv \
+          --out "$OUT/decode_step_glm4-9b-fused_gemv_grouped_updates.json"
+      LOCKS_HF_GROUP_PAGE_UPDATES=0 run decode_step_glm4-9b-fused_gemv_per_layer_updates 150 "${step[@]}" \
+          --arms r4i4+gemv --out "$OUT/decode_step_glm4-9b-fused_gemv_per_layer_updates.json"
+      run decode_step_glm4-9b-fused_gemv_grouped_combo_kernels 150 "${step[@]}" --arms r4i4+gemv \
+          --inductor-options '{"combo_kernels": true}' --out "$OUT/decode_step_glm4-9b-fused_gemv_grouped_combo_kernels.json" ;;
     gemvprofile)
       run decode_step_glm4-9b-fused_gemv_profile 300 python3 scripts/bench_decode_step.py --graphs compile-cuda \
           --shape glm4-9b-fused --contexts 512K --arms r4i4+gemv,no-attention+gemv --steps 32 --profile 2 --profile-top 0 \
