@@ -81,7 +81,9 @@ class LocksCacheMixin(CacheStatistics, _CacheBase):
     def plan_page_updates(self) -> None:
         """Which layers' per-step page updates share one launch (`locks_hf.page_updates`), planned again from
         the layers as they are: after a prefill, a fork, a change of settings."""
-        self.page_update_plan = plan_page_updates(self.layers)
+        plan = plan_page_updates(self.layers)
+        if plan != self.page_update_plan:  # the same object otherwise: a compiled step's guard stays true
+            self.page_update_plan = plan
 
     def remember_model_shape(self, text_config: PretrainedConfig) -> None:
         """Record the layer count, KV heads and head dim of the model ``text_config`` describes, so that

@@ -91,8 +91,8 @@ def test_a_cache_launches_its_layers_page_updates_once_a_step(monkeypatch, on_ke
 
 
 def test_the_plan_follows_the_layers_settings(monkeypatch, on_kernels):
-    """A change of settings through the cache plans the launches again: Quest's summaries are grouped as
-    Locks' are, a dense fork keeps no summary and groups nothing, and a layer changed behind the cache's
+    """Each prefill and each change of settings through the cache plans the launches again (an unchanged plan
+    stays the same object): Quest's summaries are grouped as Locks' are, a dense fork keeps no summary and groups nothing, and a layer changed behind the cache's
     back is refused at the launch instead of being skipped."""
     model = tiny_model()
     monkeypatch.setenv(page_updates.GROUP_ENV, "1")
@@ -101,6 +101,11 @@ def test_the_plan_follows_the_layers_settings(monkeypatch, on_kernels):
     with torch.no_grad():
         model(ids, past_key_values=cache, use_cache=True)
     assert cache.page_update_plan == {LAYERS - 1: tuple(range(LAYERS))}
+    plan = cache.page_update_plan
+    cache.reset()
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+    assert cache.page_update_plan is plan  # an equal plan keeps its object: a compiled step's guards hold
     cache.set_config(LocksConfig(selector="quest", page_size=B, budget=3 * B))
     assert cache.page_update_plan == {LAYERS - 1: tuple(range(LAYERS))}
     assert all(layer.kernel_plan.method == "quest" for layer in cache.layers)
