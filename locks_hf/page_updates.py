@@ -40,8 +40,8 @@ def grouping_enabled() -> bool:
 def plan_page_updates(layers: Sequence) -> dict[int, tuple[int, ...]]:
     """Group ``layers`` (a cache's, in forward order) whose page updates can share a launch, mark each member
     ``page_update_deferred`` (and every other Locks layer not), and return ``{last layer's index: the layers'
-    indices}`` of each launch, for groups of two or more. Eager: call it when the layers' buffers, backends or settings change
-    (a compiled step guards on the flags and the plan, and traces again)."""
+    indices}`` of each launch, for groups of two or more. Eager: call it when the layers' buffers, backends or
+    settings change (a compiled step guards on the flags and the plan, and traces again)."""
     groups: dict[object, list[int]] = {}
     for i, layer in enumerate(layers):
         if not isinstance(layer, PagedLayer):
@@ -77,7 +77,8 @@ def launch_page_updates(layers: Sequence, members: tuple[int, ...]) -> None:
     again): a launch for the group would otherwise skip or misread that layer's update."""
     group = [layers[i] for i in members]
     backend = group[0].backend
-    if not is_torchdynamo_compiling() and not _still_match(backend, group):  # a trace follows an eager prefill's plan
+    # checked when eager: a compiled step is traced after an eager prefill, which planned from the layers as they are
+    if not is_torchdynamo_compiling() and not _still_match(backend, group):
         raise RuntimeError(
             f"layers {list(members)} were planned to share one page-update launch but no longer match (their "
             "settings or buffers changed outside the cache): change settings through the cache (set_config, "

@@ -92,8 +92,8 @@ def test_a_cache_launches_its_layers_page_updates_once_a_step(monkeypatch, on_ke
 
 def test_the_plan_follows_the_layers_settings(monkeypatch, on_kernels):
     """Each prefill and each change of settings through the cache plans the launches again (an unchanged plan
-    stays the same object): Quest's summaries are grouped as Locks' are, a dense fork keeps no summary and groups nothing, and a layer changed behind the cache's
-    back is refused at the launch instead of being skipped."""
+    stays the same object): Quest's summaries are grouped as Locks' are, a dense fork keeps no summary and groups
+    nothing, and a layer changed behind the cache's back is refused at the launch instead of being skipped."""
     model = tiny_model()
     monkeypatch.setenv(page_updates.GROUP_ENV, "1")
     cache = LocksStaticCache(model.config, max_cache_len=64, page_size=B, budget=3 * B)
