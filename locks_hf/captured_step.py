@@ -46,31 +46,62 @@ def step_stats() -> list[dict]:
     return [step.stats() for step in _live]
 
 
-def captured_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
+def captured_backend(
+    gm: torch.fx.GraphModule, example_inputs: list, *, options: dict[str, Any] | None = None, **kwargs: Any
+) -> Callable:
     """A ``torch.compile`` backend: inductor (no CUDA graphs of its own), the result captured in one CUDA
     graph after `STEPS_BEFORE_CAPTURE` steps when the inputs live on a CUDA device.
 
-    ``mode`` and ``options`` are refused: they would ask inductor for its own CUDA graphs or tuning that
-    this backend does not forward."""
-    if kwargs.get("mode") or kwargs.get("options"):
+    ``options`` are inductor's (``torch.compile(..., options=...)``, `decode_compile_config`'s ``options``),
+    for instance ``{"combo_kernels": True}``; those that would give inductor CUDA graphs of its own are refused,
+    as is a ``mode``: this backend captures the step itself."""
+    if kwargs.get("mode"):
         raise ValueError(
-            f"captured_backend takes no mode or options (got {kwargs}): it compiles with inductor's defaults "
-            "and captures the CUDA graph itself; pass mode=None, or use backend='inductor' for inductor's modes"
+            f"captured_backend takes no mode (got mode={kwargs['mode']!r}): it captures the CUDA graph itself; "
+            "pass mode=None (inductor's options go in options=...), or use backend='inductor' for inductor's modes"
         )
+    if unknown := set(kwargs) - {"mode"}:
+        raise TypeError(f"captured_backend got unexpected arguments {sorted(unknown)}; it takes options=...")
+    options = _inductor_options(options)
     from torch._inductor import compile as inductor_compile
 
-    compiled = inductor_compile(gm, example_inputs)
+    compiled = inductor_compile(gm, example_inputs, options=options or None)
     if not _on_cuda(example_inputs):
         return compiled
     return CapturedStep(compiled)
 
 
-def decode_compile_config():
+def _inductor_options(options: dict[str, Any] | None) -> dict[str, Any]:
+    """A copy of ``options`` once every key is one of inductor's and none gives it CUDA graphs of its own."""
+    from torch._inductor import config
+
+    options = dict(options or {})
+    known = config.get_config_copy()
+    if unknown := sorted(key for key in options if key not in known):
+        raise ValueError(
+            f"captured_backend: {unknown} are not inductor options of torch {torch.__version__} "
+            "(torch._inductor.config); check their spelling, e.g. 'combo_kernels'"
+        )
+    if options.get("triton.cudagraphs"):
+        raise ValueError(
+            "captured_backend: options {'triton.cudagraphs': True} would give inductor CUDA graphs of its own inside "
+            "the one this backend captures; leave it out, or use backend='inductor' with mode='reduce-overhead'"
+        )
+    return options
+
+
+def decode_compile_config(options: dict[str, Any] | None = None):
     """transformers' ``CompileConfig`` for `captured_backend`:
-    ``model.generate(ids, past_key_values=cache, compile_config=decode_compile_config())``."""
+    ``model.generate(ids, past_key_values=cache, compile_config=decode_compile_config())``.
+
+    ``options``: inductor's options for the decode step, e.g. ``{"combo_kernels": True}`` (the step's independent
+    small kernels in one launch)."""
     from transformers import CompileConfig
 
-    return CompileConfig(fullgraph=True, dynamic=False, backend=captured_backend, mode=None)
+    options = _inductor_options(options)
+    # mode=None (no inductor mode: the backend captures the graph itself), which CompileConfig's annotation omits
+    settings: dict[str, Any] = {"fullgraph": True, "dynamic": False, "backend": captured_backend, "mode": None}
+    return CompileConfig(**settings, options=options or None)
 
 
 class CapturedStep:

@@ -308,7 +308,7 @@ class Stepper:
         compile_options = {
             "compile": {"mode": "reduce-overhead"},
             "compile-cuda": {"options": inductor_options} if inductor_options else {},
-            "captured": {"backend": captured_backend},
+            "captured": {"backend": captured_backend, "options": inductor_options or None},
         }
         if graphs in compile_options:
             compiled = torch.compile(model.forward, fullgraph=True, **compile_options[graphs])
@@ -480,7 +480,8 @@ def main(argv=None) -> None:
         "--inductor-options",
         type=json.loads,
         default=None,
-        help="with --graphs compile-cuda: inductor options as JSON, e.g. '{\"max_autotune\": true}' (GEMV templates)",
+        help="with --graphs compile-cuda or captured: inductor options as JSON, e.g. '{\"combo_kernels\": true}' "
+        "or '{\"max_autotune\": true}' (GEMV templates)",
     )
     ap.add_argument(
         "--host-profile", type=int, default=0, help="with graphs: cProfile this many steps per arm (host time)"
@@ -497,8 +498,10 @@ def main(argv=None) -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.graphs in ("cuda", "compile-cuda", "captured") and device.type != "cuda":
         raise SystemExit(f"--graphs {args.graphs} needs a CUDA device")
-    if args.inductor_options and args.graphs != "compile-cuda":
-        raise SystemExit("--inductor-options applies to --graphs compile-cuda (inductor without its own CUDA graphs)")
+    if args.inductor_options and args.graphs not in ("compile-cuda", "captured"):
+        raise SystemExit(
+            "--inductor-options applies to --graphs compile-cuda and captured (inductor without its own CUDA graphs)"
+        )
     if args.host_profile and args.graphs == "none":
         raise SystemExit("--host-profile needs --graphs (it rewinds a static cache between steps)")
 

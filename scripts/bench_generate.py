@@ -183,6 +183,7 @@ def run_arm(
     warm_steps: int,
     prefill_chunk: int = 0,
     host_profile: int = 0,
+    inductor_options: dict | None = None,
 ) -> dict:
     cache = make_cache(name, model.config, budget, ids.shape[1] + new_tokens)
     before = allocated()
@@ -190,7 +191,7 @@ def run_arm(
         torch.cuda.reset_peak_memory_stats()
     options = {"prefill_chunk_size": prefill_chunk} if prefill_chunk else {}
     if name.startswith(CAPTURED_PREFIX):
-        options["compile_config"] = decode_compile_config()
+        options["compile_config"] = decode_compile_config(inductor_options)
     phases_before = torch_compile_phases()
     triton_compiles = TritonCompiles()
     t0 = time.perf_counter()
@@ -261,8 +262,17 @@ def main(argv=None) -> None:
         default=0,
         help="cProfile each arm's generate() and keep this many functions by cumulative time (host_profile)",
     )
+    ap.add_argument(
+        "--inductor-options",
+        type=json.loads,
+        default=None,
+        help=f"for the '{CAPTURED_PREFIX}' arms: inductor options as JSON (decode_compile_config(options)), "
+        "e.g. '{\"combo_kernels\": true}'",
+    )
     ap.add_argument("--out", default="bench_generate.json")
     args = ap.parse_args(argv)
+    if args.inductor_options and not any(a.startswith(CAPTURED_PREFIX) for a in args.arms.split(",")):
+        ap.error(f"--inductor-options applies to the '{CAPTURED_PREFIX}' arms (decode_compile_config); none is asked")
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
@@ -277,6 +287,7 @@ def main(argv=None) -> None:
         "new_tokens": args.new_tokens,
         "device": where,
         "torch": torch.__version__,
+        "inductor_options": args.inductor_options,
         "rows": [],
     }
     with torch.no_grad():
@@ -296,6 +307,7 @@ def main(argv=None) -> None:
                     args.warm_steps,
                     args.prefill_chunk,
                     args.host_profile,
+                    args.inductor_options,
                 )
                 result["rows"].append(row)
                 print(

@@ -368,6 +368,31 @@ def test_bench_generate_runs_on_cpu(tmp_path):
         assert phases.get("entire_frame_compile", 0.0) == pytest.approx(r["torch_compile_s"], abs=1e-2)
 
 
+def test_bench_generate_hands_its_inductor_options_to_the_captured_arms(tmp_path, monkeypatch):
+    """``--inductor-options`` reaches ``decode_compile_config`` of the ``captured-`` arms (and the JSON); without
+    such an arm it is refused."""
+    bench = _load("bench_generate")
+    asked = []
+
+    def recording(options=None):
+        asked.append(options)
+        return decode_compile_config(options)
+
+    from locks_hf import decode_compile_config
+
+    monkeypatch.setattr(bench, "decode_compile_config", recording)
+    out = tmp_path / "generate.json"
+    common = ["--shape", "tiny", "--device", "cpu", "--runs", "200:1", "--budget", "64", "--new-tokens", "3"]
+    options = ["--inductor-options", '{"combo_kernels": true}', "--out", str(out)]
+    bench.main([*common, "--arms", "r4i4,captured-r4i4", *options])
+    result = json.loads(out.read_text())
+    assert asked == [{"combo_kernels": True}] and result["inductor_options"] == {"combo_kernels": True}
+    rows = {r["arm"]: r for r in result["rows"]}
+    assert rows["r4i4"]["tokens"] == rows["captured-r4i4"]["tokens"]
+    with pytest.raises(SystemExit):
+        bench.main([*common, "--arms", "r4i4", *options])
+
+
 def test_a_gemv_arm_of_bench_generate_is_its_arm_on_the_gemv_projections(tmp_path):
     """``r4i4+gemv`` / ``hf-static+gemv``: the arm's cache and settings, the projections swapped first (on the
     CPU the swap is refused with `gemv_projections`' error, before any generate())."""

@@ -158,8 +158,49 @@ def test_a_step_with_inputs_on_two_devices_is_not_captured(caplog, monkeypatch):
 
 
 def test_the_backend_refuses_inductor_modes():
-    with pytest.raises(ValueError, match="no mode or options"):
+    with pytest.raises(ValueError, match="takes no mode"):
         captured_backend(torch.fx.symbolic_trace(torch.nn.Identity()), [torch.ones(1)], mode="reduce-overhead")
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"triton.cudagraphs": True}, "CUDA graphs of its own"),
+        ({"combo_kernel": True}, r"\['combo_kernel'\] are not inductor options"),
+    ],
+)
+def test_the_backend_refuses_options_it_cannot_honour(options, match):
+    with pytest.raises(ValueError, match=match):
+        captured_backend(torch.fx.symbolic_trace(torch.nn.Identity()), [torch.ones(1)], options=options)
+    with pytest.raises(ValueError, match=match):
+        decode_compile_config(options)
+
+
+def _recording_inductor(monkeypatch) -> list:
+    import torch._inductor
+
+    seen: list = []
+    inductor_compile = torch._inductor.compile
+
+    def recording(gm, inputs, options=None):
+        seen.append(options)
+        return inductor_compile(gm, inputs, options=options)
+
+    monkeypatch.setattr(torch._inductor, "compile", recording)
+    return seen
+
+
+def test_the_backend_hands_inductor_the_options_of_torch_compile(monkeypatch):
+    seen = _recording_inductor(monkeypatch)
+    options = {"combo_kernels": True}
+    compiled = torch.compile(lambda x: x.sin() + 1, backend=captured_backend, fullgraph=True, options=options)
+    x = torch.randn(7)
+    torch.testing.assert_close(compiled(x), x.sin() + 1)
+    assert seen == [{"combo_kernels": True}] and seen[0] is not options  # inductor gets a copy it may change
+    torch._dynamo.reset()
+    plain = torch.compile(lambda x: x.cos(), backend=captured_backend, fullgraph=True)
+    torch.testing.assert_close(plain(x), x.cos())
+    assert seen[1] is None  # no options: inductor's defaults, as before
 
 
 def test_off_cuda_the_backend_is_inductor():
@@ -177,3 +218,9 @@ def test_off_cuda_the_backend_is_inductor():
 def test_decode_compile_config_names_the_backend():
     config = decode_compile_config()
     assert config.backend is captured_backend and config.mode is None and config.fullgraph
+    assert config.options is None
+    asked = {"combo_kernels": True}
+    config = decode_compile_config(asked)
+    assert config.options == asked and config.options is not asked and config.mode is None
+    # transformers compiles with torch.compile(fn, **config.to_dict()): torch hands the options to the backend
+    assert config.to_dict()["options"] == asked

@@ -20,6 +20,13 @@
 #   pageupdates the gemvstep r4i4 step with the layers' page updates in one launch a step (the default, beside
 #             dense), then one launch a layer (LOCKS_HF_GROUP_PAGE_UPDATES=0), then the default with inductor's
 #             combo kernels;  ~7.5 min
+#   options   inductor's options for the decode step, one set after another (OPTION_SETS, separated by "|"; default
+#             '{}|{"combo_kernels": true}': inductor's defaults, then combo kernels, the step's independent small kernels
+#             in one launch): the gemvstep arms (r4i4, r8i4, dense) in one run a set;  ~4.7 min a set
+#   llamaoptions the same for the llamagemv arms (r4i4, dense; needs more than an H100's 80 GB);  ~4 min a set
+#   generateoptions the first generate() at 128K of `decode_compile_config(options)` (arm captured-r4i4) from empty
+#             caches for each set of OPTION_SETS, then the last set again with its caches warm: their compile time;
+#             ~1.3 min a run
 #   gemvprofile the gemvstep r4i4 step and the step less its attention, every kernel listed (`--profile 2
 #             --profile-top 0`): the GEMV, the library's kernels and inductor's glue, a layer;  ~2.5 min
 #   select    the selection alone at GLM-4-9B's shape, 32,774 pages (512K tokens plus a static cache's headroom: 17
@@ -52,6 +59,10 @@ OUT=${OUT:-out}
 PARTS=${PARTS:-attn step generate}
 mkdir -p "$OUT"
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+OPTION_SETS=${OPTION_SETS:-'{}|{"combo_kernels": true}'}
+options_tag() {  # a JSON object of inductor options -> a file name's part: '{"combo_kernels": true}' -> combo_kernels-true
+  python3 -c 'import json, sys; print("_".join(f"{k}-{v}".replace(".", "-").lower() for k, v in json.loads(sys.argv[1]).items()) or "default")' "$1"
+}
 show() {  # log lines
   grep -v -i "warn" "$1" | tail -"$2" | cut -c1-260
 }
@@ -102,6 +113,27 @@ for part in $PARTS; do
           --arms r4i4+gemv --out "$OUT/decode_step_glm4-9b-fused_gemv_per_layer_updates.json"
       run decode_step_glm4-9b-fused_gemv_grouped_combo_kernels 150 "${step[@]}" --arms r4i4+gemv \
           --inductor-options '{"combo_kernels": true}' --out "$OUT/decode_step_glm4-9b-fused_gemv_grouped_combo_kernels.json" ;;
+    options|llamaoptions)
+      shape=glm4-9b-fused arms=r4i4+gemv,r8i4+gemv,full+gemv limit=280
+      [ "$part" = llamaoptions ] && shape=llama3.1-8b arms=r4i4+gemv,full+gemv limit=240
+      IFS="|" read -ra sets <<< "$OPTION_SETS"
+      for options in "${sets[@]}"; do
+        name="decode_step_${shape}_gemv_options_$(options_tag "$options")"
+        run "$name" $limit python3 scripts/bench_decode_step.py --graphs compile-cuda --shape $shape --contexts 512K \
+            --arms $arms --steps 32 --inductor-options "$options" --out "$OUT/$name.json"
+      done ;;
+    generateoptions)
+      IFS="|" read -ra sets <<< "$OPTION_SETS"
+      for options in "${sets[@]}"; do
+        tag=$(options_tag "$options")
+        rm -rf "/tmp/tc_$tag" "/tmp/ti_$tag"
+        for caches in cold warm; do
+          [ "$options" != "${sets[-1]}" ] && [ $caches = warm ] && continue
+          TRITON_CACHE_DIR="/tmp/tc_$tag" TORCHINDUCTOR_CACHE_DIR="/tmp/ti_$tag" run "generate_128k_captured_${tag}_$caches" 150 \
+              python3 scripts/bench_generate.py --runs 128K:1 --arms captured-r4i4 --inductor-options "$options" \
+              --out "$OUT/generate_128k_captured_${tag}_$caches.json"
+        done
+      done ;;
     gemvprofile)
       run decode_step_glm4-9b-fused_gemv_profile 300 python3 scripts/bench_decode_step.py --graphs compile-cuda \
           --shape glm4-9b-fused --contexts 512K --arms r4i4+gemv,no-attention+gemv --steps 32 --profile 2 --profile-top 0 \
@@ -149,6 +181,6 @@ for part in $PARTS; do
       run quant_attention_glm4-9b_512k_batch8_dense 240 python3 scripts/bench_kv_quant.py --shape glm4-9b --batch 8 \
           --contexts 512K --page-sizes 16 --bits 4 --warps 4,8 --tile-pages auto,1,2 --dense --reps 20 \
           --out "$OUT/quant_attention_glm4-9b_512k_batch8_dense.json" ;;
-    *) echo "gpu_host: unknown part '$part' (attn attn1m step fusedstep gemvstep llamagemv llamastep profile gemvprofile select glmhf host generate oneliner autotune batch8 short gemv trace quanttile)" >&2; exit 2 ;;
+    *) echo "gpu_host: unknown part '$part' (attn attn1m step fusedstep gemvstep llamagemv llamastep profile options llamaoptions generateoptions gemvprofile select glmhf host generate oneliner autotune batch8 short gemv trace quanttile)" >&2; exit 2 ;;
   esac
 done

@@ -250,6 +250,18 @@ def _():
     return "silent: ran"
 
 
+@case("decode_compile_config with a misspelt inductor option")
+def _():
+    locks_hf.decode_compile_config({"combo_kernel": True})
+    return "silent: accepted"
+
+
+@case("decode_compile_config asking inductor for its own CUDA graphs")
+def _():
+    locks_hf.decode_compile_config({"triton.cudagraphs": True})
+    return "silent: accepted"
+
+
 # -- the eval harness -----------------------------------------------------------------------------
 @case("RULER vt records under two PYTHONHASHSEEDs")
 def _():
