@@ -31,6 +31,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+#: `decode_compile_config`'s inductor options when none are given. ``combo_kernels``: the step's independent small
+#: kernels (the query's and the key's RoPE, the new token's cache writes, the length counters) become one launch a
+#: layer; a batch-1 step is bound by its launches' latency, not their bytes.
+DECODE_INDUCTOR_OPTIONS: dict[str, Any] = {"combo_kernels": True}
+
 #: eager (compiled, not captured) steps before a capture: the first finds what is written in place,
 #: the second which inputs move between steps.
 STEPS_BEFORE_CAPTURE = 2
@@ -53,8 +58,8 @@ def captured_backend(
     graph after `STEPS_BEFORE_CAPTURE` steps when the inputs live on a CUDA device.
 
     ``options`` are inductor's (``torch.compile(..., options=...)``, `decode_compile_config`'s ``options``),
-    for instance ``{"combo_kernels": True}``; those that would give inductor CUDA graphs of its own are refused,
-    as is a ``mode``: this backend captures the step itself."""
+    for instance `DECODE_INDUCTOR_OPTIONS`; those that would give inductor CUDA graphs of its own are refused, as
+    is a ``mode``: this backend captures the step itself."""
     if kwargs.get("mode"):
         raise ValueError(
             f"captured_backend takes no mode (got mode={kwargs['mode']!r}): it captures the CUDA graph itself; "
@@ -94,11 +99,11 @@ def decode_compile_config(options: dict[str, Any] | None = None):
     """transformers' ``CompileConfig`` for `captured_backend`:
     ``model.generate(ids, past_key_values=cache, compile_config=decode_compile_config())``.
 
-    ``options``: inductor's options for the decode step, e.g. ``{"combo_kernels": True}`` (the step's independent
-    small kernels in one launch)."""
+    ``options``: inductor's options for the decode step; `DECODE_INDUCTOR_OPTIONS` where ``None``, inductor's own
+    defaults with ``{}``."""
     from transformers import CompileConfig
 
-    options = _inductor_options(options)
+    options = _inductor_options(DECODE_INDUCTOR_OPTIONS if options is None else options)
     # mode=None (no inductor mode: the backend captures the graph itself), which CompileConfig's annotation omits
     settings: dict[str, Any] = {"fullgraph": True, "dynamic": False, "backend": captured_backend, "mode": None}
     return CompileConfig(**settings, options=options or None)

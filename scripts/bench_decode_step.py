@@ -62,7 +62,7 @@ from transformers import (
 from transformers.masking_utils import AttentionMaskInterface
 
 from locks_hf import LocksCache, LocksConfig, LocksStaticCache, traffic
-from locks_hf.captured_step import captured_backend, step_stats
+from locks_hf.captured_step import DECODE_INDUCTOR_OPTIONS, captured_backend, step_stats
 from locks_hf.compat import cache_keyword
 from locks_hf.kv_quant import kv_token_bytes
 from locks_hf.selectors import config_for_family, make_selector
@@ -480,8 +480,8 @@ def main(argv=None) -> None:
         "--inductor-options",
         type=json.loads,
         default=None,
-        help="with --graphs compile-cuda or captured: inductor options as JSON, e.g. '{\"combo_kernels\": true}' "
-        "or '{\"max_autotune\": true}' (GEMV templates)",
+        help="with --graphs compile-cuda or captured: inductor options as JSON, e.g. '{\"max_autotune\": true}' (GEMV "
+        "templates); default: the library's decode options (captured_step.DECODE_INDUCTOR_OPTIONS), '{}': inductor's",
     )
     ap.add_argument(
         "--host-profile", type=int, default=0, help="with graphs: cProfile this many steps per arm (host time)"
@@ -502,6 +502,8 @@ def main(argv=None) -> None:
         raise SystemExit(
             "--inductor-options applies to --graphs compile-cuda and captured (inductor without its own CUDA graphs)"
         )
+    if args.inductor_options is None and args.graphs in ("compile-cuda", "captured"):
+        args.inductor_options = dict(DECODE_INDUCTOR_OPTIONS)
     if args.host_profile and args.graphs == "none":
         raise SystemExit("--host-profile needs --graphs (it rewinds a static cache between steps)")
 
@@ -525,7 +527,7 @@ def run_isolated(args) -> list[dict]:
             cmd += ["--contexts", args.contexts, "--budget", str(args.budget), "--graphs", args.graphs]
             cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--profile", str(args.profile)]
             cmd += ["--profile-top", str(args.profile_top)]
-            if args.inductor_options:
+            if args.inductor_options is not None:
                 cmd += ["--inductor-options", json.dumps(args.inductor_options)]
             cmd += ["--host-profile", str(args.host_profile), "--device", args.device]
             print(f"--isolate: arm {arm} in a process of its own", flush=True)

@@ -266,12 +266,12 @@ def main(argv=None) -> None:
         "--inductor-options",
         type=json.loads,
         default=None,
-        help=f"for the '{CAPTURED_PREFIX}' arms: inductor options as JSON (decode_compile_config(options)), "
-        "e.g. '{\"combo_kernels\": true}'",
+        help=f"for the '{CAPTURED_PREFIX}' arms: inductor options as JSON (decode_compile_config(options)); default: "
+        "decode_compile_config's (captured_step.DECODE_INDUCTOR_OPTIONS), '{}': inductor's",
     )
     ap.add_argument("--out", default="bench_generate.json")
     args = ap.parse_args(argv)
-    if args.inductor_options and not any(a.startswith(CAPTURED_PREFIX) for a in args.arms.split(",")):
+    if args.inductor_options is not None and not any(a.startswith(CAPTURED_PREFIX) for a in args.arms.split(",")):
         ap.error(f"--inductor-options applies to the '{CAPTURED_PREFIX}' arms (decode_compile_config); none is asked")
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -218,8 +218,10 @@ def test_off_cuda_the_backend_is_inductor():
 def test_decode_compile_config_names_the_backend():
     config = decode_compile_config()
     assert config.backend is captured_backend and config.mode is None and config.fullgraph
-    assert config.options is None
-    asked = {"combo_kernels": True}
+    assert config.options == captured_step.DECODE_INDUCTOR_OPTIONS and config.options["combo_kernels"] is True
+    assert config.options is not captured_step.DECODE_INDUCTOR_OPTIONS  # inductor may change its copy
+    assert decode_compile_config({}).options is None  # {}: inductor's own defaults
+    asked = {"combo_kernels": False}
     config = decode_compile_config(asked)
     assert config.options == asked and config.options is not asked and config.mode is None
     # transformers compiles with torch.compile(fn, **config.to_dict()): torch hands the options to the backend

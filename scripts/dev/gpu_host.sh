@@ -18,8 +18,8 @@
 #   profile   the GLM-4-9B r4i4 step of `step` with every kernel listed (`--profile 2 --profile-top 0`): kernel time
 #             by group (the library's, inductor's, the matrix products) and the time between kernels;  ~2 min
 #   pageupdates the gemvstep r4i4 step with the layers' page updates in one launch a step (the default, beside
-#             dense), then one launch a layer (LOCKS_HF_GROUP_PAGE_UPDATES=0), then the default with inductor's
-#             combo kernels;  ~7.5 min
+#             dense), then one launch a layer (LOCKS_HF_GROUP_PAGE_UPDATES=0), then the default with inductor's own
+#             options (no combo kernels);  ~7.5 min
 #   options   inductor's options for the decode step, one set after another (OPTION_SETS, separated by "|"; default
 #             '{}|{"combo_kernels": true}': inductor's defaults, then combo kernels, the step's independent small kernels
 #             in one launch): the gemvstep arms (r4i4, r8i4, dense) in one run a set;  ~4.7 min a set
@@ -111,8 +111,8 @@ for part in $PARTS; do
           --out "$OUT/decode_step_glm4-9b-fused_gemv_grouped_updates.json"
       LOCKS_HF_GROUP_PAGE_UPDATES=0 run decode_step_glm4-9b-fused_gemv_per_layer_updates 150 "${step[@]}" \
           --arms r4i4+gemv --out "$OUT/decode_step_glm4-9b-fused_gemv_per_layer_updates.json"
-      run decode_step_glm4-9b-fused_gemv_grouped_combo_kernels 150 "${step[@]}" --arms r4i4+gemv \
-          --inductor-options '{"combo_kernels": true}' --out "$OUT/decode_step_glm4-9b-fused_gemv_grouped_combo_kernels.json" ;;
+      run decode_step_glm4-9b-fused_gemv_grouped_inductor_defaults 150 "${step[@]}" --arms r4i4+gemv \
+          --inductor-options '{}' --out "$OUT/decode_step_glm4-9b-fused_gemv_grouped_inductor_defaults.json" ;;
     options|llamaoptions)
       shape=glm4-9b-fused arms=r4i4+gemv,r8i4+gemv,full+gemv limit=280
       [ "$part" = llamaoptions ] && shape=llama3.1-8b arms=r4i4+gemv,full+gemv limit=240
