@@ -52,7 +52,7 @@ def step_stats() -> list[dict]:
 
 
 def captured_backend(
-    gm: torch.fx.GraphModule, example_inputs: list, *, options: dict[str, Any] | None = None, **kwargs: Any
+    gm: torch.fx.GraphModule, example_inputs: list, *, options: dict[str, Any] | None = None, mode: str | None = None
 ) -> Callable:
     """A ``torch.compile`` backend: inductor (no CUDA graphs of its own), the result captured in one CUDA
     graph after `STEPS_BEFORE_CAPTURE` steps when the inputs live on a CUDA device.
@@ -60,13 +60,11 @@ def captured_backend(
     ``options`` are inductor's (``torch.compile(..., options=...)``, `decode_compile_config`'s ``options``),
     for instance `DECODE_INDUCTOR_OPTIONS`; those that would give inductor CUDA graphs of its own are refused, as
     is a ``mode``: this backend captures the step itself."""
-    if kwargs.get("mode"):
+    if mode:
         raise ValueError(
-            f"captured_backend takes no mode (got mode={kwargs['mode']!r}): it captures the CUDA graph itself; "
+            f"captured_backend takes no mode (got mode={mode!r}): it captures the CUDA graph itself; "
             "pass mode=None (inductor's options go in options=...), or use backend='inductor' for inductor's modes"
         )
-    if unknown := set(kwargs) - {"mode"}:
-        raise TypeError(f"captured_backend got unexpected arguments {sorted(unknown)}; it takes options=...")
     options = _inductor_options(options)
     from torch._inductor import compile as inductor_compile
 

@@ -307,7 +307,7 @@ class Stepper:
         self.fn = lambda: model(self.token, **self.cache_kw, logits_to_keep=1).logits
         compile_options = {
             "compile": {"mode": "reduce-overhead"},
-            "compile-cuda": {"options": inductor_options} if inductor_options else {},
+            "compile-cuda": {"options": inductor_options or None},
             "captured": {"backend": captured_backend, "options": inductor_options or None},
         }
         if graphs in compile_options:

@@ -23,7 +23,8 @@
 #   options   inductor's options for the decode step, one set after another (OPTION_SETS, separated by "|"; default
 #             '{}|{"combo_kernels": true}': inductor's defaults, then combo kernels, the step's independent small kernels
 #             in one launch): the gemvstep arms (r4i4, r8i4, dense) in one run a set;  ~4.7 min a set
-#   llamaoptions the same for the llamagemv arms (r4i4, dense; needs more than an H100's 80 GB);  ~4 min a set
+#   llamaoptions the same for the llamagemv arms (r4i4, dense; needs more than an H100's 80 GB at 512K: CTX=256K
+#             fits one);  ~4 min a set
 #   generateoptions the first generate() at 128K of `decode_compile_config(options)` (arm captured-r4i4) from empty
 #             caches for each set of OPTION_SETS, then the last set again with its caches warm: their compile time;
 #             ~1.3 min a run
@@ -114,12 +115,12 @@ for part in $PARTS; do
       run decode_step_glm4-9b-fused_gemv_grouped_inductor_defaults 150 "${step[@]}" --arms r4i4+gemv \
           --inductor-options '{}' --out "$OUT/decode_step_glm4-9b-fused_gemv_grouped_inductor_defaults.json" ;;
     options|llamaoptions)
-      shape=glm4-9b-fused arms=r4i4+gemv,r8i4+gemv,full+gemv limit=280
-      [ "$part" = llamaoptions ] && shape=llama3.1-8b arms=r4i4+gemv,full+gemv limit=240
+      shape=glm4-9b-fused arms=r4i4+gemv,r8i4+gemv,full+gemv limit=280 ctx=512K
+      [ "$part" = llamaoptions ] && shape=llama3.1-8b arms=r4i4+gemv,full+gemv limit=240 ctx=${CTX:-512K}
       IFS="|" read -ra sets <<< "$OPTION_SETS"
       for options in "${sets[@]}"; do
-        name="decode_step_${shape}_gemv_options_$(options_tag "$options")"
-        run "$name" $limit python3 scripts/bench_decode_step.py --graphs compile-cuda --shape $shape --contexts 512K \
+        name="decode_step_${shape}_${ctx}_gemv_options_$(options_tag "$options")"
+        run "$name" $limit python3 scripts/bench_decode_step.py --graphs compile-cuda --shape $shape --contexts $ctx \
             --arms $arms --steps 32 --inductor-options "$options" --out "$OUT/$name.json"
       done ;;
     generateoptions)
